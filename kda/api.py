@@ -1,0 +1,134 @@
+"""kda.chunk_kda: argument checks, varlen normalisation, the differentiable entry point."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda import padding, pipeline, shapes
+from kda.shapes import CHUNK_SIZES, check_float, check_int, check_rank, check_shape, is_concrete
+
+
+def _check_inputs(q, k, v, g, beta):
+  check_rank("q", q, 4, "[B, T, H, K]")
+  check_rank("k", k, 4, "[B, T, H, K]")
+  check_rank("v", v, 4, "[B, T, HV, V]")
+  check_rank("g", g, 4, "[B, T, HV, K]")
+  check_rank("beta", beta, 3, "[B, T, HV]")
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    check_float(name, x)
+  B, T, H, K = q.shape
+  HV = v.shape[2]
+  check_shape("k", k, q.shape, "[B, T, H, K] like q")
+  if v.shape[:2] != (B, T):
+    raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {tuple(v.shape)}")
+  if HV % H:
+    raise ValueError(f"v's head count HV must be a multiple of q's H={H}, got HV={HV}")
+  check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+  check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+  return B, T, H, K, HV, v.shape[3]
+
+
+def _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_state):
+  """-> Layout of the sequences in the packed [1, B*T] buffer."""
+  if cu_seqlens is not None and segment_ids is not None:
+    raise ValueError("pass either cu_seqlens or segment_ids, got both")
+  if cu_seqlens is not None:
+    cu_seqlens = jnp.asarray(cu_seqlens) if not isinstance(cu_seqlens, jax.Array) else cu_seqlens
+    check_rank("cu_seqlens", cu_seqlens, 1, "[N+1]")
+    check_int("cu_seqlens", cu_seqlens)
+    if B != 1:
+      raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
+    if cu_seqlens.shape[0] < 1:
+      raise ValueError("cu_seqlens must have at least one entry [0], got an empty array")
+    shapes.check_cu_seqlens_values(cu_seqlens, T)
+    return padding.layout_from_cu_seqlens(cu_seqlens.astype(jnp.int32), T, chunk_size)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids) if not isinstance(segment_ids, jax.Array) else segment_ids
+    check_rank("segment_ids", segment_ids, 2, "[B, T]")
+    check_int("segment_ids", segment_ids)
+    check_shape("segment_ids", segment_ids, (B, T), "[B, T]")
+    N = initial_state.shape[0] if initial_state is not None else num_segments
+    if is_concrete(segment_ids):
+      if np.any(np.asarray(segment_ids) < 0):
+        raise ValueError(f"segment_ids must be >= 0 (0 marks padding), got min {int(np.min(segment_ids))}")
+      runs = padding.count_segments(segment_ids)
+      if N is None:
+        N = runs
+      elif runs > N:
+        src = "initial_state.shape[0]" if initial_state is not None else "num_segments"
+        raise ValueError(f"{src} must be >= the number of sequences in segment_ids ({runs}), got {N}")
+    elif N is None:
+      raise ValueError("with traced segment_ids the number of sequences N must be static: pass "
+                       "num_segments=N (or initial_state), got neither")
+    starts, lens = padding.segment_ids_to_seqs(segment_ids.astype(jnp.int32), int(N))
+    return padding.make_layout(starts, lens, B * T, chunk_size)
+  starts = jnp.arange(B, dtype=jnp.int32) * T
+  return padding.make_layout(starts, jnp.full((B,), T, jnp.int32), B * T, chunk_size)
+
+
+def _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound):
+  if lower_bound is not None:
+    if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
+      raise TypeError(f"lower_bound must be a float, got {type(lower_bound).__name__}")
+    lo = -5.0 if safe_gate else -float("inf")
+    if not lo <= lower_bound < 0:
+      raise ValueError(f"lower_bound must be in [{lo}, 0){' with safe_gate' if safe_gate else ''}, "
+                       f"got {lower_bound}")
+  elif safe_gate:
+    raise ValueError("safe_gate=True requires lower_bound in [-5, 0), got lower_bound=None")
+  if use_gate_in_kernel:
+    if A_log is None and lower_bound is None:
+      raise ValueError("use_gate_in_kernel=True without lower_bound requires A_log [HV], got None")
+  if A_log is not None:
+    check_rank("A_log", A_log, 1, "[HV]")
+    check_float("A_log", A_log)
+    check_shape("A_log", A_log, (HV,), "[HV]")
+  if dt_bias is not None:
+    check_rank("dt_bias", dt_bias, 1, "[HV * K]")
+    check_float("dt_bias", dt_bias)
+    check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
+              chunk_size=64, impl=None):
+  """Varlen chunked Kimi Delta Attention. See API.md for the contract.
+
+  q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV] -> (o [B,T,HV,V] in v.dtype,
+  final_state [N,HV,K,V] float32 or None).
+  """
+  B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta)
+  if chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+  if scale is None:
+    scale = K ** -0.5
+  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+  if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
+    raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True, got "
+                     f"use_gate_in_kernel=False with A_log={'set' if A_log is not None else None}, "
+                     f"dt_bias={'set' if dt_bias is not None else None}")
+  _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound)
+  if initial_state is not None:
+    check_rank("initial_state", initial_state, 4, "[N, HV, K, V]")
+    check_float("initial_state", initial_state)
+  layout = _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_state)
+  N = layout.N
+  if initial_state is not None:
+    check_shape("initial_state", initial_state, (N, HV, K, V), f"[N={N}, HV, K, V]")
+  plan = pipeline.make_plan(scale=scale, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                            use_gate_in_kernel=use_gate_in_kernel,
+                            lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl)
+  h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  pack = lambda x: x.reshape((1, B * T) + x.shape[2:])
+  o, final_state = _core(plan, layout, pack(q), pack(k), pack(v), pack(g), pack(beta), h0, A_log, dt_bias)
+  o = o.reshape(B, T, HV, V)
+  return o, (final_state if output_final_state else None)
+
+
+def _core(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
+  o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias)
+  return o, final_state

@@ -1,0 +1,124 @@
+"""The aligned layout: every sequence starts on a multiple of BT, gaps are zeros.
+
+A packed buffer of T tokens holds N sequences, sequence n at tokens [starts[n], starts[n] + lens[n])
+(contiguous for cu_seqlens; with segment_ids there may be padding tokens between sequences). The
+aligned buffer has the static length Ta = round_up(T + N * (BT - 1), BT), enough for any lengths, and
+puts sequence n at [aligned_cu[n], aligned_cu[n] + lens[n]), aligned_cu[n] a multiple of BT. Positions
+of the aligned buffer that hold no real token (a sequence's last partial chunk, and the tail after
+aligned_cu[-1]) are padding: zeros after `align`.
+
+Everything here is jnp on possibly traced lengths, with static shapes, so a new length profile never
+recompiles. Gathers use index = size (one past the end) with mode="fill": a slot that owns no token
+reads an explicit zero, never position 0 or a neighbour.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kda import shapes
+
+
+class Layout(NamedTuple):
+  starts: jax.Array      # [N] int32, first packed token of each sequence
+  lens: jax.Array        # [N] int32
+  aligned_cu: jax.Array  # [N+1] int32, multiples of BT
+  T: int                 # packed length (static)
+  Ta: int                # aligned length (static)
+  chunk_size: int        # BT (static)
+
+  @property
+  def N(self) -> int:
+    return self.lens.shape[0]
+
+  @property
+  def NTa(self) -> int:
+    return self.Ta // self.chunk_size
+
+
+def aligned_length(T: int, N: int, chunk_size: int) -> int:
+  return shapes.round_up(T + N * (chunk_size - 1), chunk_size) if N else shapes.round_up(max(T, 1), chunk_size)
+
+
+def aligned_cu_seqlens(lens, chunk_size):
+  padded = (lens + chunk_size - 1) // chunk_size * chunk_size
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded).astype(jnp.int32)])
+
+
+def make_layout(starts, lens, T: int, chunk_size: int) -> Layout:
+  starts = jnp.asarray(starts, jnp.int32)
+  lens = jnp.asarray(lens, jnp.int32)
+  Ta = aligned_length(T, lens.shape[0], chunk_size)
+  return Layout(starts, lens, aligned_cu_seqlens(lens, chunk_size), T, Ta, chunk_size)
+
+
+def layout_from_cu_seqlens(cu_seqlens, T: int, chunk_size: int) -> Layout:
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  return make_layout(cu[:-1], cu[1:] - cu[:-1], T, chunk_size)
+
+
+def _aligned_positions(layout: Layout):
+  """For every aligned position p: (sequence n, offset j in it, is a real token)."""
+  p = jnp.arange(layout.Ta, dtype=jnp.int32)
+  N = layout.N
+  n = jnp.clip(jnp.searchsorted(layout.aligned_cu, p, side="right") - 1, 0, max(N - 1, 0))
+  if N == 0:
+    return n, p, jnp.zeros_like(p, bool)
+  j = p - layout.aligned_cu[n]
+  real = (p < layout.aligned_cu[-1]) & (j < layout.lens[n])
+  return n, j, real
+
+
+def valid_mask(layout: Layout):
+  """[Ta] bool: True where the aligned position holds a real token."""
+  return _aligned_positions(layout)[2]
+
+
+def align_index(layout: Layout):
+  """[Ta] int32: packed source of each aligned position; T (out of range: reads 0) for padding."""
+  n, j, real = _aligned_positions(layout)
+  return jnp.where(real, layout.starts[n] + j if layout.N else j, layout.T).astype(jnp.int32)
+
+
+def unalign_index(layout: Layout):
+  """[T] int32: aligned source of each packed token; Ta (out of range: reads 0) for tokens of no sequence."""
+  src = align_index(layout)
+  dest = jnp.arange(layout.Ta, dtype=jnp.int32)
+  idx = jnp.full((layout.T,), layout.Ta, jnp.int32)
+  return idx.at[src].set(dest, mode="drop")   # padding slots have src == T: dropped
+
+
+def align_with(layout: Layout, x):
+  """x [1, T, ...] -> [1, Ta, ...] with zeros at padding positions."""
+  return jnp.take(x, align_index(layout), axis=1, mode="fill", fill_value=0)
+
+
+def unalign_with(layout: Layout, x):
+  """x [1, Ta, ...] -> [1, T, ...]; tokens of no sequence get exact zeros."""
+  return jnp.take(x, unalign_index(layout), axis=1, mode="fill", fill_value=0)
+
+
+def packed_owned_mask(layout: Layout):
+  """[T] bool: True where the packed token belongs to a sequence."""
+  return unalign_index(layout) < layout.Ta
+
+
+class ChunkTable(NamedTuple):
+  seq: jax.Array     # [NTa] int32, sequence of each aligned chunk, -1 for the tail after aligned_cu[-1]
+  local: jax.Array   # [NTa] int32, index of the chunk inside its sequence (0 for the tail)
+  first: jax.Array   # [NTa] bool, first chunk of its sequence
+  last: jax.Array    # [NTa] bool, last chunk of its sequence
+
+
+def chunk_table(aligned_cu, NTa: int, chunk_size: int) -> ChunkTable:
+  start = jnp.arange(NTa, dtype=jnp.int32) * chunk_size
+  N = aligned_cu.shape[0] - 1
+  n = jnp.clip(jnp.searchsorted(aligned_cu, start, side="right") - 1, 0, max(N - 1, 0))
+  owned = start < aligned_cu[-1]
+  seq = jnp.where(owned, n, -1).astype(jnp.int32)
+  local = jnp.where(owned, (start - aligned_cu[n]) // chunk_size, 0).astype(jnp.int32)
+  first = owned & (local == 0)
+  last = owned & (start + chunk_size == aligned_cu[jnp.minimum(n + 1, N)])
+  return ChunkTable(seq, local, first, last)

@@ -1,0 +1,59 @@
+"""The Stage interface: a name and a closed set of named implementations.
+
+Every implementation of a stage takes the same arguments and returns the same NamedTuple, so the
+composer can swap one for another (`impl={"intra": "reference"}`) and a test can compare them
+field by field. Kernel launchers also take `interpret` (decided once, by the composer).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+IMPLS = ("reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  name: str
+  reference: Callable
+  pallas: Callable | None = None
+
+  def implementations(self) -> tuple[str, ...]:
+    return tuple(i for i in IMPLS if getattr(self, i) is not None)
+
+  def get(self, impl: str) -> Callable:
+    if impl not in IMPLS:
+      raise ValueError(f"impl for stage {self.name!r} must be one of {IMPLS}, got {impl!r}")
+    fn = getattr(self, impl)
+    if fn is None:
+      raise NotImplementedError(
+          f"stage {self.name!r} has no {impl!r} implementation yet (available: "
+          f"{', '.join(self.implementations())}); pick impl={{{self.name!r}: 'reference'}}")
+    return fn
+
+  def __call__(self, impl: str, *args, interpret: bool = False, **kwargs):
+    fn = self.get(impl)
+    if impl == "reference":
+      return fn(*args, **kwargs)
+    return fn(*args, interpret=interpret, **kwargs)
+
+
+def resolve(impl, names: tuple[str, ...], default: Mapping[str, str]) -> dict[str, str]:
+  """impl (None, "pallas", "reference" or {stage: impl}) -> {stage: impl} for every stage."""
+  if impl is None:
+    return dict(default)
+  if isinstance(impl, str):
+    if impl not in IMPLS:
+      raise ValueError(f"impl must be None, one of {IMPLS} or a dict {{stage: impl}}, got {impl!r}")
+    return {n: impl for n in names}
+  if isinstance(impl, Mapping):
+    unknown = sorted(set(impl) - set(names))
+    if unknown:
+      raise ValueError(f"impl names unknown stages {unknown}; stages are {list(names)}")
+    for n, i in impl.items():
+      if i not in IMPLS:
+        raise ValueError(f"impl[{n!r}] must be one of {IMPLS}, got {i!r}")
+    out = dict(default)
+    out.update(impl)
+    return out
+  raise TypeError(f"impl must be None, a str or a dict, got {type(impl).__name__}")
