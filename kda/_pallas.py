@@ -1,0 +1,33 @@
+"""What every Pallas kernel shares: GPU compiler params, feature padding, precision choices.
+
+Interpret or not is decided once, in the composer (`Plan.interpret`, from the platform), and passed
+to every launcher as an explicit `interpret` argument.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as pltr
+
+# f32 dots on Triton default to TF32; HIGHEST gives IEEE float32 (the CPU interpreter always does).
+HI = lax.Precision.HIGHEST
+NT_DIMS = (((1,), (1,)), ((), ()))   # a @ b^T
+TN_DIMS = (((0,), (0,)), ((), ()))   # a^T @ b
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
+  return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def pad_dim(x, axis: int, size: int):
+  """Zero-pad x along `axis` to `size` (feature dims that tiles need as powers of two)."""
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
