@@ -69,6 +69,17 @@ def _run(plan: Plan, name: str, *args, **kwargs):
   return stages.get(name)(plan.impl(name), *args, interpret=plan.interpret, **kwargs)
 
 
+def forward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
+  """The static keyword arguments forward() passes to stage `name` (tools.stages reuses them)."""
+  BT = plan.chunk_size
+  return {
+      "gate": dict(chunk_size=BT, use_gate_in_kernel=plan.use_gate_in_kernel, lower_bound=plan.lower_bound),
+      "intra": dict(scale=plan.scale, chunk_size=BT),
+      "state": dict(chunk_size=BT),
+      "output": dict(scale=plan.scale, chunk_size=BT),
+  }[name]
+
+
 def prepare(plan: Plan, layout: Layout, q, k, v, g, beta):
   """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs."""
   q, k, v, g, beta = (padding.align_with(layout, x) for x in (q, k, v, g, beta))
@@ -87,18 +98,23 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
             record: bool = False):
   """Packed inputs [1, T, ...] -> (o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] f32, records).
 
-  records maps each stage name to its output record (and "valid" to the [1, Ta] real-token mask)
-  when `record` is set, else it is empty.
+  records maps each stage name to its output record (and "valid" to the [1, Ta] real-token mask,
+  "inputs" to {stage: positional args}, the keywords being forward_kwargs) when `record` is set,
+  else it is empty.
   """
-  BT = plan.chunk_size
   q, k, v, g, beta, valid = prepare(plan, layout, q, k, v, g, beta)
-  gt = _run(plan, "gate", g, valid, A_log, dt_bias, chunk_size=BT,
-            use_gate_in_kernel=plan.use_gate_in_kernel, lower_bound=plan.lower_bound)
-  it = _run(plan, "intra", q, k, v, beta, gt.gc, scale=plan.scale, chunk_size=BT)
-  st = _run(plan, "state", it.kg, it.w, it.u, gt.gc, initial_state, layout.aligned_cu, chunk_size=BT)
-  ot = _run(plan, "output", it.qg, st.h, it.Aqk, st.v_new, scale=plan.scale, chunk_size=BT)
+  inputs = {}
+
+  def run(name, *args):
+    inputs[name] = args
+    return _run(plan, name, *args, **forward_kwargs(plan, name))
+
+  gt = run("gate", g, valid, A_log, dt_bias)
+  it = run("intra", q, k, v, beta, gt.gc)
+  st = run("state", it.kg, it.w, it.u, gt.gc, initial_state, layout.aligned_cu)
+  ot = run("output", it.qg, st.h, it.Aqk, st.v_new)
   o = padding.unalign_with(layout, ot.o).astype(v.dtype)
   records: dict[str, Any] = {}
   if record:
-    records = {"valid": valid, "gate": gt, "intra": it, "state": st, "output": ot}
+    records = {"valid": valid, "gate": gt, "intra": it, "state": st, "output": ot, "inputs": inputs}
   return o, st.final_state, records
