@@ -1,0 +1,181 @@
+"""tools.trace and tools.stages: they run, report what they should, and catch a broken pipeline."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import padding, pipeline, stages
+from kda.stages import gate
+from kda.stages.base import Stage
+from tools import stages as stages_tool
+from tools import trace
+
+LENS, BT, D, EXTRA = [30, 50], 16, 32, 8
+SMALL = ["--seq-lens", "30,50", "--chunk-size", "16", "--head-dim", "32", "--heads", "2",
+         "--extra-tokens", str(EXTRA)]
+
+
+def expected_kinds(lens, chunk_size, extra):
+  """Token types of the aligned buffer, worked out from the lengths alone."""
+  kinds = []
+  for L in lens:
+    kinds += ["real"] * L + ["pad"] * (-L % chunk_size)
+  Ta = padding.aligned_length(sum(lens) + extra, len(lens), chunk_size)
+  return kinds + ["tail"] * (Ta - len(kinds))
+
+
+def run_main(argv):
+  out, err = io.StringIO(), io.StringIO()
+  rc = trace.main(argv, out=out, err=err)
+  return rc, out.getvalue(), err.getvalue()
+
+
+def test_trace_text_all_invariants_pass():
+  rc, out, _ = run_main(SMALL + ["--format", "text", "--head", "1"])
+  assert rc == 0, out
+  verdicts = [l for l in out.splitlines() if l.startswith(("PASS", "FAIL"))]
+  assert len(verdicts) >= 16 and all(l.startswith("PASS") for l in verdicts), "\n".join(verdicts)
+  kinds = expected_kinds(LENS, BT, EXTRA)
+  token_lines = [l for l in out.splitlines() if l[2:].split()[:1] and l[2:].split()[0].isdigit()]
+  assert [int(l[2:].split()[0]) for l in token_lines] == list(range(len(kinds)))
+  for line, kind in zip(token_lines, kinds):
+    assert line[:2] == trace.MARK[kind] and line[2:].split()[4] == kind, line
+
+
+def test_trace_json_tokens_and_verdicts():
+  rc, out, _ = run_main(SMALL + ["--format", "json"])
+  assert rc == 0
+  doc = json.loads(out)
+  kinds = expected_kinds(LENS, BT, EXTRA)
+  assert [r["type"] for r in doc["tokens"]] == kinds
+  assert doc["ok"] and all(v["ok"] for v in doc["verdicts"])
+  names = {v["name"] for v in doc["verdicts"]}
+  assert {"Akk rows and columns = 0 at padding", "o = 0 at padding",
+          "real-token outputs = recurrence's (rel)"} <= names
+  pad = [r for r in doc["tokens"] if r["type"] == "pad"]
+  assert all(r["g_raw"] == padding.NEUTRAL_GATE and r["g_act"] == 0 and r["u"] == 0 and r["o"] == 0
+             and r["akk_row_zero"] and r["aqk_col_zero"] for r in pad)
+  real = [r for r in doc["tokens"] if r["type"] == "real"]
+  assert all(r["o"] > 0 and r["k"] > 0 for r in real)
+  # |h| at every chunk start, |final_state| at each sequence's last real token only
+  assert [r["tok"] for r in doc["tokens"] if r["h"] is not None] == list(range(0, len(kinds), BT))
+  assert [r["tok"] for r in doc["tokens"] if r["final_state"] is not None] == [29, 32 + 49]
+
+
+def test_trace_csv_token_range():
+  rc, out, err = run_main(SMALL + ["--format", "csv", "--tokens", "20:40"])
+  assert rc == 0
+  rows = list(csv.DictReader(io.StringIO(out)))
+  assert [int(r["tok"]) for r in rows] == list(range(20, 40))
+  assert [r["type"] for r in rows] == expected_kinds(LENS, BT, EXTRA)[20:40]
+  verdicts = [l for l in err.splitlines() if l.startswith("# ")]
+  assert verdicts and all(l.startswith("# PASS") for l in verdicts)
+
+
+def failed(tr):
+  return {v.name for v in tr.verdicts if not v.ok}
+
+
+def test_trace_catches_unneutralised_padding_gates(monkeypatch):
+  # neither -1e4 at padding nor the gate stage's mask: softplus(0 + dt_bias) decays the state there
+  def unmasked(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound):
+    g_act = gate.activate(g, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+    return gate.Out(g_act, gate.chunk_cumsum(g_act, chunk_size))
+
+  monkeypatch.setattr(padding, "neutralize_gate", lambda g, valid: g)
+  monkeypatch.setitem(stages.STAGES, "gate", Stage("gate", reference=unmasked))
+  rc, out, _ = run_main(SMALL)
+  assert rc == 1
+  tr = trace.run_trace(LENS, chunk_size=BT, head_dim=D, heads=2, extra_tokens=EXTRA)
+  bad = failed(tr)
+  assert {"raw gate = -10000 at padding (neutralize_gate)", "activated gate = 0 at padding",
+          "gc flat after the last real token of its chunk",
+          "final_state = recurrence's state after the last real token (rel)"} <= bad, bad
+  assert "real-token outputs = recurrence's (rel)" not in bad     # padding only follows real tokens
+  assert "FAIL  activated gate = 0 at padding" in out
+
+
+def test_trace_catches_padding_leak_in_intra(monkeypatch):
+  ref = stages.get("intra").reference
+
+  def leaky(*args, **kwargs):
+    out = ref(*args, **kwargs)
+    return out._replace(w=out.w + 1e-3)         # w != 0 at padding; v_new = u - w @ S follows
+
+  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", reference=leaky))
+  tr = trace.run_trace(LENS, chunk_size=BT, head_dim=D, gate="plain", extra_tokens=EXTRA)
+  bad = failed(tr)
+  assert {"w = 0 at padding", "v_new = 0 at padding", "real-token outputs = recurrence's (rel)"} <= bad
+  assert "u = 0 at padding" not in bad
+  v = next(v for v in tr.verdicts if v.name == "w = 0 at padding")
+  assert v.worst == pytest.approx(1e-3) and "pad of seq" in v.where
+
+
+def test_trace_plot_writes_png(tmp_path):
+  pytest.importorskip("matplotlib")
+  path = tmp_path / "trace.png"
+  rc, _, err = run_main(SMALL + ["--plot", str(path), "--tokens", "0:0"])
+  assert rc == 0, err
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_bad_arguments():
+  rc, _, err = run_main(SMALL + ["--impl", "intra"])
+  assert rc == 2 and "error:" in err
+  rc, _, err = run_main(SMALL + ["--head", "2"])
+  assert rc == 2 and "--head" in err
+
+
+STAGES_SMALL = dict(seq_lens=[20, 13], chunk_size=16, head_dim=16, heads=1)
+
+
+def test_stages_tool_lists_every_forward_stage():
+  out = io.StringIO()
+  rc = stages_tool.main(["--seq-lens", "20,13", "--chunk-size", "16", "--head-dim", "16"], out=out)
+  text = out.getvalue()
+  assert rc == 0, text
+  listed = [l.split()[0] for l in text.splitlines()[3:-1]]
+  assert sorted(set(listed)) == sorted(pipeline.FORWARD_STAGES)
+  for name in pipeline.FORWARD_STAGES:
+    status = "no kernel" if stages.get(name).pallas is None else "ok"
+    assert any(l.startswith(name) and l.rstrip().endswith(status) for l in text.splitlines()), text
+  assert "no stage disagrees" in text
+
+
+def as_kernel(fn):
+  """A reference used as a stand-in kernel (launcher signature: takes interpret)."""
+  return lambda *a, interpret=False, **kw: fn(*a, **kw)
+
+
+def test_stages_tool_flags_first_disagreeing_stage(monkeypatch):
+  get = {n: stages.get(n).reference for n in pipeline.FORWARD_STAGES}
+
+  def bad_intra(*a, interpret=False, **kw):
+    out = get["intra"](*a, **kw)
+    return out._replace(u=out.u * (1 + 1e-2))
+
+  def nan_output(*a, interpret=False, **kw):
+    out = get["output"](*a, **kw)
+    return out._replace(o=jnp.full_like(out.o, jnp.nan))
+
+  monkeypatch.setitem(stages.STAGES, "gate", Stage("gate", reference=get["gate"]))          # no kernel
+  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", get["intra"], bad_intra))
+  monkeypatch.setitem(stages.STAGES, "state", Stage("state", get["state"], as_kernel(get["state"])))
+  monkeypatch.setitem(stages.STAGES, "output", Stage("output", get["output"], nan_output))
+  rep = stages_tool.compare_stages(**STAGES_SMALL)
+  status = {s.name: s.status for s in rep.stages}
+  assert status == {"gate": "no kernel", "intra": "differs", "state": "agrees", "output": "differs"}
+  assert rep.first_bad.name == "intra"
+  diffs = {f.field: f for f in rep.stages[1].fields}
+  assert not diffs["u"].ok and diffs["u"].max_rel == pytest.approx(1e-2, rel=1e-3)
+  assert all(diffs[f].ok and diffs[f].max_abs == 0 for f in ("Akk", "Aqk", "w", "qg", "kg"))
+  assert "token" in diffs["u"].worst and "seq" in diffs["u"].worst
+  assert not np.isfinite(rep.stages[3].fields[0].max_abs)   # NaN counts as a difference
+  out = io.StringIO()
+  stages_tool.render(rep, out)
+  assert "FIRST DISAGREEING STAGE: intra" in out.getvalue()
