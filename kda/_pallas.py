@@ -31,3 +31,18 @@ def pad_dim(x, axis: int, size: int):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, extra)
   return jnp.pad(x, widths)
+
+
+# Config.precision names -> f32 dot precision on GPU. "highest" is IEEE float32 (FMA units, slow);
+# "tf32x3" splits each operand into TF32 parts (3 tensor-core passes, ~float32 accuracy); "tf32" is
+# one pass (~1e-3 relative error per dot).
+DOT_PRECISIONS = {
+    "highest": HI,
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "tf32": lax.Precision.DEFAULT,
+}
+
+
+def dot_precision(name: str, interpret: bool):
+  """The precision for f32 dots; the CPU interpreter supports only HIGHEST (it is float32 anyway)."""
+  return HI if interpret else DOT_PRECISIONS[name]

@@ -3,15 +3,23 @@
 In:  qg [1, Ta, HV, K], h [1, NTa, HV, K, V], Aqk [1, Ta, HV, BT], v_new [1, Ta, HV, V].
 Out: o [1, Ta, HV, V] float32.
 Padding: qg = 0 and Aqk's row is 0 at a padding token, so o = 0 there.
+
+Kernel: grid (V tiles, HV, NTa), one program per (V tile, head, chunk); every chunk is independent
+(h already carries the state), so the tail after aligned_cu[-1] needs no special case: its inputs
+are zeros and it writes zeros.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
+from kda import _pallas
 from kda.stages.intra import from_chunks, to_chunks
 from kda.stages.base import Stage
 
@@ -23,6 +31,25 @@ class Out(NamedTuple):
   o: jax.Array  # [1, Ta, HV, V] float32
 
 
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiles of the output kernel; they depend on K, V, BT and dtype only, never on T or cu_seqlens."""
+  block_v: int = 64           # BV: output columns per program (capped at V rounded up to a power of 2)
+  precision: str = "highest"  # o is the result: keep float32 accuracy unless the caller opts out
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.block_v < 16 or self.block_v & (self.block_v - 1):
+      raise ValueError(f"block_v must be a power of two >= 16 (Triton dot tiles), got {self.block_v}")
+    if self.precision not in _pallas.DOT_PRECISIONS:
+      raise ValueError(f"precision must be one of {sorted(_pallas.DOT_PRECISIONS)}, got {self.precision!r}")
+    if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+      raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
 def reference(qg, h, Aqk, v_new, *, scale, chunk_size):
   f32 = jnp.float32
   qg, Aqk, v_new = (to_chunks(x.astype(f32), chunk_size) for x in (qg, Aqk, v_new))
@@ -31,4 +58,44 @@ def reference(qg, h, Aqk, v_new, *, scale, chunk_size):
   return Out(from_chunks(o))
 
 
-STAGE = Stage(NAME, reference=reference)
+def _kernel(qg_ref, h_ref, Aqk_ref, v_new_ref, o_ref, *, scale, precision):
+  # refs: qg [BT, K], h [K, BV], Aqk [BT, BT], v_new and o [BT, BV] (one chunk, head, V tile)
+  f32 = jnp.float32
+  BT = Aqk_ref.shape[0]
+  m_causal = lax.broadcasted_iota(jnp.int32, (BT, BT), 0) >= lax.broadcasted_iota(jnp.int32, (BT, BT), 1)
+  b_A = jnp.where(m_causal, Aqk_ref[...].astype(f32), 0.0)      # the producer masks it too
+  b_o = jnp.dot(qg_ref[...].astype(f32), h_ref[...].astype(f32), precision=precision,
+                preferred_element_type=f32)
+  b_o = scale * b_o + jnp.dot(b_A, v_new_ref[...].astype(f32), precision=precision,
+                              preferred_element_type=f32)
+  o_ref[...] = b_o
+
+
+def pallas(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None):
+  config = config or Config()
+  BT = chunk_size
+  _, Ta, HV, K = qg.shape
+  V = v_new.shape[-1]
+  NTa = Ta // BT
+  Kp, Vp = max(_pallas.next_pow2(K), 16), max(_pallas.next_pow2(V), 16)
+  BV = min(config.block_v, Vp)
+  qg = _pallas.pad_dim(qg, 3, Kp)
+  h = _pallas.pad_dim(_pallas.pad_dim(h, 3, Kp), 4, Vp)
+  v_new = _pallas.pad_dim(v_new, 3, Vp)
+  kernel = functools.partial(_kernel, scale=float(scale),
+                             precision=_pallas.dot_precision(config.precision, interpret))
+  vals = pl.BlockSpec((None, BT, None, BV), lambda j, i_h, c: (0, c, i_h, j))
+  o = pl.pallas_call(
+      kernel, grid=(Vp // BV, HV, NTa),
+      in_specs=[pl.BlockSpec((None, BT, None, Kp), lambda j, i_h, c: (0, c, i_h, 0)),
+                pl.BlockSpec((None, None, None, Kp, BV), lambda j, i_h, c: (0, c, i_h, 0, j)),
+                pl.BlockSpec((None, BT, None, BT), lambda j, i_h, c: (0, c, i_h, 0)),
+                vals],
+      out_specs=vals,
+      out_shape=jax.ShapeDtypeStruct((1, Ta, HV, Vp), jnp.float32),
+      compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret, name=f"kda_{NAME}")(qg, h, Aqk, v_new)
+  return Out(o[..., :V] if Vp != V else o)
+
+
+STAGE = Stage(NAME, reference=reference, pallas=pallas)

@@ -12,15 +12,26 @@ Out: h [1, NTa, HV, K, V] float32 (0 for chunks after aligned_cu[-1]), v_new [1,
      final_state [N, HV, K, V] float32 (initial_state[n] for an empty sequence).
 Padding: u = w = kg = 0 at padding tokens, so v_new = 0 there and the state leaving a sequence's last
 chunk is the state after its last real token (gc is flat over the padding).
+
+Kernel: grid (V tiles, HV, N); one program per (V tile, head, sequence) walks that sequence's chunks
+with a fori_loop whose trip count it reads from aligned_cu, carrying the [K, BV] float32 state on chip.
+Program r of the last grid axis takes the r-th longest sequence (an argsort of the lengths, on
+device), so on the GPU, which dispatches the last axis slowest, long sequences start first. The
+chunks after aligned_cu[-1] are zeroed (h and v_new) round-robin by the N programs of each
+(V tile, head): disjoint rows, so no two GPU programs write the same memory.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
+from kda import _pallas
 from kda.padding import chunk_table
 from kda.stages.intra import from_chunks, to_chunks
 from kda.stages.base import Stage
@@ -33,6 +44,26 @@ class Out(NamedTuple):
   h: jax.Array            # [1, NTa, HV, K, V] float32, state entering each chunk
   v_new: jax.Array        # [1, Ta, HV, V] float32
   final_state: jax.Array  # [N, HV, K, V] float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiles of the state kernel; they depend on K, V, BT and dtype only, never on T or cu_seqlens."""
+  block_v: int = 64           # BV: state columns per program (capped at V rounded up to a power of 2)
+  precision: str = "highest"  # both dots feed the carried state, so rounding errors compound
+  num_warps: int = 4
+  num_stages: int = 2
+  longest_first: bool = True  # hand sequences to programs longest first (an on-device argsort)
+
+  def __post_init__(self):
+    if self.block_v < 16 or self.block_v & (self.block_v - 1):
+      raise ValueError(f"block_v must be a power of two >= 16 (Triton dot tiles), got {self.block_v}")
+    if self.precision not in _pallas.DOT_PRECISIONS:
+      raise ValueError(f"precision must be one of {sorted(_pallas.DOT_PRECISIONS)}, got {self.precision!r}")
+    if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+      raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
 def reference(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size):
@@ -60,4 +91,86 @@ def reference(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size):
   return Out(h[None], from_chunks(v_new), final)
 
 
-STAGE = Stage(NAME, reference=reference)
+def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gc_ref, h0_ref, h_ref, v_new_ref, ht_ref, *,
+            chunk_size, precision):
+  # refs: order [N], cu [N+1] int32; kg, w, gc [Ta, K]; u, v_new [Ta, BV]; h [NTa, K, BV];
+  # h0, ht [N, K, BV] (all of one head and V tile). Both dots run at `precision` (HIGHEST unless the
+  # config says otherwise): their rounding feeds the carried state and compounds over the chunks.
+  BT = chunk_size
+  f32 = jnp.float32
+  N = order_ref.shape[0]
+  NTa, K, BV = h_ref.shape
+  i_r = pl.program_id(2)
+  i_n = order_ref[i_r]
+  bos, eos = cu_ref[i_n], cu_ref[i_n + 1]
+
+  def chunk(i, b_h):
+    start = pl.multiple_of(bos + i * BT, BT)
+    rows = pl.ds(start, BT)
+    h_ref[start // BT] = b_h
+    b_v = u_ref[rows, :].astype(f32) - jnp.dot(w_ref[rows, :].astype(f32), b_h, precision=precision,
+                                               preferred_element_type=f32)
+    v_new_ref[rows, :] = b_v
+    b_glast = gc_ref[pl.ds(start + BT - 1, 1), :].astype(f32)          # [1, K]
+    b_upd = lax.dot_general(kg_ref[rows, :].astype(f32), b_v, _pallas.TN_DIMS, precision=precision,
+                            preferred_element_type=f32)
+    return b_h * jnp.exp(jnp.transpose(b_glast)) + b_upd
+
+  ht_ref[i_n] = lax.fori_loop(0, (eos - bos) // BT, chunk, h0_ref[i_n].astype(f32))
+
+  first = cu_ref[N] // BT + i_r             # this program's tail chunks: first, first + N, ...
+
+  def zero(i, carry):
+    c = first + i * N
+    h_ref[c] = jnp.zeros((K, BV), f32)
+    v_new_ref[pl.ds(pl.multiple_of(c * BT, BT), BT), :] = jnp.zeros((BT, BV), f32)
+    return carry
+
+  lax.fori_loop(0, jnp.maximum(NTa - first + N - 1, 0) // N, zero, 0)
+
+
+def pallas(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size, interpret=False, config=None):
+  config = config or Config()
+  BT = chunk_size
+  _, Ta, HV, K = kg.shape
+  V = u.shape[-1]
+  N = aligned_cu.shape[0] - 1
+  NTa = Ta // BT
+  f32 = jnp.float32
+  if N == 0:                                 # no program to launch; every chunk is tail
+    return Out(jnp.zeros((1, NTa, HV, K, V), f32), jnp.zeros((1, Ta, HV, V), f32),
+               jnp.zeros((0, HV, K, V), f32))
+  Kp, Vp = max(_pallas.next_pow2(K), 16), max(_pallas.next_pow2(V), 16)
+  BV = min(config.block_v, Vp)
+  kg, w, gc = (_pallas.pad_dim(x, 3, Kp) for x in (kg, w, gc))
+  u = _pallas.pad_dim(u, 3, Vp)
+  h0 = _pallas.pad_dim(_pallas.pad_dim(initial_state.astype(f32), 2, Kp), 3, Vp)
+  aligned_cu = aligned_cu.astype(jnp.int32)
+  if config.longest_first:
+    order = jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
+  else:
+    order = jnp.arange(N, dtype=jnp.int32)
+
+  # Inputs are read in place in the [1, Ta, HV, D] layout: a full-length block per head is a strided
+  # [Ta, D] view that the loop slices with pl.ds, so the wrapper transposes nothing.
+  seqs = lambda n: pl.BlockSpec((n,), lambda j, h, r: (0,))
+  keys = pl.BlockSpec((None, Ta, None, Kp), lambda j, h, r: (0, 0, h, 0))
+  vals = pl.BlockSpec((None, Ta, None, BV), lambda j, h, r: (0, 0, h, j))
+  states = pl.BlockSpec((N, None, Kp, BV), lambda j, h, r: (0, h, 0, j))
+  kernel = functools.partial(_kernel, chunk_size=BT,
+                             precision=_pallas.dot_precision(config.precision, interpret))
+  h, v_new, ht = pl.pallas_call(
+      kernel, grid=(Vp // BV, HV, N),
+      in_specs=[seqs(N), seqs(N + 1), keys, keys, vals, keys, states],
+      out_specs=[pl.BlockSpec((None, NTa, None, Kp, BV), lambda j, h, r: (0, 0, h, 0, j)), vals, states],
+      out_shape=[jax.ShapeDtypeStruct((1, NTa, HV, Kp, Vp), f32),
+                 jax.ShapeDtypeStruct((1, Ta, HV, Vp), f32),
+                 jax.ShapeDtypeStruct((N, HV, Kp, Vp), f32)],
+      compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret, name=f"kda_{NAME}")(order, aligned_cu, kg, w, u, gc, h0)
+  if (Kp, Vp) != (K, V):
+    h, v_new, ht = h[..., :K, :V], v_new[..., :V], ht[..., :K, :V]
+  return Out(h, v_new, ht)
+
+
+STAGE = Stage(NAME, reference=reference, pallas=pallas)
