@@ -1,0 +1,134 @@
+"""python -m tools.gpu_check: compile every forward kernel on the GPU, check and time it.
+
+On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths uniform in
+[64, 4096] ("long") and in [1, 128] ("short")):
+  1. every forward stage's kernel against its jnp reference on the same recorded inputs
+     (tools.stages.compare_stages, compiled, not interpreted);
+  2. the whole forward (impl="pallas") against the token-by-token recurrence in float32, next to
+     the XLA-compiled reference pipeline's error on the same inputs;
+  3. per-stage times (kernel vs XLA reference on the recorded inputs) and the whole forward's time
+     (median after warm-up) against the reference pipeline compiled by XLA.
+Writes everything to --out as JSON; exit status 1 if a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda import padding, pipeline, reference, stages
+from tools import bench
+from tools.stages import compare_stages
+from tools.trace import make_inputs
+
+CASES = {"long": (64, 4096), "short": (1, 128)}
+H, K = 16, 128
+
+
+def _rel(got, want):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def stage_times(lens, gate, reps):
+  """Per forward stage: median ms of the kernel and of the XLA reference on the same inputs."""
+  inp = make_inputs(0, lens, H=H, K=K, V=K, gate=gate, dtype=jnp.bfloat16)
+  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=64, use_gate_in_kernel=gate == "raw",
+                            impl="reference", interpret=False)
+  T = inp.q.shape[1]
+
+  @jax.jit
+  def recorded(inp):
+    layout = padding.layout_from_cu_seqlens(inp.cu_seqlens, T, 64)
+    return pipeline.forward(plan, layout, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state,
+                            inp.A_log, inp.dt_bias, record=True)[2]
+
+  rec = recorded(inp)
+  out = {}
+  for name in pipeline.FORWARD_STAGES:
+    st = stages.get(name)
+    kw = pipeline.forward_kwargs(plan, name)
+    args = rec["inputs"][name]
+    row = {}
+    for impl in st.implementations():
+      fn = jax.jit(lambda *a, st=st, impl=impl: st(impl, *a, interpret=False, **kw))
+      row[impl] = bench.timeit(fn, *args, reps=reps)
+    out[name] = row
+  return out
+
+
+def forward_errors(lens, gate):
+  """Whole forward (pallas and XLA reference) vs the recurrence, on the same bf16 inputs."""
+  inp = make_inputs(1, lens, H=H, K=K, V=K, gate=gate, dtype=jnp.bfloat16)
+  kw = {}
+  g_rec = inp.g
+  if gate == "raw":
+    kw = dict(use_gate_in_kernel=True, A_log=inp.A_log, dt_bias=inp.dt_bias)
+    g_rec = stages.gate.activate(inp.g, inp.A_log, inp.dt_bias, use_gate_in_kernel=True, lower_bound=None)
+  rec = jax.jit(lambda i, g: reference.recurrent_kda(i.q, i.k, i.v, g, i.beta, initial_state=i.initial_state,
+                                                     output_final_state=True, cu_seqlens=i.cu_seqlens))
+  o_r, s_r = rec(inp, g_rec)
+  res = {}
+  for impl in ("pallas", "reference"):
+    f = jax.jit(lambda i, impl=impl: __import__("kda").chunk_kda(
+        i.q, i.k, i.v, i.g, i.beta, initial_state=i.initial_state, output_final_state=True,
+        cu_seqlens=i.cu_seqlens, impl=impl, **kw))
+    o, s = f(inp)
+    res[impl] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
+  return res
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--cases", default="long,short")
+  p.add_argument("--gates", default="plain,raw")
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--tol-o", type=float, default=2e-2, help="max rel error of o vs the recurrence (bf16 inputs)")
+  p.add_argument("--total", type=int, default=bench.TOTAL, help="packed tokens (smaller for a smoke run)")
+  p.add_argument("--out")
+  a = p.parse_args(argv)
+  bench.TOTAL = a.total
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  results, ok = {}, True
+  for case in a.cases.split(","):
+    lens = bench.varlen_lens(bench.TOTAL, *CASES[case])
+    for gate in a.gates.split(","):
+      key = f"{case}:{gate}"
+      r = results[key] = {"N": len(lens)}
+      try:
+        rep = compare_stages(lens, chunk_size=64, head_dim=K, heads=H, dtype="bfloat16", gate=gate,
+                             interpret=False)
+        r["stages"] = {s.name: {"status": s.status, "fields": {f.field: [f.max_abs, f.max_rel] for f in s.fields},
+                                "message": s.message} for s in rep.stages}
+        ok &= rep.ok
+        r["forward"] = forward_errors(lens, gate)
+        ok &= r["forward"]["pallas"]["finite"] and r["forward"]["pallas"]["o_rel"] < a.tol_o
+        r["stage_ms"] = stage_times(lens, gate, a.reps)
+      except Exception as e:  # noqa: BLE001 - report, go on with the other cases
+        r["error"] = f"{type(e).__name__}: {e}"[:2000]
+        ok = False
+      print(key, json.dumps(r, default=str), flush=True)
+  timing = {}
+  for var in ("A:plain", "B:plain", "A:gate_safe"):
+    name, gate = var.split(":")
+    for impl in ("pallas", "reference"):
+      try:
+        timing[f"{var}:{impl}"] = bench.bench_one(name, gate, impl, a.reps, do_bwd=False)
+      except Exception as e:  # noqa: BLE001
+        timing[f"{var}:{impl}"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        ok = False
+      print(var, impl, json.dumps(timing[f"{var}:{impl}"]), flush=True)
+  results["timing"] = timing
+  if a.out:
+    with open(a.out, "w") as fh:
+      json.dump(results, fh, indent=1, default=str)
+  print("ALL CHECKS PASS" if ok else "SOME CHECKS FAILED")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
