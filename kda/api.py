@@ -48,6 +48,12 @@ def _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_sta
     check_rank("segment_ids", segment_ids, 2, "[B, T]")
     check_int("segment_ids", segment_ids)
     check_shape("segment_ids", segment_ids, (B, T), "[B, T]")
+    if num_segments is not None:
+      if not isinstance(num_segments, (int, np.integer)) or isinstance(num_segments, bool) or num_segments < 0:
+        raise ValueError(f"num_segments must be a non-negative Python int (static N), got {num_segments!r}")
+      if initial_state is not None and initial_state.shape[0] != num_segments:
+        raise ValueError(f"num_segments must equal initial_state.shape[0]={initial_state.shape[0]} when "
+                         f"both are given, got {num_segments}")
     N = initial_state.shape[0] if initial_state is not None else num_segments
     if is_concrete(segment_ids):
       if np.any(np.asarray(segment_ids) < 0):

@@ -18,8 +18,11 @@ def _run_starts(segment_ids):
 
 
 def count_segments(segment_ids) -> int:
-  """Number of sequences in a concrete segment_ids."""
-  return int(np.asarray(_run_starts(segment_ids)).sum())
+  """Number of sequences in a concrete segment_ids (numpy, so it also works while tracing a function
+  that closes over concrete ids)."""
+  seg = np.asarray(segment_ids)
+  prev = np.pad(seg[:, :-1], ((0, 0), (1, 0)))
+  return int(((seg > 0) & (seg != prev)).sum())
 
 
 def segment_ids_to_seqs(segment_ids, num_segments: int):

@@ -1,0 +1,401 @@
+"""kda.chunk_kda (default impl: the reference pipeline on CPU) against kda.reference.recurrent_kda.
+
+Speed (CI budget): random inputs come from a few pools (tests.cases.make_inputs at 512 tokens and 8
+initial states, one per head shape / dtype / gate kind); a case is a view of a pool, cut out inside
+the jitted function (first B*T tokens or a gather, first N states), so no case pays for eager op
+compiles, and each case costs one compile of chunk_kda and one of the recurrence. Run with `-s` to
+see the max relative error (max |got - want| / max |want|) of o and final_state per case.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda
+from kda import pipeline
+from kda.reference import recurrent_kda
+from tests import cases
+
+
+class Tol(NamedTuple):
+  o_rtol: float     # elementwise, relative to |want|
+  o_atol: float     # relative to max |want| of the tensor
+  s_rtol: float
+  s_atol: float
+
+
+# float32: the chunked form reassociates the recurrence's sums (WY form, (I + Akk)^-1, chunk
+# states), all in float32 with HIGHEST precision; measured max rel err <= 3.3e-6 (table below), so
+# 2e-5 keeps a 6x margin. bfloat16: both paths read the same bf16-rounded inputs and compute in
+# float32 (the reference gets them upcast, which is exact, so its o stays float32), while the
+# pipeline rounds o to bf16 once: |bf16(x) - x| <= 2^-8 |x| (unit roundoff), plus the float32
+# difference (atol); measured max rel err of o 2.7e-3 < 2^-8 = 3.9e-3. final_state never passes
+# through bf16, so it keeps the float32 tolerance. (Kernels with bf16 operands need their own table.)
+TOL = {
+    jnp.dtype(jnp.float32): Tol(2e-5, 2e-5, 2e-5, 2e-5),
+    jnp.dtype(jnp.bfloat16): Tol(2.0 ** -8, 2e-5, 2e-5, 2e-5),
+}
+
+# ---- input pools ---------------------------------------------------------------------------------
+
+POOL_T, POOL_N = 512, 8
+POOLS = {  # name -> make_inputs keywords
+    "f32": dict(),
+    "bf16": dict(dtype=jnp.bfloat16),
+    "raw": dict(gate="raw"),
+    "strong": dict(gate="strong"),
+    "gva": dict(HV=4),
+    "K64": dict(K=64, V=64),
+    "K128": dict(H=1, K=128, V=128),
+    "K96": dict(H=1, K=96, V=96),
+    "K192": dict(H=1, K=192, V=192),
+    "K64-V96": dict(H=1, K=64, V=96),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def pool(name):
+  if name.startswith("l2-"):      # norms far from 1, so a skipped l2norm shows
+    inp = pool(name[3:])
+    keys = jax.random.split(jax.random.PRNGKey(77), 2)
+    s = [jax.random.uniform(kk, inp.q.shape[:3] + (1,), minval=0.2, maxval=4.0) for kk in keys]
+    return inp._replace(q=(inp.q * s[0]).astype(inp.q.dtype), k=(inp.k * s[1]).astype(inp.k.dtype))
+  kw = dict(H=2, K=32, V=32) | POOLS[name]
+  return cases.make_inputs(100 + list(POOLS).index(name), lens=[POOL_T // POOL_N] * POOL_N, **kw)
+
+
+def _view(x, idx, B):
+  """Pool tensor [1, POOL_T, ...] -> the tokens idx [B * T] as [B, T, ...]."""
+  return x[:, idx].reshape((B, idx.shape[0] // B) + x.shape[2:])
+
+
+def l2norm(x):
+  """API.md's definition, rounded back to x's dtype as the pipeline's inputs are."""
+  xf = x.astype(jnp.float32)
+  return (xf / jnp.sqrt(jnp.sum(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_fn(B, N, with_h0, gate_args, static):
+  def f(p, idx, cu, seg, bad):
+    q, k, v, g, beta = (_view(x, idx, B) for x in (p.q, p.k, p.v, p.g, p.beta))
+    if bad is not None:            # poison what no sequence owns
+      q, k, v, g, beta = (jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)
+                          for x in (q, k, v, g, beta))
+    return kda.chunk_kda(q, k, v, g, beta, initial_state=p.initial_state[:N] if with_h0 else None,
+                         cu_seqlens=cu, segment_ids=seg, A_log=p.A_log if gate_args else None,
+                         dt_bias=p.dt_bias if gate_args else None, **dict(static))
+  return jax.jit(f)
+
+
+def run_chunk(pool_name, idx, *, B=1, N=None, cu=None, seg=None, bad=None, h0=True, gate_args=False,
+              **static):
+  """chunk_kda on a view of a pool (idx: numpy token indices, row-major [B*T])."""
+  static.setdefault("output_final_state", True)
+  p = pool(pool_name)
+  if not gate_args:
+    p = p._replace(A_log=None, dt_bias=None)
+  fn = _chunk_fn(B, N, h0, gate_args, tuple(sorted(static.items())))
+  return fn(p, jnp.asarray(idx, jnp.int32), None if cu is None else jnp.asarray(cu, jnp.int32),
+            None if seg is None else jnp.asarray(seg, jnp.int32), None if bad is None else jnp.asarray(bad))
+
+
+@functools.lru_cache(maxsize=None)
+def _recurrence_fn(with_h0, l2, gate):
+  """The recurrence over a whole pool's worth of tokens (idx [POOL_T]) and POOL_N sequences: one
+  compile per pool and option set; a case's trailing sequences are empty and its tokens end at cu[-1]."""
+  def f(p, idx, cu):
+    q, k, v, g, beta = (_view(x, idx, 1) for x in (p.q, p.k, p.v, p.g, p.beta))
+    if l2:
+      q, k = l2norm(q), l2norm(k)
+    if gate is not None:           # (lower_bound, with_A_log, with_dt_bias)
+      lb, with_A, with_b = gate
+      g = cases.recurrence_gate(p._replace(g=g, A_log=p.A_log if with_A else None,
+                                           dt_bias=p.dt_bias if with_b else None), lower_bound=lb)
+    xs = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]   # bf16 -> f32 is exact
+    return recurrent_kda(*xs, initial_state=p.initial_state if with_h0 else None, output_final_state=True,
+                         cu_seqlens=cu)
+  return jax.jit(f)
+
+
+def run_recurrence(pool_name, idx, *, B=1, N=None, cu=None, h0=True, l2=False, gate=None, p=None):
+  """Ground truth for the tokens idx ([B*T]; B rows of T when cu is None) -> (o [B, T, ...], final [N, ...])."""
+  idx = np.asarray(idx)
+  n_tok = idx.shape[0]
+  if cu is None:
+    cu = np.arange(B + 1) * (n_tok // B)
+  cu = np.asarray(cu)
+  assert N == len(cu) - 1 <= POOL_N and n_tok <= POOL_T
+  cu = np.concatenate([cu, np.full(POOL_N - N, cu[-1])])
+  idx = np.concatenate([idx, np.zeros(POOL_T - n_tok, idx.dtype)])
+  p = pool(pool_name) if p is None else p
+  o, final = _recurrence_fn(h0, l2, gate)(p, jnp.asarray(idx, jnp.int32), jnp.asarray(cu, jnp.int32))
+  o = np.asarray(o)[:, :n_tok]
+  return o.reshape((B, n_tok // B) + o.shape[2:]), np.asarray(final)[:N]
+
+
+def compare(name, got, want, dtype):
+  """Checks o and final_state against the ground truth with TOL[dtype]; prints the figures."""
+  tol = TOL[jnp.dtype(dtype)]
+  (o, s), (wo, ws) = got, want
+  assert o.dtype == jnp.dtype(dtype), (o.dtype, dtype)
+  assert np.isfinite(np.asarray(o, np.float32)).all(), f"{name}: non-finite o"
+  scale_o = float(np.max(np.abs(np.asarray(wo))))
+  cases.report_close(f"{name} o", o, wo, atol=tol.o_atol * scale_o, rtol=tol.o_rtol)
+  err_s = float("nan")
+  if s is not None:
+    assert s.dtype == jnp.float32 and np.isfinite(np.asarray(s)).all(), f"{name}: bad final_state"
+    scale_s = float(np.max(np.abs(np.asarray(ws))))
+    cases.report_close(f"{name} final_state", s, ws, atol=tol.s_atol * scale_s, rtol=tol.s_rtol)
+    err_s = cases.rel_err(s, ws)
+  print(f"\n[max rel err] {name}: o {cases.rel_err(o, wo):.2e}  final_state {err_s:.2e}")
+
+
+def check_varlen(name, pool_name, lens, *, extra=0, h0=True, l2=False, gate=None, gate_args=False, **static):
+  """The packed case lens (+ extra tokens of no sequence), chunk_kda vs the recurrence."""
+  T, N = int(sum(lens)) + extra, len(lens)
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  got = run_chunk(pool_name, np.arange(T), N=N, cu=cu, h0=h0, gate_args=gate_args,
+                  use_qk_l2norm_in_kernel=l2, **static)
+  want = run_recurrence(pool_name, np.arange(T), N=N, cu=cu, h0=h0, l2=l2, gate=gate)
+  compare(name, got, want, pool(pool_name).v.dtype)
+  return got
+
+
+def boundaries(BT):
+  return [1, BT - 1, BT, BT + 1, 2 * BT - 1, 2 * BT + 1]
+
+
+# ---- sequence-length matrix ---------------------------------------------------------------------
+
+# chunk sizes 16 and 32 also run in the tail, GVA and gate cases below
+MATRIX = [(p, "f32", 64) for p in cases.SEQ_LENS] + [
+    ("boundaries", "bf16", 64), ("with_empty", "bf16", 64), ("45_80_20", "bf16", 64),
+    ("boundaries16", "f32", 16), ("boundaries32", "bf16", 32), ("100_50", "f32", 32),
+]
+
+
+@pytest.mark.parametrize("profile,dtype,BT", MATRIX, ids=[f"{p}-{d}-BT{b}" for p, d, b in MATRIX])
+def test_seq_lens_matrix(profile, dtype, BT):
+  lens = boundaries(int(profile[10:])) if profile[10:].isdigit() else cases.SEQ_LENS[profile]
+  check_varlen(f"{profile}-{dtype}-BT{BT}", dtype, lens, chunk_size=BT)
+
+
+# ---- tokens past cu_seqlens[-1] ------------------------------------------------------------------
+
+TAILS = [("100_50", 37, "f32", 64), ("trailing_empty", 20, "bf16", 64), ("long_short", 13, "f32", 16)]
+
+
+@pytest.mark.parametrize("profile,extra,dtype,BT", TAILS, ids=[f"{p}+{e}-{d}-BT{b}" for p, e, d, b in TAILS])
+def test_poisoned_tail_is_never_read(profile, extra, dtype, BT):
+  lens = cases.SEQ_LENS[profile]
+  S, N = int(sum(lens)), len(lens)
+  T = S + extra
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  tail = (np.arange(T) >= S)[None]
+  o, s = run_chunk(dtype, np.arange(T), N=N, cu=cu, bad=tail, chunk_size=BT)       # NaN there
+  o_clean, s_clean = run_chunk(dtype, np.arange(T), N=N, cu=cu, bad=np.zeros_like(tail), chunk_size=BT)
+  np.testing.assert_array_equal(np.asarray(o[0, S:], np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_clean, np.float32))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(s_clean))
+  want = run_recurrence(dtype, np.arange(S), N=N, cu=cu)
+  compare(f"{profile}+{extra}-{dtype}-BT{BT}", (o[:, :S], s), want, dt(dtype))
+  # the poison is live: once the last sequence owns the tail, NaN reaches its outputs (same compile)
+  o_own, _ = run_chunk(dtype, np.arange(T), N=N, cu=np.concatenate([cu[:-1], [T]]), bad=tail, chunk_size=BT)
+  assert np.isnan(np.asarray(o_own[0, S:], np.float32)).all()
+
+
+def dt(name):
+  return {"f32": jnp.float32, "bf16": jnp.bfloat16}[name]
+
+
+# ---- head dims ---------------------------------------------------------------------------------
+
+HEAD_DIMS = [("K64", [100, 50]), ("K128", [70, 30]), ("K96", [40, 25]), ("K192", [20, 45]),
+             ("K64-V96", [30, 50])]   # K != V catches a transposed state
+
+
+@pytest.mark.parametrize("pool_name,lens", HEAD_DIMS, ids=[c[0] for c in HEAD_DIMS])
+def test_head_dims(pool_name, lens):
+  check_varlen(pool_name, pool_name, lens)
+
+
+# ---- options -----------------------------------------------------------------------------------
+
+def test_without_initial_state():
+  check_varlen("no_h0", "f32", cases.SEQ_LENS["45_80_20"], h0=False)
+
+
+def test_final_state_only_when_requested():
+  lens = cases.SEQ_LENS["45_80_20"]
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  idx = np.arange(sum(lens))
+  o, s = run_chunk("f32", idx, N=3, cu=cu, output_final_state=False)
+  assert s is None
+  want_o, _ = run_recurrence("f32", idx, N=3, cu=cu)
+  compare("no_final_state", (o, None), (want_o, None), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_qk_l2norm_in_kernel(dtype):
+  check_varlen(f"l2norm-{dtype}", f"l2-{dtype}", cases.SEQ_LENS["45_80_20"], l2=True)
+
+
+def test_recurrence_gate_is_the_api_formula():
+  """tests.cases.recurrence_gate (the recurrence's gate below) against API.md, in numpy."""
+  inp = pool("raw")
+  HV, K = inp.g.shape[2:]
+  g = np.asarray(inp.g, np.float64)[0]
+  x = g + np.asarray(inp.dt_bias, np.float64).reshape(HV, K)
+  a = np.exp(np.asarray(inp.A_log, np.float64))[:, None]
+  sigmoid = lambda y: 1.0 / (1.0 + np.exp(-y))
+  for lb, want in ((None, -a * np.logaddexp(0.0, x)), (-3.0, -3.0 * sigmoid(a * x))):
+    got = cases.recurrence_gate(inp, lower_bound=lb)[0]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  got = cases.recurrence_gate(inp._replace(A_log=None, dt_bias=None), lower_bound=-2.0)[0]
+  np.testing.assert_allclose(np.asarray(got), -2.0 * sigmoid(g), rtol=1e-5, atol=1e-6)
+
+
+GATES = [  # (name, lower_bound, with A_log, with dt_bias, chunk_size)
+    ("softplus", None, True, True, 64),
+    ("sigmoid", -3.0, True, True, 32),
+    ("sigmoid_no_A_log", -2.0, False, False, 16),
+]
+
+
+@pytest.mark.parametrize("name,lower_bound,with_A,with_b,BT", GATES, ids=[c[0] for c in GATES])
+def test_gate_in_kernel(name, lower_bound, with_A, with_b, BT):
+  # partial last chunks everywhere: the padding gates must be neutralised
+  lens = cases.SEQ_LENS["45_80_20"]
+  T, N = sum(lens), len(lens)
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  p = pool("raw")
+  got = _gate_chunk(with_A, with_b, lower_bound, BT)(p, jnp.asarray(np.arange(T)), jnp.asarray(cu))
+  want = run_recurrence("raw", np.arange(T), N=N, cu=cu, gate=(lower_bound, with_A, with_b))
+  compare(f"gate-{name}-BT{BT}", got, want, jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _gate_chunk(with_A, with_b, lower_bound, BT, safe_gate=False):
+  def f(p, idx, cu):
+    q, k, v, g, beta = (_view(x, idx, 1) for x in (p.q, p.k, p.v, p.g, p.beta))
+    return kda.chunk_kda(q, k, v, g, beta, initial_state=p.initial_state[:cu.shape[0] - 1],
+                         cu_seqlens=cu, use_gate_in_kernel=True, A_log=p.A_log if with_A else None,
+                         dt_bias=p.dt_bias if with_b else None, lower_bound=lower_bound,
+                         safe_gate=safe_gate, chunk_size=BT, output_final_state=True)
+  return jax.jit(f)
+
+
+def test_safe_gate_strong_given():
+  """Gates in [-5, -4.95] per token over whole 64-token chunks (cumsum down to -320: exp underflows)."""
+  o, s = check_varlen("safe_gate_strong-given", "strong", [128, 64, 100], safe_gate=True, lower_bound=-5.0)
+  assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+
+
+def test_safe_gate_strong_in_kernel():
+  """Raw gates far on the sigmoid's flat side: g_act ~ lower_bound = -5 on every token."""
+  lens = [128, 64, 100]
+  T, N = sum(lens), len(lens)
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  p = pool("raw")
+  p = p._replace(g=jnp.abs(p.g) + 12.0)
+  assert float(jnp.max(cases.recurrence_gate(p, lower_bound=-5.0))) < -4.9
+  o, s = _gate_chunk(True, True, -5.0, 64, safe_gate=True)(p, jnp.asarray(np.arange(T)), jnp.asarray(cu))
+  want = run_recurrence("raw", np.arange(T), N=N, cu=cu, gate=(-5.0, True, True), p=p)
+  assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+  compare("safe_gate_strong-in_kernel", (o, s), want, jnp.float32)
+
+
+def test_gva():
+  check_varlen("gva-H2-HV4-BT32", "gva", cases.SEQ_LENS["45_80_20"], chunk_size=32)
+
+
+def test_fixed_length_batch():
+  B, T = 3, 70
+  idx = np.arange(B * T)
+  o, s = run_chunk("f32", idx, B=B, N=B)
+  assert o.shape == (3, 70, 2, 32) and s.shape == (3, 2, 32, 32)
+  compare("fixed_B3_T70", (o, s), run_recurrence("f32", idx, B=B, N=B), jnp.float32)
+
+
+# ---- segment_ids -------------------------------------------------------------------------------
+
+# Two rows of 96 tokens: padding between and after runs, adjacent different ids, the same id
+# split by padding (two sequences), a row starting with padding.
+ROWS = [[(1, 30), (0, 5), (2, 40), (0, 21)],
+        [(0, 3), (3, 50), (4, 20), (0, 4), (4, 9), (0, 10)]]
+SEG = np.stack([np.concatenate([np.full(n, i) for i, n in row]) for row in ROWS]).astype(np.int32)
+OWNED = np.flatnonzero(SEG.reshape(-1) > 0)                 # packed position of every real token
+RUN_LENS = [n for row in ROWS for i, n in row if i]          # 30, 40, 50, 20, 9
+PACKED_CU = np.concatenate([[0], np.cumsum(RUN_LENS)])
+
+
+def test_segment_ids_equal_cu_seqlens():
+  N = len(RUN_LENS)
+  o, s = run_chunk("f32", np.arange(SEG.size), B=2, N=N, seg=SEG, bad=SEG == 0, num_segments=N)
+  assert o.shape == (2, 96, 2, 32) and s.shape == (N, 2, 32, 32)
+  o_flat = np.asarray(o).reshape(1, SEG.size, 2, 32)
+  np.testing.assert_array_equal(o_flat[0, SEG.reshape(-1) == 0], 0.0)     # padding tokens
+  o_runs = o_flat[:, OWNED]
+  compare("segment_ids", (o_runs, s), run_recurrence("f32", OWNED, N=N, cu=PACKED_CU), jnp.float32)
+  o_cu, s_cu = run_chunk("f32", OWNED, N=N, cu=PACKED_CU)                   # the same sequences, packed
+  cases.report_close("segment_ids vs cu_seqlens o", o_runs, o_cu, atol=1e-6, rtol=1e-6)
+  cases.report_close("segment_ids vs cu_seqlens final_state", s, s_cu, atol=1e-6, rtol=1e-6)
+
+
+def test_segment_ids_spare_slots_and_concrete_ids():
+  N = len(RUN_LENS)
+  # traced segment_ids and two spare slots: those get zero final states
+  o, s = run_chunk("f32", np.arange(SEG.size), B=2, N=N + 2, seg=SEG, bad=SEG == 0, h0=False,
+                   num_segments=N + 2)
+  assert s.shape == (N + 2, 2, 32, 32)
+  np.testing.assert_array_equal(np.asarray(s[N:]), 0.0)
+  want_o, want_s = run_recurrence("f32", OWNED, N=N, cu=PACKED_CU, h0=False)
+  compare("segment_ids_spare_slots", (np.asarray(o).reshape(1, SEG.size, 2, 32)[:, OWNED], s[:N]),
+          (want_o, want_s), jnp.float32)
+  # concrete segment_ids (a constant of the traced function): N is counted from the ids
+  seg = jnp.asarray(SEG)
+  f = jax.jit(lambda p: kda.chunk_kda(*(_view(x, jnp.arange(SEG.size), 2) for x in (p.q, p.k, p.v, p.g, p.beta)),
+                                      segment_ids=seg, output_final_state=True))
+  o2, s2 = f(pool("f32"))
+  assert s2.shape == (N, 2, 32, 32)
+  owned = SEG.reshape(-1) > 0
+  np.testing.assert_allclose(np.asarray(o2).reshape(SEG.size, 2, 32)[owned],
+                             np.asarray(o).reshape(SEG.size, 2, 32)[owned], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(s2), np.asarray(s[:N]), rtol=1e-6, atol=1e-6)
+
+
+# ---- impl selection and jit ----------------------------------------------------------------------
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="impl=None picks the kernels off CPU")
+def test_reference_impl_is_the_cpu_default():
+  names = kda.stages.names()
+  assert pipeline.default_impls(names) == {n: "reference" for n in names}
+  lens = cases.SEQ_LENS["30_50"]
+  cu, idx = np.concatenate([[0], np.cumsum(lens)]), np.arange(sum(lens))
+  o, s = run_chunk("f32", idx, N=2, cu=cu)
+  o_ref, s_ref = run_chunk("f32", idx, N=2, cu=cu, impl="reference")
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+
+
+def test_jit_traced_cu_seqlens_compiles_once():
+  traces = []
+
+  @jax.jit
+  def f(p, cu):
+    traces.append(1)                              # a python side effect: runs once per trace
+    q, k, v, g, beta = (x[:, :80] for x in (p.q, p.k, p.v, p.g, p.beta))
+    return kda.chunk_kda(q, k, v, g, beta, initial_state=p.initial_state[:2], cu_seqlens=cu,
+                         output_final_state=True)
+
+  for lens in ([30, 50], [71, 9]):                 # same N and T, different boundaries
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    got = f(pool("f32"), jnp.asarray(cu, jnp.int32))
+    compare(f"jit_cu_{lens[0]}_{lens[1]}", got, run_recurrence("f32", np.arange(80), N=2, cu=cu), jnp.float32)
+  assert len(traces) == 1 and f._cache_size() == 1
