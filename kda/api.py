@@ -1,5 +1,13 @@
-"""kda.chunk_kda: argument checks, varlen normalisation, the differentiable entry point."""
+"""kda.chunk_kda: argument checks, varlen normalisation, the differentiable entry point.
+
+chunk_kda's gradient is the staged backward (S0-S5 in kda.pipeline.backward) behind a jax.custom_vjp.
+The autodiff path through the forward stages stays available for checking it:
+`kda.api.chunk_kda_with(q, k, v, g, beta, backward="autodiff", **same_keywords)`
+(backward="custom_vjp" is what chunk_kda does).
+"""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +104,9 @@ def _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower
     check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
 
 
+BACKWARDS = ("custom_vjp", "autodiff")
+
+
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
@@ -104,7 +115,28 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
   q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV] -> (o [B,T,HV,V] in v.dtype,
   final_state [N,HV,K,V] float32 or None).
+
+  Gradients come from the staged backward (S0-S5, `kda.pipeline.backward`) through a jax.custom_vjp.
+  To check it, `kda.api.chunk_kda_with(..., backward="autodiff")` takes the same arguments and
+  differentiates the forward stages with JAX autodiff instead.
   """
+  return chunk_kda_with(q, k, v, g, beta, backward="custom_vjp", scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                        safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+                        segment_ids=segment_ids, num_segments=num_segments, chunk_size=chunk_size, impl=impl)
+
+
+def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                   safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
+                   chunk_size=64, impl=None):
+  """chunk_kda with a chosen gradient: backward="custom_vjp" (what chunk_kda uses: the staged
+  backward S0-S5) or "autodiff" (JAX autodiff through the forward stages; it needs differentiable
+  stage implementations, i.e. the jnp references: the check path for the staged backward).
+  """
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
   B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta)
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
@@ -130,11 +162,41 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
   pack = lambda x: x.reshape((1, B * T) + x.shape[2:])
-  o, final_state = _core(plan, layout, pack(q), pack(k), pack(v), pack(g), pack(beta), h0, A_log, dt_bias)
+  o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), pack(g), pack(beta), h0, A_log,
+                         dt_bias)
   o = o.reshape(B, T, HV, V)
   return o, (final_state if output_final_state else None)
 
 
-def _core(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
-  o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias)
+def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
+  """Packed inputs -> (o [1, T, HV, V], final_state [N, HV, K, V]), differentiable."""
+  if backward == "autodiff":
+    o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias)
+    return o, final_state
+  static = (layout.T, layout.Ta, layout.chunk_size)
+  ints = (layout.starts, layout.lens, layout.aligned_cu)
+  return _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias)
+
+
+# The Layout's int arrays may be traced (jit over cu_seqlens), so they travel as primal arguments
+# with no cotangent; the plan and the static sizes are hashable nondiff arguments.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias):
+  o, final_state, _ = pipeline.forward(plan, padding.Layout(*ints, *static), q, k, v, g, beta, h0, A_log,
+                                       dt_bias)
   return o, final_state
+
+
+def _staged_fwd(plan, static, ints, *args):
+  o, final_state, records = pipeline.forward(plan, padding.Layout(*ints, *static), *args, record=True)
+  return (o, final_state), (ints, args, pipeline.saved(records))
+
+
+def _staged_bwd(plan, static, res, cts):
+  ints, args, saved = res
+  do, dht = cts
+  grads, _ = pipeline.backward(plan, padding.Layout(*ints, *static), *args, saved, do, dht)
+  return ((None,) * len(ints), *grads)
+
+
+_staged.defvjp(_staged_fwd, _staged_bwd)

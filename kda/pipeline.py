@@ -1,4 +1,11 @@
-"""The composer: packed inputs -> align -> gate -> intra -> state -> output -> unalign.
+"""The composer: packed inputs -> align -> gate -> intra -> state -> output -> unalign, and back.
+
+forward:  prepare -> gate -> intra -> state -> output -> unalign.
+backward: prepare (again) -> S0 bwd_recompute -> S1 bwd_dav -> S2 bwd_dh -> S3 bwd_wy -> S4 bwd_intra
+          -> S5 bwd_gate -> prepare's vjp. The six stages are hand-derived; the cheap glue around
+          them (prepare: align, l2norm, GVA repeat, gate neutralisation; and unalign) is differentiated
+          with jax.vjp: unalign's transpose is align of do, prepare's vjp sums each GVA group, applies
+          the l2norm backward and drops the gradients of padding positions.
 
 Every stage is called through its Stage object with the implementation chosen in `Plan.impls`,
 so a single stage can be swapped between its kernel and its jnp reference. With `record=True`
@@ -7,7 +14,7 @@ every stage's output record is returned as well (tools.trace, per-stage debuggin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +25,7 @@ from kda.stages import gate, intra, output, state
 from kda.stages.base import resolve
 
 FORWARD_STAGES = ("gate", "intra", "state", "output")
+BACKWARD_STAGES = ("bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate")
 
 
 def default_impls(names, backend: str | None = None) -> dict[str, str]:
@@ -118,3 +126,77 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
   if record:
     records = {"valid": valid, "gate": gt, "intra": it, "state": st, "output": ot, "inputs": inputs}
   return o, st.final_state, records
+
+
+class Saved(NamedTuple):
+  """What the custom VJP keeps of the forward besides its inputs: O(T * BT) per head, no state."""
+  Aqk: jax.Array   # [1, Ta, HV, BT] float32
+  Ainv: jax.Array  # [1, Ta, HV, BT] float32, (I + Akk)^-1
+
+
+class Grads(NamedTuple):
+  """Cotangents of forward's inputs, each like its input (None where the input is None)."""
+  q: jax.Array              # [1, T, H, K]
+  k: jax.Array              # [1, T, H, K]
+  v: jax.Array              # [1, T, HV, V]
+  g: jax.Array              # [1, T, HV, K]
+  beta: jax.Array           # [1, T, HV]
+  initial_state: jax.Array  # [N, HV, K, V] float32
+  A_log: jax.Array | None   # [HV]
+  dt_bias: jax.Array | None  # [HV * K]
+
+
+def saved(records) -> Saved:
+  """The residuals of a forward(..., record=True) call."""
+  return Saved(records["intra"].Aqk, records["intra"].Ainv)
+
+
+def backward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
+  """The static keyword arguments backward() passes to stage `name`."""
+  BT, scale = plan.chunk_size, plan.scale
+  return {
+      "bwd_recompute": dict(chunk_size=BT, use_gate_in_kernel=plan.use_gate_in_kernel,
+                            lower_bound=plan.lower_bound),
+      "bwd_dav": dict(chunk_size=BT),
+      "bwd_dh": dict(scale=scale, chunk_size=BT),
+      "bwd_wy": dict(scale=scale, chunk_size=BT),
+      "bwd_intra": dict(scale=scale, chunk_size=BT),
+      "bwd_gate": dict(chunk_size=BT, use_gate_in_kernel=plan.use_gate_in_kernel, lower_bound=plan.lower_bound),
+  }[name]
+
+
+def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved: Saved,
+             do, dht, *, record: bool = False):
+  """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
+
+  Takes forward's inputs and `saved` (Aqk, Ainv); recomputes the rest (S0), so the only
+  [NTa, HV, K, V] buffers are the recomputed h and its cotangent dh. `do` may hold anything (even
+  NaN) at tokens of no sequence: they are never read. records is as in forward (stage outputs and
+  "inputs") when `record` is set, else empty.
+  """
+  f32 = jnp.float32
+  (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
+  valid = padding.valid_mask(layout)[None]
+  do = padding.align_with(layout, do.astype(f32))               # the transpose of unalign_with
+  inputs = {}
+
+  def run(name, *args):
+    inputs[name] = args
+    return _run(plan, name, *args, **backward_kwargs(plan, name))
+
+  rc = run("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
+           layout.aligned_cu)
+  av = run("bwd_dav", rc.v_new, saved.Aqk, do)
+  dh = run("bwd_dh", rc.qg, rc.kg, rc.w, rc.gc, do, av.dv, dht, layout.aligned_cu)
+  wy = run("bwd_wy", qa, ka, va, ba, rc.gc, saved.Ainv, rc.h, dh.dh, rc.v_new, do, dh.dv)
+  it = run("bwd_intra", qa, ka, ba, rc.gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
+  gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc)
+  like = lambda d, x: None if x is None else d.astype(x.dtype)
+  dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
+      (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
+  grads = Grads(dq, dk, dv, dg, dbeta, dh.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
+  records: dict[str, Any] = {}
+  if record:
+    records = {"valid": valid, "bwd_recompute": rc, "bwd_dav": av, "bwd_dh": dh, "bwd_wy": wy,
+               "bwd_intra": it, "bwd_gate": gt, "inputs": inputs}
+  return grads, records

@@ -1,0 +1,43 @@
+"""bwd_dav (S1): the gradient of the intra-chunk half of the output, o += Aqk @ v_new.
+
+Per chunk and value head, with do the output cotangent (aligned like the forward's inputs):
+
+    dAqk = tril(do @ v_new^T)      j <= i only: Aqk is causal, its upper part is no variable
+    dv   = Aqk^T @ do              the v_new cotangent through o; bwd_dh adds the state's part
+
+In:  v_new [1, Ta, HV, V] f32, Aqk [1, Ta, HV, BT] f32 (row i of chunk c at token c*BT + i),
+     do [1, Ta, HV, V].
+Out: dAqk [1, Ta, HV, BT] float32 (same row layout as Aqk), dv [1, Ta, HV, V] float32.
+Padding: do = 0 at padding tokens (aligned) and v_new = 0 there, so padding rows and columns of dAqk
+are 0; Aqk's padding rows and columns are 0, so dv = 0 at padding tokens.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kda.stages.base import Stage
+from kda.stages.intra import from_chunks, to_chunks
+
+NAME = "bwd_dav"
+HI = lax.Precision.HIGHEST
+
+
+class Out(NamedTuple):
+  dAqk: jax.Array  # [1, Ta, HV, BT] float32, lower with diagonal
+  dv: jax.Array    # [1, Ta, HV, V] float32
+
+
+def reference(v_new, Aqk, do, *, chunk_size):
+  f32 = jnp.float32
+  v_new, Aqk, do = (to_chunks(x.astype(f32), chunk_size) for x in (v_new, Aqk, do))
+  causal = jnp.arange(chunk_size)[None, :, None, None] >= jnp.arange(chunk_size)[None, None, None, :]
+  dAqk = jnp.where(causal, jnp.einsum("cihv,cjhv->cihj", do, v_new, precision=HI), 0.0)
+  dv = jnp.einsum("cihj,cihv->cjhv", Aqk, do, precision=HI)
+  return Out(from_chunks(dAqk), from_chunks(dv))
+
+
+STAGE = Stage(NAME, reference=reference)

@@ -1,0 +1,68 @@
+"""bwd_gate (S5): reverse chunk-local cumsum of dgc, then the gate activation's backward.
+
+gc[t] = g_act[c*BT] + ... + g_act[t] within chunk c, so dg_act[t] = dgc[t] + ... + dgc[c*BT + BT-1]
+(a reverse cumsum inside the chunk). The forward zeroes g_act where valid is False, so dg_act is
+zeroed there too: the raw gate's gradient at padding is exactly 0. Then, with x = g + dt_bias, a =
+exp(A_log) and the sums over every token (and channel for dA_log):
+
+    use_gate_in_kernel=False:  dg = dg_act
+    lower_bound unset:  g_act = -a * softplus(x)   dx = -a * sigmoid(x) * dg_act,  dA_log = sum(g_act * dg_act)
+    lower_bound set:    g_act = lb * sigmoid(z), z = a * x (x if A_log is None)
+                        dz = lb * s * (1 - s) * dg_act (s = sigmoid(z)),  dx = a * dz,  dA_log = sum(z * dz)
+    dg = dx,  ddt_bias[h*K + c] = sum_t dx[t, h, c]
+
+In:  g [1, Ta, HV, K] raw (prepared: aligned, gate-neutralised), valid [1, Ta] bool, A_log [HV] or None,
+     dt_bias [HV*K] or None, dgc [1, Ta, HV, K] f32.
+Out: dg [1, Ta, HV, K] float32 (raw-gate cotangent, 0 where valid is False), dA_log [HV] float32 or
+     None (None unless use_gate_in_kernel and A_log is given), ddt_bias [HV*K] float32 or None.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kda.stages.base import Stage
+
+NAME = "bwd_gate"
+
+
+class Out(NamedTuple):
+  dg: jax.Array              # [1, Ta, HV, K] float32
+  dA_log: jax.Array | None   # [HV] float32
+  ddt_bias: jax.Array | None  # [HV * K] float32
+
+
+def reverse_chunk_cumsum(x, chunk_size):
+  """y[t] = x[t] + ... + x[last token of t's chunk], for x [B, Ta, ...]."""
+  B, T = x.shape[:2]
+  xc = x.reshape((B, T // chunk_size, chunk_size) + x.shape[2:])
+  return jnp.flip(jnp.cumsum(jnp.flip(xc, 2), axis=2), 2).reshape(x.shape)
+
+
+def reference(g, valid, A_log, dt_bias, dgc, *, chunk_size, use_gate_in_kernel, lower_bound):
+  f32 = jnp.float32
+  dg_act = jnp.where(valid[:, :, None, None], reverse_chunk_cumsum(dgc.astype(f32), chunk_size), 0.0)
+  if not use_gate_in_kernel:
+    return Out(dg_act, None, None)
+  HV, K = g.shape[-2:]
+  x = g.astype(f32)
+  if dt_bias is not None:
+    x = x + dt_bias.astype(f32).reshape(HV, K)
+  a = None if A_log is None else jnp.exp(A_log.astype(f32))[:, None]
+  if lower_bound is None:
+    dx = -a * jax.nn.sigmoid(x) * dg_act
+    dA = -a * jax.nn.softplus(x) * dg_act
+  else:
+    z = x if a is None else a * x
+    s = jax.nn.sigmoid(z)
+    dz = lower_bound * s * (1.0 - s) * dg_act
+    dx = dz if a is None else a * dz
+    dA = z * dz
+  dA_log = None if A_log is None else jnp.sum(dA, axis=(0, 1, 3))
+  ddt_bias = None if dt_bias is None else jnp.sum(dx, axis=(0, 1)).reshape(HV * K)
+  return Out(dx, dA_log, ddt_bias)
+
+
+STAGE = Stage(NAME, reference=reference)

@@ -1,0 +1,68 @@
+"""bwd_intra (S4): through the intra-chunk matrices Akk and Aqk, accumulated onto S3's gradients.
+
+Per chunk and value head, with E[i, j, c] = exp(gc_i[c] - gc_j[c]) on the causal pairs (masked before
+exp, so <= 1) and the forward
+
+    Aqk[i, j] = scale * sum_c q_i[c] k_j[c] E[i, j, c]            j <= i
+    Akk[i, j] = beta_i * sum_c k_i[c] k_j[c] E[i, j, c]           j < i
+
+the cotangents dAqk (S1) and dAkk (S3) give, with G_i = sum_{j<i} dAkk[i, j] k_j E[i, j]:
+
+    dq_i  += scale * sum_{j<=i} dAqk[i, j] k_j E[i, j]                          (=: dqA_i)
+    dk_j  += scale * sum_{i>=j} dAqk[i, j] q_i E[i, j]                          (=: dkA_j)
+           + beta_i G_i  (at row i)  +  sum_{i>j} beta_i dAkk[i, j] k_i E[i, j]  (=: dkK1_i, dkK2_j)
+    dbeta_i += sum_c k_i[c] G_i[c]
+    dgc   += q * dqA - k * dkA + k * dkK1 - k * dkK2
+
+(d/dgc_i of E[i, j] is +E, d/dgc_j is -E: so each pair sends its term to row i and minus it to j.)
+Nothing is divided by beta (0 at padding) and no exp(-gc) is formed alone.
+
+In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc [1, Ta, HV, K] f32, dAqk, dAkk [1, Ta, HV, BT] f32,
+     and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators).
+Out: dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV]: the accumulators plus this stage's terms; float32.
+Padding: q = k = beta = 0 at padding tokens, so every term that carries a padding token's q or k is 0;
+what lands on padding rows (dk, dbeta) is dropped by the padding layer.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kda.stages.base import Stage
+from kda.stages.intra import from_chunks, pair_decay, to_chunks
+
+NAME = "bwd_intra"
+HI = lax.Precision.HIGHEST
+
+
+class Out(NamedTuple):
+  dq: jax.Array     # [1, Ta, HV, K] float32
+  dk: jax.Array     # [1, Ta, HV, K] float32
+  dbeta: jax.Array  # [1, Ta, HV] float32
+  dgc: jax.Array    # [1, Ta, HV, K] float32
+
+
+def reference(q, k, beta, gc, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size):
+  f32 = jnp.float32
+  q, k, beta, gc, dAqk, dAkk = (to_chunks(x.astype(f32), chunk_size) for x in (q, k, beta, gc, dAqk, dAkk))
+  ein = lambda s, *a: jnp.einsum(s, *a, precision=HI)
+  E = pair_decay(gc, False)                                      # [NTa, BT(i), BT(j), HV, K]
+  Es = pair_decay(gc, True)
+  b = beta[..., None]
+  dqA = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, E)
+  dkA = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, E)
+  G = ein("cihj,cjhk,cijhk->cihk", dAkk, k, Es)
+  dkK1 = b * G
+  dkK2 = ein("cihj,cihk,cijhk->cjhk", dAkk * beta[..., None], k, Es)
+  dq_t = dqA
+  dk_t = dkA + dkK1 + dkK2
+  dbeta_t = jnp.sum(k * G, -1)
+  dgc_t = q * dqA - k * dkA + k * dkK1 - k * dkK2
+  add = lambda acc, x: acc.astype(f32) + from_chunks(x)
+  return Out(add(dq, dq_t), add(dk, dk_t), add(dbeta, dbeta_t), add(dgc, dgc_t))
+
+
+STAGE = Stage(NAME, reference=reference)
