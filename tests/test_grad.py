@@ -282,7 +282,7 @@ def test_segment_ids_padding_tokens_get_zero_gradient():
 if __name__ == "__main__":
   for name in CASES:
     case, p, cu, got, want = case_grads(name)
-    compare(name, got, want, Tol(np.inf, np.inf))
+    compare(name, got, want, TOL[case.dtype])
   names = ["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"]
   print("\nmax relative error (max |got - want| / max |want|) of each gradient vs the recurrence\n")
   print(f"{'case':44s}" + "".join(f"{'d' + n[:7]:>10s}" for n in names))
