@@ -91,6 +91,8 @@ def memory_mb(fn, *args):
 
 
 def bench_one(name, gate, impl, reps, do_bwd=True):
+  """impl: "auto" (chunk_kda's default: kernels where a stage has one), "pallas" or "reference"."""
+  label, impl = impl, (None if impl == "auto" else impl)
   args, kw, do = make_inputs(name, gate)
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
   static_kw = {k: v for k, v in kw.items() if k not in diff_kw}
@@ -105,7 +107,7 @@ def bench_one(name, gate, impl, reps, do_bwd=True):
   f = jax.jit(fwd)
   t0 = time.perf_counter()
   jax.block_until_ready(f(*args, diff_kw))
-  out = {"shape": name, "gate": gate, "impl": str(impl), "compile_fwd_s": time.perf_counter() - t0}
+  out = {"shape": name, "gate": gate, "impl": label, "compile_fwd_s": time.perf_counter() - t0}
   out["fwd_ms"] = timeit(f, *args, diff_kw, reps=reps)
   out["fwd_mem_mb"] = memory_mb(f, *args, diff_kw)
   if do_bwd:
@@ -131,7 +133,8 @@ def peer_figures(path):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--variants", default="A:plain,B:plain,C:plain", help="shape:gate pairs")
-  p.add_argument("--impls", default="pallas,reference")
+  p.add_argument("--impls", default="auto,reference",
+                 help="auto = chunk_kda's default (forward kernels, backward stages without kernels in jnp)")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--no-bwd", action="store_true")
   p.add_argument("--peer", help="JSON written by the peer harness (fla_bench.py --out) in the same run")

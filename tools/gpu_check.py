@@ -88,6 +88,7 @@ def main(argv=None):
   p.add_argument("--gates", default="plain,raw")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--tol-o", type=float, default=2e-2, help="max rel error of o vs the recurrence (bf16 inputs)")
+  p.add_argument("--timing", default="A:plain,B:plain,A:gate_safe", help="bench shapes:gates to time")
   p.add_argument("--total", type=int, default=bench.TOTAL, help="packed tokens (smaller for a smoke run)")
   p.add_argument("--out")
   a = p.parse_args(argv)
@@ -113,7 +114,7 @@ def main(argv=None):
         ok = False
       print(key, json.dumps(r, default=str), flush=True)
   timing = {}
-  for var in ("A:plain", "B:plain", "A:gate_safe"):
+  for var in filter(None, a.timing.split(",")):
     name, gate = var.split(":")
     for impl in ("pallas", "reference"):
       try:

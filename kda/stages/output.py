@@ -35,7 +35,9 @@ class Out(NamedTuple):
 class Config:
   """Tiles of the output kernel; they depend on K, V, BT and dtype only, never on T or cu_seqlens."""
   block_v: int = 64           # BV: output columns per program (capped at V rounded up to a power of 2)
-  precision: str = "highest"  # o is the result: keep float32 accuracy unless the caller opts out
+  # o is the result: keep ~float32 accuracy. Three TF32 passes give 6e-7 rel on tensor cores;
+  # IEEE float32 dots run on the FMA units (measured at T = 32768: 1.2 ms vs 27 ms).
+  precision: str = "tf32x3"
   num_warps: int = 4
   num_stages: int = 2
 
