@@ -142,8 +142,10 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
   if scale is None:
     scale = K ** -0.5
-  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-    raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+  elif isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
+    scale = float(scale)
+  else:
+    raise TypeError(f"scale must be a (static) real number or None, got {type(scale).__name__}")
   if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
     raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True, got "
                      f"use_gate_in_kernel=False with A_log={'set' if A_log is not None else None}, "
@@ -161,6 +163,8 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
                             lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl)
   h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
+  if N == 0:                       # no sequence at all (e.g. a batch of padding): nothing to compute
+    return jnp.zeros_like(v), (h0 if output_final_state else None)
   pack = lambda x: x.reshape((1, B * T) + x.shape[2:])
   o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), pack(g), pack(beta), h0, A_log,
                          dt_bias)

@@ -399,3 +399,23 @@ def test_jit_traced_cu_seqlens_compiles_once():
     got = f(pool("f32"), jnp.asarray(cu, jnp.int32))
     compare(f"jit_cu_{lens[0]}_{lens[1]}", got, run_recurrence("f32", np.arange(80), N=2, cu=cu), jnp.float32)
   assert len(traces) == 1 and f._cache_size() == 1
+
+
+@pytest.mark.parametrize("how", ["cu_seqlens", "segment_ids"])
+def test_no_sequences_gives_zero_output_and_empty_state(how):
+  inp = cases.make_inputs(3, B=1, T=40, H=1, K=16, V=16, initial_state=False)
+  varlen = (dict(cu_seqlens=jnp.zeros((1,), jnp.int32)) if how == "cu_seqlens"
+            else dict(segment_ids=jnp.zeros((1, 40), jnp.int32)))
+  f = lambda q: kda.chunk_kda(q, inp.k, inp.v, inp.g, inp.beta, output_final_state=True, **varlen)
+  o, s = f(inp.q)
+  assert o.shape == inp.v.shape and s.shape == (0, 1, 16, 16)
+  assert float(jnp.max(jnp.abs(o))) == 0.0
+  dq = jax.grad(lambda q: jnp.sum(f(q)[0]))(inp.q)
+  assert float(jnp.max(jnp.abs(dq))) == 0.0
+
+
+def test_numpy_scale_is_accepted():
+  inp = cases.make_inputs(4, B=1, T=40, H=1, K=16, V=16, initial_state=False)
+  o_np, _ = kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=np.float32(0.3))
+  o_py, _ = kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=0.3)
+  np.testing.assert_array_equal(np.asarray(o_np), np.asarray(o_py))
