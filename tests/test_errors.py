@@ -98,7 +98,7 @@ BAD = [
     ("v_bool", lambda i: dict(v=i.v > 0), TypeError, ("v must have a floating dtype", "got bool")),
     ("g_int", lambda i: dict(g=i.g.astype(jnp.int32)), TypeError, ("g must have a floating dtype", "got int32")),
     ("beta_int", lambda i: dict(beta=i.beta.astype(jnp.int32)), TypeError, ("beta must have a floating dtype", "got int32")),
-    ("scale_str", lambda i: dict(scale="0.5"), TypeError, ("scale must be a \(static\) real number or None", "got str")),
+    ("scale_str", lambda i: dict(scale="0.5"), TypeError, ("scale must be a (static) real number or None", "got str")),
     ("impl_unknown", lambda i: dict(impl="triton"), ValueError, ("impl must be", "got 'triton'")),
     ("impl_unknown_stage", lambda i: dict(impl={"intraa": "reference"}), ValueError,
      ("impl names unknown stages ['intraa']",)),
