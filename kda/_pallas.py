@@ -46,3 +46,17 @@ DOT_PRECISIONS = {
 def dot_precision(name: str, interpret: bool):
   """The precision for f32 dots; the CPU interpreter supports only HIGHEST (it is float32 anyway)."""
   return HI if interpret else DOT_PRECISIONS[name]
+
+
+def check_config(cfg):
+  """Checks the launch fields a stage Config has (num_warps, num_stages, precision, block_v)."""
+  if cfg.num_warps < 1 or cfg.num_warps & (cfg.num_warps - 1):
+    raise ValueError(f"num_warps must be a power of two, got {cfg.num_warps}")
+  if cfg.num_stages < 1:
+    raise ValueError(f"num_stages must be >= 1, got {cfg.num_stages}")
+  precision = getattr(cfg, "precision", None)
+  if precision is not None and precision not in DOT_PRECISIONS:
+    raise ValueError(f"precision must be one of {sorted(DOT_PRECISIONS)}, got {precision!r}")
+  block_v = getattr(cfg, "block_v", None)
+  if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
+    raise ValueError(f"block_v must be a power of two >= 16 (Triton dot tiles), got {block_v}")

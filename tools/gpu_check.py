@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import padding, pipeline, reference, stages
+from kda import pipeline, reference, stages
 from tools import bench
-from tools.stages import compare_stages
+from tools.stages import compare_stages, record_reference
 from tools.trace import make_inputs
 
 CASES = {"long": (64, 4096), "short": (1, 128)}
@@ -36,18 +36,7 @@ def _rel(got, want):
 
 def stage_times(lens, gate, reps):
   """Per forward stage: median ms of the kernel and of the XLA reference on the same inputs."""
-  inp = make_inputs(0, lens, H=H, K=K, V=K, gate=gate, dtype=jnp.bfloat16)
-  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=64, use_gate_in_kernel=gate == "raw",
-                            impl="reference", interpret=False)
-  T = inp.q.shape[1]
-
-  @jax.jit
-  def recorded(inp):
-    layout = padding.layout_from_cu_seqlens(inp.cu_seqlens, T, 64)
-    return pipeline.forward(plan, layout, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state,
-                            inp.A_log, inp.dt_bias, record=True)[2]
-
-  rec = recorded(inp)
+  plan, rec, _ = record_reference(lens, head_dim=K, heads=H, dtype="bfloat16", gate=gate, interpret=False)
   out = {}
   for name in pipeline.FORWARD_STAGES:
     st = stages.get(name)

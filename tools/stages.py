@@ -86,12 +86,9 @@ def _diff(field, got, want, tol, meta) -> FieldDiff:
   return FieldDiff(field, max_abs, max_rel, bool(max_rel <= tol), worst)
 
 
-def compare_stages(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, dtype="float32",
-                   gate="raw", seed=0, tol=None, interpret=None) -> Report:
-  """Run every forward stage's kernel on the reference pipeline's recorded inputs; compare outputs."""
-  if dtype not in TOL:
-    raise ValueError(f"dtype must be one of {list(TOL)}, got {dtype!r}")
-  tol = TOL[dtype] if tol is None else float(tol)
+def record_reference(seq_lens, *, chunk_size=64, head_dim=128, heads=1, dtype="float32", gate="raw",
+                     seed=0, interpret=None):
+  """The reference pipeline on tools.trace inputs, every stage recorded -> (plan, records, aligned_cu)."""
   lens = [int(n) for n in seq_lens]
   inp = make_inputs(seed, lens, H=heads, K=head_dim, V=head_dim, gate=gate, dtype=jnp.dtype(dtype))
   plan = pipeline.make_plan(scale=head_dim ** -0.5, chunk_size=chunk_size,
@@ -106,6 +103,18 @@ def compare_stages(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, 
     return rec, layout.aligned_cu
 
   rec, acu = recorded(inp)
+  return plan, rec, acu
+
+
+def compare_stages(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, dtype="float32",
+                   gate="raw", seed=0, tol=None, interpret=None) -> Report:
+  """Run every forward stage's kernel on the reference pipeline's recorded inputs; compare outputs."""
+  if dtype not in TOL:
+    raise ValueError(f"dtype must be one of {list(TOL)}, got {dtype!r}")
+  tol = TOL[dtype] if tol is None else float(tol)
+  lens = [int(n) for n in seq_lens]
+  plan, rec, acu = record_reference(lens, chunk_size=chunk_size, head_dim=head_dim, heads=heads,
+                                    dtype=dtype, gate=gate, seed=seed, interpret=interpret)
   acu = np.asarray(acu)
   Ta = rec["valid"].shape[1]
   seq, kind = np.full(Ta, -1), np.full(Ta, "tail", dtype=object)

@@ -13,13 +13,12 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from kda import padding, pipeline, stages
+from kda import pipeline, stages
 from kda.stages import gate, intra, output, state
 from tools import bench
-from tools.trace import make_inputs
+from tools.stages import record_reference
 
 H, K = 16, 128
 
@@ -39,21 +38,6 @@ CONFIGS = {
 }
 
 
-def record(lens, gate_kind):
-  inp = make_inputs(0, lens, H=H, K=K, V=K, gate=gate_kind, dtype=jnp.bfloat16)
-  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=64, use_gate_in_kernel=gate_kind == "raw",
-                            impl="reference", interpret=False)
-  T = inp.q.shape[1]
-
-  @jax.jit
-  def recorded(inp):
-    layout = padding.layout_from_cu_seqlens(inp.cu_seqlens, T, 64)
-    return pipeline.forward(plan, layout, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state,
-                            inp.A_log, inp.dt_bias, record=True)[2]
-
-  return plan, recorded(inp)
-
-
 def rel(got, want):
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
@@ -70,7 +54,8 @@ def main(argv=None):
   results = []
   for case in a.cases.split(","):
     lens = bench.varlen_lens(bench.TOTAL, *ranges[case])
-    plan, rec = record(lens, "plain")
+    plan, rec, _ = record_reference(lens, head_dim=K, heads=H, dtype="bfloat16", gate="plain",
+                                    interpret=False)
     for name in a.stages.split(","):
       st = stages.get(name)
       kw = pipeline.forward_kwargs(plan, name)

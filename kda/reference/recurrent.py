@@ -12,7 +12,6 @@ sequence: they get o = 0 and are never read (their values are masked before any 
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

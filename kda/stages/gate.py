@@ -43,10 +43,7 @@ class Config:
   num_stages: int = 2
 
   def __post_init__(self):
-    if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
-      raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+    _pallas.check_config(self)
 
 
 def activate(g, A_log, dt_bias, *, use_gate_in_kernel, lower_bound):

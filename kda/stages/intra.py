@@ -71,14 +71,9 @@ class Config:
   num_stages: int = 2
 
   def __post_init__(self):
-    if self.precision not in _pallas.DOT_PRECISIONS:
-      raise ValueError(f"precision must be one of {sorted(_pallas.DOT_PRECISIONS)}, got {self.precision!r}")
+    _pallas.check_config(self)
     if self.diag not in ("auto", "pairwise"):
       raise ValueError(f"diag must be 'auto' or 'pairwise', got {self.diag!r}")
-    if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
-      raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
 def to_chunks(x, chunk_size):

@@ -59,14 +59,7 @@ class Config:
   longest_first: bool = True  # hand sequences to programs longest first (an on-device argsort)
 
   def __post_init__(self):
-    if self.block_v < 16 or self.block_v & (self.block_v - 1):
-      raise ValueError(f"block_v must be a power of two >= 16 (Triton dot tiles), got {self.block_v}")
-    if self.precision not in _pallas.DOT_PRECISIONS:
-      raise ValueError(f"precision must be one of {sorted(_pallas.DOT_PRECISIONS)}, got {self.precision!r}")
-    if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
-      raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+    _pallas.check_config(self)
 
 
 def reference(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size):
