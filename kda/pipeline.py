@@ -5,7 +5,8 @@ backward: prepare (again) -> S0 bwd_recompute -> S1 bwd_dav -> S2 bwd_dh -> S3 b
           -> S5 bwd_gate -> prepare's vjp. The six stages are hand-derived; the cheap glue around
           them (prepare: align, l2norm, GVA repeat, gate neutralisation; and unalign) is differentiated
           with jax.vjp: unalign's transpose is align of do, prepare's vjp sums each GVA group, applies
-          the l2norm backward and drops the gradients of padding positions.
+          the l2norm backward and drops the gradients of padding positions. The backward's only
+          per-chunk state buffer is S0's h: S2 keeps the state cotangent one chunk at a time.
 
 Every stage is called through its Stage object with the implementation chosen in `Plan.impls`,
 so a single stage can be swapped between its kernel and its jnp reference. With `record=True`
@@ -159,7 +160,7 @@ def backward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
                             lower_bound=plan.lower_bound),
       "bwd_dav": dict(chunk_size=BT),
       "bwd_dh": dict(scale=scale, chunk_size=BT),
-      "bwd_wy": dict(scale=scale, chunk_size=BT),
+      "bwd_wy": dict(chunk_size=BT),
       "bwd_intra": dict(scale=scale, chunk_size=BT),
       "bwd_gate": dict(chunk_size=BT, use_gate_in_kernel=plan.use_gate_in_kernel, lower_bound=plan.lower_bound),
   }[name]
@@ -169,9 +170,12 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
              do, dht, *, record: bool = False):
   """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
 
-  Takes forward's inputs and `saved` (Aqk, Ainv); recomputes the rest (S0), so the only
-  [NTa, HV, K, V] buffers are the recomputed h and its cotangent dh. `do` may hold anything (even
-  NaN) at tokens of no sequence: they are never read. records is as in forward (stage outputs and
+  Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the only
+  [NTa, HV, K, V] buffer of the whole backward is S0's h (the state entering each chunk). S2 walks
+  the chunks in reverse carrying one [HV, K, V] state cotangent, reads h, and hands S3 everything
+  that needs h or that cotangent as O(T * K) terms (dqg, dkg, dw, du) and O(NTa * K) ones
+  (dgc_last), so no state cotangent is stored per chunk. `do` may hold anything (even NaN) at
+  tokens of no sequence: they are never read. records is as in forward (stage outputs and
   "inputs") when `record` is set, else empty.
   """
   f32 = jnp.float32
@@ -187,16 +191,16 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   rc = run("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
            layout.aligned_cu)
   av = run("bwd_dav", rc.v_new, saved.Aqk, do)
-  dh = run("bwd_dh", rc.qg, rc.kg, rc.w, rc.gc, do, av.dv, dht, layout.aligned_cu)
-  wy = run("bwd_wy", qa, ka, va, ba, rc.gc, saved.Ainv, rc.h, dh.dh, rc.v_new, do, dh.dv)
+  ds = run("bwd_dh", rc.qg, rc.kg, rc.w, rc.gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
+  wy = run("bwd_wy", qa, ka, va, ba, rc.gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
   it = run("bwd_intra", qa, ka, ba, rc.gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
   gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
       (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
-  grads = Grads(dq, dk, dv, dg, dbeta, dh.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
+  grads = Grads(dq, dk, dv, dg, dbeta, ds.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
   records: dict[str, Any] = {}
   if record:
-    records = {"valid": valid, "bwd_recompute": rc, "bwd_dav": av, "bwd_dh": dh, "bwd_wy": wy,
+    records = {"valid": valid, "bwd_recompute": rc, "bwd_dav": av, "bwd_dh": ds, "bwd_wy": wy,
                "bwd_intra": it, "bwd_gate": gt, "inputs": inputs}
   return grads, records

@@ -13,6 +13,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -220,6 +221,65 @@ def test_forward_saves_no_state_buffer():
   shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(res))
   want = [tuple(x.shape) for x in jax.tree.leaves((ints, args))] + [(1, layout.Ta, case.HV, case.BT)] * 2
   assert shapes == sorted(want), f"residuals {shapes}, expected the inputs plus Aqk, Ainv: {sorted(want)}"
+
+
+def _sub_jaxprs(param):
+  if isinstance(param, jcore.ClosedJaxpr):
+    yield param.jaxpr
+  elif isinstance(param, jcore.Jaxpr):
+    yield param
+  elif isinstance(param, (tuple, list)):
+    for x in param:
+      yield from _sub_jaxprs(x)
+
+
+def state_sized(jaxpr, size):
+  """(primitive, shape) of every equation, nested ones included, that computes an array of `size`
+  elements. Reshapes that keep the size are views, not buffers; a call (jit, cond, while) is not
+  counted itself, its body is; a scan is (its stacked outputs are built by the scan)."""
+  found = []
+  for e in jaxpr.eqns:
+    inner = [j for v in e.params.values() for j in _sub_jaxprs(v)]
+    call = bool(inner) and e.primitive.name != "scan"
+    ins = {int(np.prod(getattr(x.aval, "shape", ()))) for x in e.invars}
+    view = e.primitive.name in ("reshape", "squeeze", "expand_dims", "broadcast_in_dim") and size in ins
+    for x in e.outvars:
+      if int(np.prod(getattr(x.aval, "shape", ()))) == size and not (call or view):
+        found.append((e.primitive.name, tuple(x.aval.shape)))
+    for j in inner:
+      found += state_sized(j, size)
+  return found
+
+
+def test_backward_holds_one_state_buffer():
+  """The backward computes one array of NTa * HV * K * V elements, S0's h (the scan of the state
+  recurrence): S2 keeps the state cotangent one chunk at a time, so neither a per-chunk dh nor any
+  product of h with it exists. Through jax.grad of chunk_kda there are two: the forward's h (the
+  output stage reads it, nothing saves it) and S0's. The sizes are picked so that no other tensor
+  (N * HV * K * V, T * HV * K, pair decays [NTa, BT, BT, HV, K]) has that many elements."""
+  case = Case((30, 50, 0), K=64, V=32, BT=16)
+  p, cu, Wo, Wh = inputs(case)
+  T = p["q"].shape[1]
+  layout = padding.layout_from_cu_seqlens(cu, T, case.BT)
+  NTa = layout.Ta // case.BT
+  size = NTa * case.HV * case.K * case.V
+  assert NTa != len(case.lens) and case.V != case.BT
+  plan = pipeline.make_plan(scale=case.K ** -0.5, chunk_size=case.BT)
+  args = (p["q"], p["k"], p["v"], p["g"], p["beta"], p["initial_state"], None, None)
+  ints = (layout.starts, layout.lens, layout.aligned_cu)
+  static = (T, layout.Ta, case.BT)
+  cts, res = jax.eval_shape(lambda ints, *a: api._staged_fwd(plan, static, ints, *a), ints, *args)
+  bwd = jax.make_jaxpr(lambda res, cts: api._staged_bwd(plan, static, res, cts))(res, cts)
+  one = [("scan", (NTa, case.HV, case.K, case.V))]
+  assert state_sized(bwd.jaxpr, size) == one, f"backward: {state_sized(bwd.jaxpr, size)}, expected {one}"
+
+  def loss(p):
+    o, ht = api.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=p["initial_state"],
+                          output_final_state=True, cu_seqlens=cu, chunk_size=case.BT)
+    return loss_value(o, ht, Wo, Wh)
+
+  grad = jax.make_jaxpr(jax.grad(loss))(p)
+  assert state_sized(grad.jaxpr, size) == one * 2, f"jax.grad: {state_sized(grad.jaxpr, size)}"
 
 
 def test_jit_grad_with_traced_cu_seqlens_compiles_once():
