@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from kda import padding
 from kda.padding import Layout
-from kda.stages import gate, intra, output, state
+from kda import stages
 from kda.stages.base import resolve
 
 FORWARD_STAGES = ("gate", "intra", "state", "output")
@@ -31,7 +31,6 @@ BACKWARD_STAGES = ("bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", 
 
 def default_impls(names, backend: str | None = None) -> dict[str, str]:
   """Kernels on an accelerator, the jnp reference on a CPU (where kernels only interpret)."""
-  from kda import stages
   backend = backend or jax.default_backend()
   out = {}
   for n in names:
@@ -57,7 +56,6 @@ class Plan:
 
 def make_plan(*, scale, chunk_size, use_qk_l2norm=False, use_gate_in_kernel=False, lower_bound=None,
               impl=None, interpret=None) -> Plan:
-  from kda import stages
   names = stages.names()
   impls = resolve(impl, names, default_impls(names))
   if interpret is None:
@@ -74,7 +72,6 @@ def l2norm(x):
 
 
 def _run(plan: Plan, name: str, *args, **kwargs):
-  from kda import stages
   return stages.get(name)(plan.impl(name), *args, interpret=plan.interpret, **kwargs)
 
 

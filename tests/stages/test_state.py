@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kda import padding
-from kda.stages import gate, state
+from kda.stages import state
 from tests import cases
 from tests.lowering import lower_h200
 
