@@ -161,6 +161,10 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   plan = pipeline.make_plan(scale=scale, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel,
                             lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl)
+  kernels = [n for n in pipeline.FORWARD_STAGES if plan.impl(n) != "reference"]
+  if backward == "autodiff" and kernels:
+    raise ValueError("backward='autodiff' differentiates through the forward stages, which needs their "
+                     f"jnp references (impl='reference'); got kernels for stages {kernels}")
   h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
   if N == 0:                       # no sequence at all (e.g. a batch of padding): nothing to compute

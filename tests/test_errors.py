@@ -172,3 +172,11 @@ def test_recurrent_kda_rejects_bad_heads_and_batch(inp):
   with pytest.raises(ValueError, match=_m("cu_seqlens requires B == 1", "got B=2")):
     kda.reference.recurrent_kda(rows["q"], rows["k"], rows["v"], rows["g"], rows["beta"],
                                 cu_seqlens=inp.cu_seqlens)
+
+
+def test_autodiff_backward_with_kernels_is_refused():
+  from kda.api import chunk_kda_with
+  inp = cases.make_inputs(0, lens=[30, 20], H=1, K=16, V=16)
+  with pytest.raises(ValueError, match=re.escape("got kernels for stages ['intra']")):
+    chunk_kda_with(inp.q, inp.k, inp.v, inp.g, inp.beta, cu_seqlens=inp.cu_seqlens,
+                   impl={"intra": "pallas"}, backward="autodiff")
