@@ -30,6 +30,8 @@ import numpy as np
 from kda import padding, pipeline, stages
 from kda.reference import recurrent_kda
 from kda.stages.gate import activate
+from tests import cases
+from tests.cases import Inputs
 
 ZERO_FIELDS = ("u", "w", "qg", "kg", "v_new", "o")
 # float32 chunked vs token-by-token: the same terms summed in another order (chunk matmuls, the
@@ -39,51 +41,15 @@ REL_TOL = 1e-4
 GC_REL_TOL = 1e-5
 
 
-class Inputs(NamedTuple):
-  q: jax.Array                 # [1, T, H, K]
-  k: jax.Array                 # [1, T, H, K]
-  v: jax.Array                 # [1, T, HV, V]
-  g: jax.Array                 # [1, T, HV, K] log-space ("plain") or pre-activation ("raw")
-  beta: jax.Array              # [1, T, HV]
-  initial_state: jax.Array     # [N, HV, K, V] float32
-  cu_seqlens: jax.Array        # [N+1] int32
-  A_log: jax.Array | None      # [HV] ("raw" only)
-  dt_bias: jax.Array | None    # [HV * K] ("raw" only)
-
-
-def make_inputs(seed, lens, *, H=1, K=128, V=128, gate="raw", extra_tokens=0, dtype=jnp.float32):
-  """Seeded random varlen inputs, B = 1, T = sum(lens) + extra_tokens (drawn like tests/cases.py).
-
-  Unit-norm q/k, beta in (0, 1), a random initial state; gate "plain": log-space gates with a few
-  strong ones, "raw": pre-activation gates with A_log and dt_bias (use_gate_in_kernel). The extra
-  tokens belong to no sequence and are NaN, so a read of them shows.
-  """
-  lens = [int(n) for n in lens]
-  T, N = sum(lens) + int(extra_tokens), len(lens)
-  keys = jax.random.split(jax.random.PRNGKey(seed), 9)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(keys[0], (1, T, H, K)))
-  k = unit(jax.random.normal(keys[1], (1, T, H, K)))
-  v = jax.random.normal(keys[2], (1, T, H, V))
-  z = jax.random.normal(keys[3], (1, T, H, K))
-  A_log = dt_bias = None
-  if gate == "plain":
-    g = jax.nn.log_sigmoid(2.0 * z) / 2.0
-    strong = jax.random.uniform(keys[4], (1, T, H, 1)) < 0.05
-    g = jnp.where(strong, g * 8.0 - 1.0, g)              # a few tokens with decay ~exp(-5)
-  elif gate == "raw":
-    g = 2.0 * z
-    A_log = jax.random.uniform(keys[4], (H,), minval=-1.0, maxval=1.0)
-    dt_bias = 0.5 * jax.random.normal(keys[8], (H * K,))
-  else:
+def make_inputs(seed, lens, *, H=1, K=128, V=128, gate="raw", extra_tokens=0, dtype=jnp.float32) -> Inputs:
+  """Seeded random varlen inputs from the case catalogue (tests/cases.py), B = 1,
+  T = sum(lens) + extra_tokens. gate "plain": log-space gates with a few strong ones, "raw":
+  pre-activation gates with A_log and dt_bias (use_gate_in_kernel). The extra tokens belong to no
+  sequence and are NaN, so a read of them shows."""
+  if gate not in ("plain", "raw"):
     raise ValueError(f"gate must be 'plain' or 'raw', got {gate!r}")
-  beta = jax.nn.sigmoid(jax.random.normal(keys[5], (1, T, H)))
-  h0 = 0.5 * jax.random.normal(keys[6], (N, H, K, V))
-  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-  tail = (jnp.arange(T) >= sum(lens))[None]
-  poison = lambda x: jnp.where(tail.reshape(tail.shape + (1,) * (x.ndim - 2)), jnp.nan, x).astype(dtype)
-  q, k, v, g, beta = (poison(x) for x in (q, k, v, g, beta))
-  return Inputs(q, k, v, g, beta, h0, cu, A_log, dt_bias)
+  return cases.make_inputs(seed, lens=[int(n) for n in lens], H=H, K=K, V=V, dtype=dtype, gate=gate,
+                           extra_T=int(extra_tokens))
 
 
 _JIT_CACHE: dict = {}
