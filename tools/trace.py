@@ -1,17 +1,36 @@
-"""python -m tools.trace: the seed's per-token padding walk-through (section 2.10), computed.
+"""python -m tools.trace: what every forward stage computes at every token, real or padding, and
+whether the padding invariants hold.
 
-Runs the forward pipeline with every stage recorded on a varlen example and prints, for one head and
-every aligned token (real, padding of a sequence's last chunk, or tail after aligned_cu[-1]), what
-each stage produced. Then it checks the padding invariants of DESIGN.md on the recording and against
-the token-by-token recurrence, one verdict per invariant; the exit status is 1 if any fails.
+The trace makes a varlen example: random sequences of the --seq-lens lengths packed into one row
+(B = 1, chunk size --chunk-size, K = V = --head-dim), followed by --extra-tokens tokens that belong
+to no sequence and hold NaN, so a read of them would show. It runs kda's forward pipeline on it
+(align, then the stages gate, intra, state, output, then unalign) with every stage's output
+recorded, and the token-by-token recurrence (kda.reference.recurrent_kda) on the same inputs.
 
-  python -m tools.trace [--seq-lens 100,50] [--chunk-size 64] [--head-dim 128] [--heads 1]
-      [--head 0] [--gate raw|plain] [--tokens a:b] [--format text|csv|json] [--impl SPEC]
-      [--seed 0] [--extra-tokens 8] [--plot FILE.png]
+The table has one line per token of the aligned buffer, where every sequence starts on a chunk
+boundary, for value head --head. A line is a real token, padding ('* ': the rest of a sequence's
+last chunk) or tail ('. ': the chunks after the last sequence). Columns: token, chunk, sequence and
+position in it; g_raw (the gate as the gate stage received it), g_act (activated) and gc (the
+chunk-local cumsum), each a mean over K; the L2 norms of q, k, v and the value of beta as the stages
+received them; whether the token's row / column of the chunk's Akk and Aqk is all zero (0) or not
+(#); the L2 norms of u, w, qg, kg (intra), v_new (state) and o (output); |h|, the state entering
+each chunk, on the chunk's first line; |S_fin|, a sequence's final state, on its last real token.
 
---impl is "reference", "pallas" or stage=impl pairs ("intra=pallas,state=reference"). The packed
-input holds --extra-tokens tokens of no sequence after the last one, filled with NaN: the pipeline
-must never read them and must output exact zeros there.
+Then one PASS / FAIL line per invariant, with the worst value found, the tolerance and where:
+  - the valid mask marks exactly the real tokens;
+  - at padding: q = k = v = beta = 0; the raw gate is the neutral -1e4 (--gate raw) or 0 (--gate
+    plain); the activated gate is 0; gc is flat after the last real token of its chunk; the rows
+    and columns of Akk and Aqk are 0; u = w = qg = kg = v_new = o = 0 (all exactly);
+  - against the recurrence: each final state (the state leaving a sequence's last chunk) and the
+    real tokens' outputs within 1e-4 relative (max |diff| / max |recurrence|);
+  - the outputs of the tokens of no sequence are exactly 0.
+
+Exit status: 0 if every invariant holds, 1 if any fails, 2 for bad arguments.
+
+Run it from the repository root. --impl is "reference", "pallas" or stage=impl pairs
+("intra=pallas,state=reference"); by default each stage runs what chunk_kda's impl=None picks (on
+a CPU the jnp references; kernels there run in interpret mode). docs/api.md describes the padding
+layer and this tool in full.
 """
 from __future__ import annotations
 
@@ -77,7 +96,7 @@ def _recorded_forward(plan, T):
     q, k, v, beta = rec["inputs"]["intra"][:4]
     it, st = rec["intra"], rec["state"]
     return dict(aligned_cu=layout.aligned_cu, valid=valid[0], g_raw=g_in[0], g_act=rec["gate"].g[0],
-                gc=rec["gate"].gc[0], q=q[0], k=k[0], v=v[0], beta=beta[0], Akk=it.Akk[0],
+                gc=rec["gate"].gc_int[0] + rec["gate"].gc_frac[0], q=q[0], k=k[0], v=v[0], beta=beta[0], Akk=it.Akk[0],
                 Aqk=it.Aqk[0], u=it.u[0], w=it.w[0], qg=it.qg[0], kg=it.kg[0], v_new=st.v_new[0],
                 o=rec["output"].o[0], h=st.h[0], final_state=final, o_packed=o[0],
                 o_ref=o_ref[0], final_ref=final_ref)
@@ -153,7 +172,8 @@ def _rel(got, want):
 
 
 def check(tr: Trace) -> list:
-  """The padding invariants of DESIGN.md, one Verdict each."""
+  """The padding invariants (docs/api.md, kda.padding) and the checks against the recurrence, one
+  Verdict each."""
   a, cfg = tr.a, tr.config
   BT, seq, kind = cfg["chunk_size"], tr.seq, tr.kind
   real = kind == "real"
@@ -421,21 +441,35 @@ def parse_lens(spec):
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.split("\n")[0])
-  p.add_argument("--seq-lens", default="100,50", help="sequence lengths, comma separated")
-  p.add_argument("--chunk-size", type=int, default=64, choices=(16, 32, 64))
-  p.add_argument("--head-dim", type=int, default=128, help="K = V")
-  p.add_argument("--heads", type=int, default=1)
-  p.add_argument("--head", type=int, default=0, help="value head to print and plot")
+  p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--seq-lens", default="100,50",
+                 help="sequence lengths, comma separated; 0 is an empty sequence (default %(default)s)")
+  p.add_argument("--chunk-size", type=int, default=64, choices=(16, 32, 64),
+                 help="chunk size BT (default %(default)s)")
+  p.add_argument("--head-dim", type=int, default=128, help="K = V, the head dims (default %(default)s)")
+  p.add_argument("--heads", type=int, default=1, help="number of heads, H = HV (default %(default)s)")
+  p.add_argument("--head", type=int, default=0, help="value head to print and plot (default %(default)s)")
   p.add_argument("--gate", choices=("raw", "plain"), default="raw",
-                 help="raw: gate in kernel (A_log, dt_bias; padding gates neutralised to -1e4)")
-  p.add_argument("--lower-bound", type=float, default=None, help="with --gate raw: lower_bound * sigmoid")
-  p.add_argument("--tokens", default=None, help="aligned token range a:b to print (default all)")
-  p.add_argument("--format", choices=("text", "csv", "json"), default="text")
-  p.add_argument("--impl", default=None, help="reference | pallas | stage=impl[,stage=impl]")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--extra-tokens", type=int, default=8, help="NaN tokens of no sequence after the last")
-  p.add_argument("--plot", default=None, metavar="FILE.png", help="draw |Akk| and |Aqk| per chunk")
+                 help="raw: raw gates activated in the pipeline (use_gate_in_kernel, A_log, dt_bias; "
+                      "padding gates neutralised to -1e4); plain: log-space gates used as given "
+                      "(default %(default)s)")
+  p.add_argument("--lower-bound", type=float, default=None,
+                 help="with --gate raw: the bounded activation lower_bound * sigmoid(...), a finite "
+                      "negative number (default: the softplus activation)")
+  p.add_argument("--tokens", default=None,
+                 help="print only aligned tokens a to b (a:b, either side may be empty; default all)")
+  p.add_argument("--format", choices=("text", "csv", "json"), default="text",
+                 help="text: the table and the verdicts; csv: one row per token, verdicts on stderr; "
+                      "json: config, tokens, verdicts and ok (default %(default)s)")
+  p.add_argument("--impl", default=None,
+                 help="reference | pallas | stage=impl[,stage=impl] (default: as chunk_kda's impl=None)")
+  p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
+  p.add_argument("--extra-tokens", type=int, default=8,
+                 help="tokens of no sequence after the last one, filled with NaN (default %(default)s)")
+  p.add_argument("--plot", default=None, metavar="FILE.png",
+                 help="also draw |Akk| and |Aqk| of every chunk to FILE.png (needs matplotlib: the "
+                      "[plot] extra)")
   return p
 
 
