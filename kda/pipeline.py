@@ -116,8 +116,8 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
     return _run(plan, name, *args, **forward_kwargs(plan, name))
 
   gt = run("gate", g, valid, A_log, dt_bias)
-  it = run("intra", q, k, v, beta, gt.gc)
-  st = run("state", it.kg, it.w, it.u, gt.gc, initial_state, layout.aligned_cu)
+  it = run("intra", q, k, v, beta, gt.gc_int, gt.gc_frac)
+  st = run("state", it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, initial_state, layout.aligned_cu)
   ot = run("output", it.qg, st.h, it.Aqk, st.v_new)
   o = padding.unalign_with(layout, ot.o).astype(v.dtype)
   records: dict[str, Any] = {}
@@ -188,9 +188,10 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   rc = run("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
            layout.aligned_cu)
   av = run("bwd_dav", rc.v_new, saved.Aqk, do)
-  ds = run("bwd_dh", rc.qg, rc.kg, rc.w, rc.gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
-  wy = run("bwd_wy", qa, ka, va, ba, rc.gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
-  it = run("bwd_intra", qa, ka, ba, rc.gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
+  gc = (rc.gc_int, rc.gc_frac)
+  ds = run("bwd_dh", rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
+  wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
+  it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
   gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(

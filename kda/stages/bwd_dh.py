@@ -16,7 +16,7 @@ recurrence and the inter-chunk output term in (qg, kg, w, u, gc_last, initial_st
 one chunk at a time in the scan's carry and h is only read: the backward's one [NTa, HV, K, V]
 buffer is S0's h, and nothing this stage returns grows with K * V per chunk.
 
-In:  qg, kg, w [1, Ta, HV, K] f32, gc [1, Ta, HV, K] f32, h [1, NTa, HV, K, V] f32 (S0: state
+In:  qg, kg, w [1, Ta, HV, K] f32, gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out), h [1, NTa, HV, K, V] f32 (S0: state
      entering each chunk), v_new [1, Ta, HV, V] f32, do [1, Ta, HV, V], dv [1, Ta, HV, V] f32,
      dht [N, HV, K, V] f32 (final-state cotangent), aligned_cu [N+1] int32 (multiples of BT).
 Out: dh0 [N, HV, K, V] float32: the cotangent of initial_state (dht[n] for an empty sequence, whose
@@ -41,6 +41,7 @@ from jax import lax
 from kda.padding import chunk_table
 from kda.stages.base import Stage
 from kda.stages.intra import from_chunks, to_chunks
+from kda.stages.state import chunk_decay
 
 NAME = "bwd_dh"
 HI = lax.Precision.HIGHEST
@@ -55,13 +56,13 @@ class Out(NamedTuple):
   dgc_last: jax.Array  # [1, NTa, HV, K] float32
 
 
-def reference(qg, kg, w, gc, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size):
+def reference(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size):
   f32 = jnp.float32
-  qg, kg, w, gc, v_new, do, dv = (to_chunks(x.astype(f32), chunk_size) for x in (qg, kg, w, gc, v_new, do, dv))
+  qg, kg, w, v_new, do, dv = (to_chunks(x.astype(f32), chunk_size) for x in (qg, kg, w, v_new, do, dv))
   NTa = qg.shape[0]
   dht = dht.astype(f32)
   table = chunk_table(aligned_cu, NTa, chunk_size)
-  decay = jnp.exp(gc[:, -1])                                    # [NTa, HV, K]
+  decay = chunk_decay(gc_int, gc_frac, chunk_size)              # [NTa, HV, K]
   ein = lambda s, a, b: jnp.einsum(s, a, b, precision=HI)
 
   def step(carry, x):

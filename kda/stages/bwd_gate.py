@@ -1,8 +1,9 @@
 """bwd_gate (S5): reverse chunk-local cumsum of dgc, then the gate activation's backward.
 
 gc[t] = g_act[c*BT] + ... + g_act[t] within chunk c, so dg_act[t] = dgc[t] + ... + dgc[c*BT + BT-1]
-(a reverse cumsum inside the chunk). The forward zeroes g_act where valid is False, so dg_act is
-zeroed there too: the raw gate's gradient at padding is exactly 0. Then, with x = g + dt_bias, a =
+(a reverse cumsum inside the chunk). The forward zeroes g_act where valid is False and floors it at
+gate.GATE_FLOOR (exp of it is 0: a full reset), so dg_act is zeroed there too: the raw gate's
+gradient at padding, and at gates at or below the floor (-inf included), is exactly 0. Then, with x = g + dt_bias, a =
 exp(A_log) and the sums over every token (and channel for dA_log):
 
     use_gate_in_kernel=False:  dg = dg_act
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kda.stages import gate
 from kda.stages.base import Stage
 
 NAME = "bwd_gate"
@@ -43,7 +45,9 @@ def reverse_chunk_cumsum(x, chunk_size):
 
 def reference(g, valid, A_log, dt_bias, dgc, *, chunk_size, use_gate_in_kernel, lower_bound):
   f32 = jnp.float32
-  dg_act = jnp.where(valid[:, :, None, None], reverse_chunk_cumsum(dgc.astype(f32), chunk_size), 0.0)
+  g_act = gate.activate(g, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  live = valid[:, :, None, None] & gate.passes_floor(g_act)
+  dg_act = jnp.where(live, reverse_chunk_cumsum(dgc.astype(f32), chunk_size), 0.0)
   if not use_gate_in_kernel:
     return Out(dg_act, None, None)
   HV, K = g.shape[-2:]
@@ -51,15 +55,16 @@ def reference(g, valid, A_log, dt_bias, dgc, *, chunk_size, use_gate_in_kernel, 
   if dt_bias is not None:
     x = x + dt_bias.astype(f32).reshape(HV, K)
   a = None if A_log is None else jnp.exp(A_log.astype(f32))[:, None]
+  # where(live, ...) after the products: a floored gate (softplus(x) = inf) gives 0, not inf * 0
   if lower_bound is None:
-    dx = -a * jax.nn.sigmoid(x) * dg_act
-    dA = -a * jax.nn.softplus(x) * dg_act
+    dx = jnp.where(live, -a * jax.nn.sigmoid(x) * dg_act, 0.0)
+    dA = jnp.where(live, -a * jax.nn.softplus(x) * dg_act, 0.0)
   else:
     z = x if a is None else a * x
     s = jax.nn.sigmoid(z)
-    dz = lower_bound * s * (1.0 - s) * dg_act
+    dz = jnp.where(live, lower_bound * s * (1.0 - s) * dg_act, 0.0)
     dx = dz if a is None else a * dz
-    dA = z * dz
+    dA = jnp.where(live, z * dz, 0.0)
   dA_log = None if A_log is None else jnp.sum(dA, axis=(0, 1, 3))
   ddt_bias = None if dt_bias is None else jnp.sum(dx, axis=(0, 1)).reshape(HV * K)
   return Out(dx, dA_log, ddt_bias)

@@ -17,7 +17,7 @@ the cotangents dAqk (S1) and dAkk (S3) give, with G_i = sum_{j<i} dAkk[i, j] k_j
 (d/dgc_i of E[i, j] is +E, d/dgc_j is -E: so each pair sends its term to row i and minus it to j.)
 Nothing is divided by beta (0 at padding) and no exp(-gc) is formed alone.
 
-In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc [1, Ta, HV, K] f32, dAqk, dAkk [1, Ta, HV, BT] f32,
+In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out), dAqk, dAkk [1, Ta, HV, BT] f32,
      and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators).
 Out: dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV]: the accumulators plus this stage's terms; float32.
 Padding: q = k = beta = 0 at padding tokens, so every term that carries a padding token's q or k is 0;
@@ -45,12 +45,13 @@ class Out(NamedTuple):
   dgc: jax.Array    # [1, Ta, HV, K] float32
 
 
-def reference(q, k, beta, gc, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size):
+def reference(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size):
   f32 = jnp.float32
-  q, k, beta, gc, dAqk, dAkk = (to_chunks(x.astype(f32), chunk_size) for x in (q, k, beta, gc, dAqk, dAkk))
+  q, k, beta, gi, gf, dAqk, dAkk = (to_chunks(x.astype(f32), chunk_size)
+                                    for x in (q, k, beta, gc_int, gc_frac, dAqk, dAkk))
   ein = lambda s, *a: jnp.einsum(s, *a, precision=HI)
-  E = pair_decay(gc, False)                                      # [NTa, BT(i), BT(j), HV, K]
-  Es = pair_decay(gc, True)
+  E = pair_decay(gi, gf, False)                                  # [NTa, BT(i), BT(j), HV, K]
+  Es = pair_decay(gi, gf, True)
   b = beta[..., None]
   dqA = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, E)
   dkA = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, E)

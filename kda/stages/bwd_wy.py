@@ -20,7 +20,7 @@ Every exponent is gc (<= 0) or gc_last - gc (<= 0): nothing overflows however st
 Nothing here reads a state or its cotangent: every input and output is O(T) or O(NTa) times K, V or
 BT. The Akk and Aqk paths (bwd_intra) and the cumsum / activation (bwd_gate) come later.
 
-In:  q, k [1, Ta, HV, K], v [1, Ta, HV, V], beta [1, Ta, HV], gc [1, Ta, HV, K] f32,
+In:  q, k [1, Ta, HV, K], v [1, Ta, HV, V], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32,
      Ainv [1, Ta, HV, BT] f32, and S2's dqg, dkg, dw [1, Ta, HV, K] f32, du [1, Ta, HV, V] f32,
      dgc_last [1, NTa, HV, K] f32.
 Out: dq, dk, dgc [1, Ta, HV, K], dv [1, Ta, HV, V], dbeta [1, Ta, HV], dAkk [1, Ta, HV, BT]; float32.
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda.stages.base import Stage
-from kda.stages.intra import from_chunks, to_chunks
+from kda.stages.intra import chunk_decays, from_chunks, to_chunks
 
 NAME = "bwd_wy"
 HI = lax.Precision.HIGHEST
@@ -52,16 +52,15 @@ class Out(NamedTuple):
   dAkk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower (row i of chunk c at token c*BT + i)
 
 
-def reference(q, k, v, beta, gc, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size):
+def reference(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size):
   f32 = jnp.float32
   BT = chunk_size
-  q, k, v, beta, gc, Ainv, dqg, dkg, dw, du = (
-      to_chunks(x.astype(f32), BT) for x in (q, k, v, beta, gc, Ainv, dqg, dkg, dw, du))
+  q, k, v, beta, gi, gf, Ainv, dqg, dkg, dw, du = (
+      to_chunks(x.astype(f32), BT) for x in (q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du))
   ein = lambda s, a, b: jnp.einsum(s, a, b, precision=HI)
   b = beta[..., None]
-  eg = jnp.exp(gc)
-  g_last = gc[:, -1:]                                            # [NTa, 1, HV, K]
-  qg, kg, kb, vb = q * eg, k * jnp.exp(g_last - gc), b * k * eg, b * v
+  eg, el = chunk_decays(gi, gf)                                  # exp(gc), exp(gc_last - gc)
+  qg, kg, kb, vb = q * eg, k * el, b * k * eg, b * v
 
   dkb = ein("cihj,cihk->cjhk", Ainv, dw)                         # Ainv^T @ dw
   dvb = ein("cihj,cihv->cjhv", Ainv, du)                         # Ainv^T @ du
@@ -71,7 +70,7 @@ def reference(q, k, v, beta, gc, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size
   dAkk = jnp.where(strict, -M, 0.0)
 
   dq = dqg * eg
-  dk = dkg * jnp.exp(g_last - gc) + dkb * b * eg
+  dk = dkg * el + dkb * b * eg
   dv = dvb * b
   dbeta = jnp.sum(dkb * k * eg, -1) + jnp.sum(dvb * v, -1)
   dgc = dqg * qg - dkg * kg + dkb * kb

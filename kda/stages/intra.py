@@ -7,11 +7,13 @@
     qg = q * exp(gc),  kg = k * exp(gc_last - gc)
 
 In:  q, k [1, Ta, HV, K] (q/k already mapped to value heads), v [1, Ta, HV, V], beta [1, Ta, HV],
-     gc [1, Ta, HV, K] float32.
+     gc_int, gc_frac [1, Ta, HV, K] float32 (the gate stage's two parts of gc; every exponent below
+     is formed from them with gate.exponent).
 Out: Akk, Aqk, Ainv [1, Ta, HV, BT] (row i of chunk c at token c*BT + i), w, qg, kg [1, Ta, HV, K],
      u [1, Ta, HV, V]; all float32.
 Numerics: the exponent difference gc_i - gc_j is formed and masked (j <= i, so <= 0) before exp, so
-no factor overflows whatever the gates. Padding: q = k = v = beta = 0 there, so padding rows and
+no factor overflows whatever the gates, and from the two parts of gc, so it keeps float32 accuracy
+however large they are. Padding: q = k = v = beta = 0 there, so padding rows and
 columns of Akk and Aqk are 0, Ainv's padding rows are one-hot, and u = w = qg = kg = 0.
 
 Kernel: grid (NTa, HV), one program per (chunk, head), on [BT, K] / [BT, V] tiles read straight from
@@ -44,6 +46,7 @@ from jax.experimental import pallas as pl
 
 from kda import _pallas
 from kda.stages.base import Stage
+from kda.stages.gate import exponent
 
 NAME = "intra"
 HI = lax.Precision.HIGHEST
@@ -86,23 +89,29 @@ def from_chunks(x):
   return x.reshape((1, x.shape[0] * x.shape[1]) + x.shape[2:])
 
 
-def pair_decay(gc, strict):
-  """exp(gc_i - gc_j) over the causal pairs of each chunk, 0 elsewhere: [NTa, BT(i), BT(j), HV, K].
+def pair_decay(gi, gf, strict):
+  """exp(gc_i - gc_j) over the causal pairs of each chunk, 0 elsewhere: [NTa, BT(i), BT(j), HV, K],
+  from the chunked parts gi, gf [NTa, BT, HV, K] of gc.
 
   The difference is masked before exp, so it never overflows."""
-  BT = gc.shape[1]
+  BT = gi.shape[1]
   i = jnp.arange(BT)[:, None]
   j = jnp.arange(BT)[None, :]
-  mask = (j < i) if strict else (j <= i)
-  d = gc[:, :, None] - gc[:, None, :]
-  return jnp.where(mask[None, :, :, None, None], jnp.exp(jnp.where(mask[None, :, :, None, None], d, 0.0)), 0.0)
+  mask = ((j < i) if strict else (j <= i))[None, :, :, None, None]
+  d = exponent(gi[:, :, None], gf[:, :, None], gi[:, None, :], gf[:, None, :])
+  return jnp.where(mask, jnp.exp(jnp.where(mask, d, 0.0)), 0.0)
 
 
-def chunk_matrices(q, k, beta, gc, scale):
+def chunk_decays(gi, gf):
+  """Chunked parts of gc -> (exp(gc), exp(gc_last - gc)), each [NTa, BT, HV, K]."""
+  return jnp.exp(exponent(gi, gf)), jnp.exp(exponent(gi[:, -1:], gf[:, -1:], gi, gf))
+
+
+def chunk_matrices(q, k, beta, gi, gf, scale):
   """Chunked inputs (f32) -> Akk, Aqk as [NTa, HV, BT, BT]."""
-  Akk = jnp.einsum("cihk,cjhk,cijhk->chij", k, k, pair_decay(gc, True), precision=HI)
+  Akk = jnp.einsum("cihk,cjhk,cijhk->chij", k, k, pair_decay(gi, gf, True), precision=HI)
   Akk = Akk * jnp.moveaxis(beta, 1, 2)[..., None]
-  Aqk = scale * jnp.einsum("cihk,cjhk,cijhk->chij", q, k, pair_decay(gc, False), precision=HI)
+  Aqk = scale * jnp.einsum("cihk,cjhk,cijhk->chij", q, k, pair_decay(gi, gf, False), precision=HI)
   return Akk, Aqk
 
 
@@ -113,22 +122,23 @@ def unit_lower_inverse(A):
                                            unit_diagonal=True)
 
 
-def reference(q, k, v, beta, gc, *, scale, chunk_size):
+def reference(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size):
   f32 = jnp.float32
-  q, k, v, beta, gc = (to_chunks(x.astype(f32), chunk_size) for x in (q, k, v, beta, gc))
-  Akk, Aqk = chunk_matrices(q, k, beta, gc, scale)
+  q, k, v, beta, gi, gf = (to_chunks(x.astype(f32), chunk_size) for x in (q, k, v, beta, gc_int, gc_frac))
+  Akk, Aqk = chunk_matrices(q, k, beta, gi, gf, scale)
   Ainv = unit_lower_inverse(Akk)
-  w = jnp.einsum("chij,cjhk->cihk", Ainv, beta[..., None] * k * jnp.exp(gc), precision=HI)
+  e_start, e_last = chunk_decays(gi, gf)
+  w = jnp.einsum("chij,cjhk->cihk", Ainv, beta[..., None] * k * e_start, precision=HI)
   u = jnp.einsum("chij,cjhv->cihv", Ainv, beta[..., None] * v, precision=HI)
-  qg = q * jnp.exp(gc)
-  kg = k * jnp.exp(gc[:, -1:] - gc)
+  qg = q * e_start
+  kg = k * e_last
   rows = lambda A: from_chunks(jnp.moveaxis(A, 1, 2))   # [NTa, HV, BT, BT] -> [1, Ta, HV, BT]
   return Out(rows(Akk), rows(Aqk), rows(Ainv), *(from_chunks(x) for x in (w, u, qg, kg)))
 
 
-def _kernel(q_ref, k_ref, v_ref, b_ref, gc_ref, akk_ref, aqk_ref, ainv_ref, w_ref, u_ref, qg_ref, kg_ref,
-            *, scale, mm_dtype, precision, diag):
-  # refs (one chunk of one head): q, k, gc, w, qg, kg [BT, K]; v, u [BT, V]; beta [BT, 1];
+def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_ref, w_ref, u_ref, qg_ref,
+            kg_ref, *, scale, mm_dtype, precision, diag):
+  # refs (one chunk of one head): q, k, gc_int, gc_frac, w, qg, kg [BT, K]; v, u [BT, V]; beta [BT, 1];
   # Akk, Aqk, Ainv [BT, BT]. Dots: the solve is float32 at `precision`; A, w and u dots take
   # mm_dtype operands (bf16 for bf16 inputs: tensor cores, float32 accumulation), else `precision`.
   BT = k_ref.shape[0]
@@ -145,16 +155,19 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gc_ref, akk_ref, aqk_ref, ainv_ref, w_re
   col1 = lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
   zeros = jnp.zeros((SUB, SUB), f32)
   load = lambda ref, I: ref[blk(I), :].astype(f32)
+  gc = lambda rows: (gi_ref[rows, :], gf_ref[rows, :])   # the two parts of gc at `rows`
+  row_at = lambda t: pl.ds(t, 1)
+  diff = lambda a, b: exponent(*a, *b)                   # gc_a - gc_b
 
   akk = {}
   for I in range(NS):
     m_beta = load(b_ref, I)                               # [SUB, 1]
-    m_k, m_q, m_g = load(k_ref, I), load(q_ref, I), gc_ref[blk(I), :]
-    r = gc_ref[pl.ds(I * SUB, 1), :]                      # [1, K] reference: I's first row
-    e_i = jnp.exp(m_g - r)                                # rows at or after r: <= 1
+    m_k, m_q, m_g = load(k_ref, I), load(q_ref, I), gc(blk(I))
+    r = gc(row_at(I * SUB))                               # [1, K] reference: I's first row
+    e_i = jnp.exp(diff(m_g, r))                           # rows at or after r: <= 1
     m_kl, m_ql = m_k * e_i, m_q * e_i
     for J in range(I):
-      m_kr = load(k_ref, J) * jnp.exp(r - gc_ref[blk(J), :])   # columns before r: <= 1
+      m_kr = load(k_ref, J) * jnp.exp(diff(r, gc(blk(J))))   # columns before r: <= 1
       akk[I, J] = m_beta * dot_nt(m_kl, m_kr)
       aqk_ref[blk(I), blk(J)] = scale * dot_nt(m_ql, m_kr)
 
@@ -164,26 +177,26 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gc_ref, akk_ref, aqk_ref, ainv_ref, w_re
         a_kk, a_qk = carry
         j = I * SUB + s
         m = row1 >= s
-        kd = jnp.where(m, jnp.exp(jnp.where(m, m_g - gc_ref[pl.ds(j, 1), :], 0.0)), 0.0)
+        kd = jnp.where(m, jnp.exp(jnp.where(m, diff(m_g, gc(row_at(j))), 0.0)), 0.0)
         kd = kd * k_ref[pl.ds(j, 1), :].astype(f32)
         a_kk = jnp.where(col == s, jnp.sum(m_k * kd, axis=1, keepdims=True), a_kk)
         a_qk = jnp.where(col == s, jnp.sum(m_q * kd, axis=1, keepdims=True), a_qk)
         return a_kk, a_qk
       return lax.fori_loop(0, SUB, column, (zeros, zeros))
 
-    mid = gc_ref[pl.ds(I * SUB + SUB // 2, 1), :]        # [1, K]
+    mid = gc(row_at(I * SUB + SUB // 2))                 # [1, K]
 
     def factored(m_k=m_k, m_q=m_q, m_g=m_g, mid=mid):
       # reference at the middle row: factors lie in [exp(-DIAG_RANGE), exp(DIAG_RANGE)] (checked);
       # the pairs above the diagonal may overflow, they are masked out below
-      e_i = jnp.exp(m_g - mid)
-      m_kr = m_k * jnp.exp(mid - m_g)
+      e_i = jnp.exp(diff(m_g, mid))
+      m_kr = m_k * jnp.exp(diff(mid, m_g))
       return dot_nt(m_k * e_i, m_kr), dot_nt(m_q * e_i, m_kr)
 
     if diag == "pairwise":
       a_kk, a_qk = pairwise()
     else:
-      half_range = jnp.maximum(r - mid, mid - gc_ref[pl.ds(I * SUB + SUB - 1, 1), :])
+      half_range = jnp.maximum(diff(r, mid), diff(mid, gc(row_at(I * SUB + SUB - 1))))
       a_kk, a_qk = lax.cond(jnp.max(jnp.max(half_range, axis=1), axis=0) <= DIAG_RANGE,
                             factored, pairwise)
     akk[I, I] = jnp.where(row > col, a_kk, 0.0) * m_beta
@@ -222,19 +235,20 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gc_ref, akk_ref, aqk_ref, ainv_ref, w_re
     for J in range(I + 1):
       m_beta = load(b_ref, J)
       m_x = ainv[I, J].astype(mm_dtype)
-      m_w_j = dot(m_x, (m_beta * load(k_ref, J) * jnp.exp(gc_ref[blk(J), :])).astype(mm_dtype), mm_prec)
+      m_w_j = dot(m_x, (m_beta * load(k_ref, J) * jnp.exp(exponent(*gc(blk(J))))).astype(mm_dtype),
+                  mm_prec)
       m_u_j = dot(m_x, (m_beta * load(v_ref, J)).astype(mm_dtype), mm_prec)
       m_w = m_w_j if m_w is None else m_w + m_w_j
       m_u = m_u_j if m_u is None else m_u + m_u_j
     w_ref[blk(I), :] = m_w
     u_ref[blk(I), :] = m_u
 
-  b_g = gc_ref[...]
-  qg_ref[...] = q_ref[...].astype(f32) * jnp.exp(b_g)
-  kg_ref[...] = k_ref[...].astype(f32) * jnp.exp(gc_ref[pl.ds(BT - 1, 1), :] - b_g)
+  b_g = (gi_ref[...], gf_ref[...])
+  qg_ref[...] = q_ref[...].astype(f32) * jnp.exp(exponent(*b_g))
+  kg_ref[...] = k_ref[...].astype(f32) * jnp.exp(diff(gc(row_at(BT - 1)), b_g))
 
 
-def pallas(q, k, v, beta, gc, *, scale, chunk_size, interpret=False, config=None):
+def pallas(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
   config = config or Config()
   BT = chunk_size
   if BT < SUB or BT & (BT - 1):
@@ -243,7 +257,7 @@ def pallas(q, k, v, beta, gc, *, scale, chunk_size, interpret=False, config=None
   V = v.shape[-1]
   f32 = jnp.float32
   Kp, Vp = max(_pallas.next_pow2(K), 16), max(_pallas.next_pow2(V), 16)
-  q, k, gc = (_pallas.pad_dim(x, 3, Kp) for x in (q, k, gc.astype(f32)))
+  q, k, gi, gf = (_pallas.pad_dim(x, 3, Kp) for x in (q, k, gc_int.astype(f32), gc_frac.astype(f32)))
   v = _pallas.pad_dim(v, 3, Vp)
   bf16 = q.dtype == jnp.bfloat16 and k.dtype == jnp.bfloat16 and config.bf16_dots
   kernel = functools.partial(_kernel, scale=float(scale), mm_dtype=jnp.bfloat16 if bf16 else f32,
@@ -253,11 +267,11 @@ def pallas(q, k, v, beta, gc, *, scale, chunk_size, interpret=False, config=None
   shape = lambda d: jax.ShapeDtypeStruct((1, Ta, HV, d), f32)
   Akk, Aqk, Ainv, w, u, qg, kg = pl.pallas_call(
       kernel, grid=(Ta // BT, HV),
-      in_specs=[tile(Kp), tile(Kp), tile(Vp), tile(1), tile(Kp)],
+      in_specs=[tile(Kp), tile(Kp), tile(Vp), tile(1), tile(Kp), tile(Kp)],
       out_specs=[tile(BT)] * 3 + [tile(Kp), tile(Vp), tile(Kp), tile(Kp)],
       out_shape=[shape(BT)] * 3 + [shape(Kp), shape(Vp), shape(Kp), shape(Kp)],
       compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
-      interpret=interpret, name=f"kda_{NAME}")(q, k, v, beta[..., None], gc)
+      interpret=interpret, name=f"kda_{NAME}")(q, k, v, beta[..., None], gi, gf)
   if Kp != K:
     w, qg, kg = w[..., :K], qg[..., :K], kg[..., :K]
   if Vp != V:

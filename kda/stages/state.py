@@ -6,8 +6,9 @@ For chunk c of a sequence, S the [K, V] float32 state entering it (initial_state
     v_new    = u - w @ S
     S_next   = exp(gc_last)[:, None] * S + kg^T @ v_new
 
-In:  kg, w [1, Ta, HV, K], u [1, Ta, HV, V], gc [1, Ta, HV, K] float32, initial_state [N, HV, K, V]
-     float32, aligned_cu [N+1] int32 (multiples of BT).
+In:  kg, w [1, Ta, HV, K], u [1, Ta, HV, V], gc_int, gc_frac [1, Ta, HV, K] float32 (the gate stage's
+     two parts of gc; only each chunk's last row is read), initial_state [N, HV, K, V] float32,
+     aligned_cu [N+1] int32 (multiples of BT).
 Out: h [1, NTa, HV, K, V] float32 (0 for chunks after aligned_cu[-1]), v_new [1, Ta, HV, V] float32,
      final_state [N, HV, K, V] float32 (initial_state[n] for an empty sequence).
 Padding: u = w = kg = 0 at padding tokens, so v_new = 0 there and the state leaving a sequence's last
@@ -35,6 +36,7 @@ from kda import _pallas
 from kda.padding import chunk_table
 from kda.stages.intra import from_chunks, to_chunks
 from kda.stages.base import Stage
+from kda.stages.gate import exponent
 
 NAME = "state"
 HI = lax.Precision.HIGHEST
@@ -62,13 +64,19 @@ class Config:
     _pallas.check_config(self)
 
 
-def reference(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size):
+def chunk_decay(gc_int, gc_frac, chunk_size):
+  """exp(gc_last) of every chunk: [NTa, HV, K] float32."""
+  last = lambda x: to_chunks(x.astype(jnp.float32), chunk_size)[:, -1]
+  return jnp.exp(exponent(last(gc_int), last(gc_frac)))
+
+
+def reference(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size):
   f32 = jnp.float32
-  kg, w, u, gc = (to_chunks(x.astype(f32), chunk_size) for x in (kg, w, u, gc))
+  kg, w, u = (to_chunks(x.astype(f32), chunk_size) for x in (kg, w, u))
   NTa = kg.shape[0]
   h0 = initial_state.astype(f32)
   table = chunk_table(aligned_cu, NTa, chunk_size)
-  decay = jnp.exp(gc[:, -1])                                    # [NTa, HV, K]
+  decay = chunk_decay(gc_int, gc_frac, chunk_size)              # [NTa, HV, K]
 
   def step(carry, x):
     S, final = carry
@@ -87,9 +95,9 @@ def reference(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size):
   return Out(h[None], from_chunks(v_new), final)
 
 
-def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gc_ref, h0_ref, h_ref, v_new_ref, ht_ref, *,
+def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gi_ref, gf_ref, h0_ref, h_ref, v_new_ref, ht_ref, *,
             chunk_size, precision):
-  # refs: order [N], cu [N+1] int32; kg, w, gc [Ta, K]; u, v_new [Ta, BV]; h [NTa, K, BV];
+  # refs: order [N], cu [N+1] int32; kg, w, gc_int, gc_frac [Ta, K]; u, v_new [Ta, BV]; h [NTa, K, BV];
   # h0, ht [N, K, BV] (all of one head and V tile). Both dots run at `precision` (Config: three TF32
   # passes by default): their rounding feeds the carried state and compounds over the chunks.
   BT = chunk_size
@@ -107,7 +115,8 @@ def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gc_ref, h0_ref, h_ref, v_ne
     b_v = u_ref[rows, :].astype(f32) - jnp.dot(w_ref[rows, :].astype(f32), b_h, precision=precision,
                                                preferred_element_type=f32)
     v_new_ref[rows, :] = b_v
-    b_glast = gc_ref[pl.ds(start + BT - 1, 1), :].astype(f32)          # [1, K]
+    last = pl.ds(start + BT - 1, 1)
+    b_glast = exponent(gi_ref[last, :], gf_ref[last, :])                # [1, K]
     b_upd = lax.dot_general(kg_ref[rows, :].astype(f32), b_v, _pallas.TN_DIMS, precision=precision,
                             preferred_element_type=f32)
     return b_h * jnp.exp(jnp.transpose(b_glast)) + b_upd
@@ -125,7 +134,8 @@ def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gc_ref, h0_ref, h_ref, v_ne
   lax.fori_loop(0, jnp.maximum(NTa - first + N - 1, 0) // N, zero, 0)
 
 
-def pallas(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size, interpret=False, config=None):
+def pallas(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, interpret=False,
+           config=None):
   config = config or Config()
   BT = chunk_size
   _, Ta, HV, K = kg.shape
@@ -138,7 +148,7 @@ def pallas(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size, interpret=Fal
                jnp.zeros((0, HV, K, V), f32))
   Kp, Vp = max(_pallas.next_pow2(K), 16), max(_pallas.next_pow2(V), 16)
   BV = min(config.block_v, Vp)
-  kg, w, gc = (_pallas.pad_dim(x, 3, Kp) for x in (kg, w, gc))
+  kg, w, gi, gf = (_pallas.pad_dim(x, 3, Kp) for x in (kg, w, gc_int.astype(f32), gc_frac.astype(f32)))
   u = _pallas.pad_dim(u, 3, Vp)
   h0 = _pallas.pad_dim(_pallas.pad_dim(initial_state.astype(f32), 2, Kp), 3, Vp)
   aligned_cu = aligned_cu.astype(jnp.int32)
@@ -157,13 +167,13 @@ def pallas(kg, w, u, gc, initial_state, aligned_cu, *, chunk_size, interpret=Fal
                              precision=_pallas.dot_precision(config.precision, interpret))
   h, v_new, ht = pl.pallas_call(
       kernel, grid=(Vp // BV, HV, N),
-      in_specs=[seqs(N), seqs(N + 1), keys, keys, vals, keys, states],
+      in_specs=[seqs(N), seqs(N + 1), keys, keys, vals, keys, keys, states],
       out_specs=[pl.BlockSpec((None, NTa, None, Kp, BV), lambda j, h, r: (0, 0, h, 0, j)), vals, states],
       out_shape=[jax.ShapeDtypeStruct((1, NTa, HV, Kp, Vp), f32),
                  jax.ShapeDtypeStruct((1, Ta, HV, Vp), f32),
                  jax.ShapeDtypeStruct((N, HV, Kp, Vp), f32)],
       compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
-      interpret=interpret, name=f"kda_{NAME}")(order, aligned_cu, kg, w, u, gc, h0)
+      interpret=interpret, name=f"kda_{NAME}")(order, aligned_cu, kg, w, u, gi, gf, h0)
   if (Kp, Vp) != (K, V):
     h, v_new, ht = h[..., :K, :V], v_new[..., :V], ht[..., :K, :V]
   return Out(h, v_new, ht)

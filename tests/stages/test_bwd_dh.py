@@ -1,6 +1,7 @@
 """bwd_dh (S2) against jax.vjp of the state and output stages' references.
 
-S2 is the vjp of state -> output in (qg, kg, w, u, gc, initial_state) with Aqk held fixed, S1's
+S2 is the vjp of state -> output in (qg, kg, w, u, gc, initial_state) with Aqk held fixed (gc's
+cotangent is that of its fractional part, gc_int + gc_frac being all the stages read), S1's
 Aqk^T @ do being its dv input: du, dqg, dkg, dw and dh0 are that vjp's, and the vjp in gc is 0 but
 at each chunk's last row (the state stage reads gc only through the decay exp(gc_last)), where it
 is dgc_last. Every chunk's state cotangent shows in dkg = v_new @ dS_next^T and dgc_last. The lens
@@ -22,18 +23,18 @@ from tests.stages import bwd_setup
 def test_bwd_dh_matches_vjp_of_state_and_output():
   s = bwd_setup.forward_records(**bwd_setup.PLAIN)
   BT, scale = s.plan.chunk_size, s.plan.scale
-  kg, w, u, gc, h0, acu = s.rec["inputs"]["state"]
+  kg, w, u, gi, gc, h0, acu = s.rec["inputs"]["state"]
   qg, h, Aqk, v_new = s.rec["inputs"]["output"]
   do, dht = bwd_setup.randn(30, u.shape, h0.shape)   # random everywhere, padding and tail included
 
   def state_output(qg, kg, w, u, gc, S0):
-    st = state.reference(kg, w, u, gc, S0, acu, chunk_size=BT)
+    st = state.reference(kg, w, u, gi, gc, S0, acu, chunk_size=BT)
     return output.reference(qg, st.h, Aqk, st.v_new, scale=scale, chunk_size=BT).o, st.final_state
 
   @jax.jit
   def run(do, dht):
     dv1 = bwd_dav.reference(v_new, Aqk, do, chunk_size=BT).dv
-    got = bwd_dh.reference(qg, kg, w, gc, h, v_new, do, dv1, dht, acu,
+    got = bwd_dh.reference(qg, kg, w, gi, gc, h, v_new, do, dv1, dht, acu,
                            **pipeline.backward_kwargs(s.plan, "bwd_dh"))
     want = jax.vjp(state_output, qg, kg, w, u, gc, h0)[1]((do, dht))
     return got, want

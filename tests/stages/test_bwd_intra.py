@@ -16,7 +16,7 @@ CASES = {"BT32-K32": bwd_setup.PLAIN, "BT64-K16-strong-gate": bwd_setup.STRONG}
 def test_bwd_intra_matches_vjp_of_intra(case):
   s = bwd_setup.forward_records(**CASES[case])
   BT, scale = s.plan.chunk_size, s.plan.scale
-  q, k, v, beta, gc = s.rec["inputs"]["intra"]
+  q, k, v, beta, gi, gc = s.rec["inputs"]["intra"]
   Akk, Aqk = s.rec["intra"].Akk, s.rec["intra"].Aqk
   dAqk, dAkk, aq, ak, ag = bwd_setup.randn(50, Aqk.shape, Akk.shape, q.shape, k.shape, gc.shape)
   (ab,) = bwd_setup.randn(51, beta.shape)
@@ -25,9 +25,9 @@ def test_bwd_intra_matches_vjp_of_intra(case):
 
   @jax.jit
   def run(dAqk, dAkk, aq, ak, ab, ag):
-    fwd = lambda q, k, beta, gc: intra.reference(q, k, v, beta, gc, scale=scale, chunk_size=BT)[:2]
+    fwd = lambda q, k, beta, gc: intra.reference(q, k, v, beta, gi, gc, scale=scale, chunk_size=BT)[:2]
     want = jax.vjp(fwd, q, k, beta, gc)[1]((dAkk, dAqk))
-    got = bwd_intra.reference(q, k, beta, gc, dAqk, dAkk, aq, ak, ab, ag,
+    got = bwd_intra.reference(q, k, beta, gi, gc, dAqk, dAkk, aq, ak, ab, ag,
                               **pipeline.backward_kwargs(s.plan, "bwd_intra"))
     return got, want
 

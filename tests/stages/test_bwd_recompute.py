@@ -18,13 +18,13 @@ def test_bwd_recompute_matches_forward_stages(case):
   s = bwd_setup.forward_records(**CASES[case])
   r = s.rec
   gate_in, intra_out, state_out = r["inputs"]["gate"], r["intra"], r["state"]
-  q, k, v, beta, _ = r["inputs"]["intra"]
+  q, k, v, beta = r["inputs"]["intra"][:4]
   g, valid, A_log, dt_bias = gate_in
-  h0, acu = r["inputs"]["state"][4:6]
+  h0, acu = r["inputs"]["state"][5:7]
   kw = pipeline.backward_kwargs(s.plan, "bwd_recompute")
   rc = jax.jit(lambda *a: bwd_recompute.reference(*a, **kw))(
       q, k, v, g, beta, valid, A_log, dt_bias, intra_out.Ainv, h0, acu)
-  want = dict(gc=r["gate"].gc, w=intra_out.w, u=intra_out.u, qg=intra_out.qg, kg=intra_out.kg,
+  want = dict(gc_int=r["gate"].gc_int, gc_frac=r["gate"].gc_frac, w=intra_out.w, u=intra_out.u, qg=intra_out.qg, kg=intra_out.kg,
               h=state_out.h, v_new=state_out.v_new)
   for name, x in want.items():
     bwd_setup.close(name, getattr(rc, name), x)

@@ -25,7 +25,7 @@ CASES = {"BT32-K32-V16": bwd_setup.PLAIN, "BT64-K16-V32-strong-gate": bwd_setup.
 def test_bwd_wy_matches_vjp_of_wy(case):
   s = bwd_setup.forward_records(**CASES[case])
   BT = s.plan.chunk_size
-  q, k, v, beta, gc = s.rec["inputs"]["intra"]
+  q, k, v, beta, gi, gc = s.rec["inputs"]["intra"]
   Akk = s.rec["intra"].Akk
   NTa = q.shape[1] // BT
   dqg, dkg, dw, du, dgc_last = bwd_setup.randn(40, q.shape, k.shape, k.shape, v.shape,
@@ -33,14 +33,14 @@ def test_bwd_wy_matches_vjp_of_wy(case):
 
   def piece(q, k, v, beta, gc, Akk):
     Ainv = bwd_setup.row_layout(intra.unit_lower_inverse(bwd_setup.chunk_mats(Akk, BT)))
-    w, u, qg, kg = bwd_recompute.wy_from_inverse(q, k, v, beta, gc, Ainv, chunk_size=BT)
-    return (w, u, qg, kg, to_chunks(gc, BT)[None, :, -1]), Ainv
+    w, u, qg, kg = bwd_recompute.wy_from_inverse(q, k, v, beta, gi, gc, Ainv, chunk_size=BT)
+    return (w, u, qg, kg, to_chunks(gi + gc, BT)[None, :, -1]), Ainv
 
   @jax.jit
   def run(dqg, dkg, dw, du, dgc_last):
     _, vjp, Ainv = jax.vjp(piece, q, k, v, beta, gc, Akk, has_aux=True)
     want = vjp((dw, du, dqg, dkg, dgc_last))
-    got = bwd_wy.reference(q, k, v, beta, gc, Ainv, dqg, dkg, dw, du, dgc_last,
+    got = bwd_wy.reference(q, k, v, beta, gi, gc, Ainv, dqg, dkg, dw, du, dgc_last,
                            **pipeline.backward_kwargs(s.plan, "bwd_wy"))
     return got, want
 

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from kda.stages import gate, intra
 from tests import cases
 from tests.lowering import lower_h200
-from tests.stages.test_gate import pooled_inputs
+from tests.stages.test_gate import extreme_gates, pooled_inputs
 
 # Reference (float32, HIGHEST) vs float64 over K = 8 channels and <= 64 rows: measured <= 3e-7;
 # 1e-5 leaves headroom without hiding a wrong formula.
@@ -55,21 +55,25 @@ TOL = {
 
 @functools.partial(jax.jit, static_argnames=("BT", "raw"))
 def _gc(g, valid, A_log, dt_bias, *, BT, raw):
-  return gate.reference(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=raw, lower_bound=None).gc
+  return gate.reference(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=raw, lower_bound=None)[1:]
 
 
 def stage_inputs(*, lens=None, T=None, HV=2, K=32, V=32, BT=32, dtype=jnp.float32, gate_kind="plain",
                  gate_scale=1.0):
-  """q, k, v, beta, gc of the intra stage in the aligned layout, and the [Ta] real-token mask.
+  """q, k, v, beta, gc_int, gc_frac of the intra stage in the aligned layout, and the [Ta] real-token mask.
 
   lens: varlen (zeros at padding positions, gc flat there); else T tokens with no padding.
-  gate_kind "raw" goes through the softplus activation; gate_scale multiplies a log-space gate
-  (for gates beyond safe_gate's -5).
+  gate_kind "raw" goes through the softplus activation, "extreme" is "plain" with some gates huge or
+  -inf (test_gate.extreme_gates); gate_scale multiplies a log-space gate (for gates beyond
+  safe_gate's -5).
   """
+  kind = "plain" if gate_kind == "extreme" else gate_kind
   q, k, v, g, beta, valid, A_log, dt_bias = pooled_inputs(lens=lens, T=T, HV=HV, K=K, V=V, BT=BT, dtype=dtype,
-                                                          gate_kind=gate_kind, gate_scale=gate_scale)
-  gc = _gc(g, valid, A_log, dt_bias, BT=BT, raw=gate_kind == "raw")
-  return (q, k, v, beta, gc), np.asarray(valid[0])
+                                                          gate_kind=kind, gate_scale=gate_scale)
+  if gate_kind == "extreme":
+    g = extreme_gates(g, 5, frac=0.05)
+  gi, gf = _gc(g, valid, A_log, dt_bias, BT=BT, raw=gate_kind == "raw")
+  return (q, k, v, beta, gi, gf), np.asarray(valid[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,9 +86,10 @@ def _kernel(BT, scale, config=None):
   return jax.jit(functools.partial(intra.pallas, scale=scale, chunk_size=BT, interpret=True, config=config))
 
 
-def numpy_intra(q, k, v, beta, gc, scale, BT):
+def numpy_intra(q, k, v, beta, gi, gf, scale, BT):
   """The module docstring's formulas, one chunk and head at a time, in float64 loops."""
-  q, k, v, beta, gc = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, beta, gc))
+  q, k, v, beta, gi, gf = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, beta, gi, gf))
+  gc = gi + gf
   _, Ta, HV, K = k.shape
   out = {n: np.zeros(getattr(x, "shape")[:3] + (d,)) for n, x, d in
          (("Akk", k, BT), ("Aqk", k, BT), ("Ainv", k, BT), ("w", k, K), ("u", v, v.shape[-1]),
@@ -112,8 +117,9 @@ def numpy_intra(q, k, v, beta, gc, scale, BT):
   return out
 
 
-@pytest.mark.parametrize("BT,lens,gate_kind", [(16, [30, 5], "plain"), (32, None, "raw"), (64, None, "strong")],
-                         ids=["BT16-varlen-plain", "BT32-raw", "BT64-strong"])
+@pytest.mark.parametrize("BT,lens,gate_kind", [(16, [30, 5], "plain"), (32, None, "raw"), (64, None, "strong"),
+                                               (32, [40, 20], "extreme")],
+                         ids=["BT16-varlen-plain", "BT32-raw", "BT64-strong", "BT32-extreme"])
 def test_reference_matches_numpy_loops(BT, lens, gate_kind):
   args, _ = stage_inputs(lens=lens, T=None if lens else 64, HV=2, K=8, V=4, BT=BT, gate_kind=gate_kind)
   scale = 8 ** -0.5
@@ -155,6 +161,9 @@ KERNEL_CASES = [
     ("T128-K64-V64-BT64-bf16-strong", 128, 64, 64, 64, jnp.bfloat16, "strong", 1.0, "auto"),
     # -12 per token: a half sub-block spans 96 > DIAG_RANGE, so "auto" falls back to pairwise
     ("T64-K32-V32-BT32-f32-extreme", 64, 32, 32, 32, jnp.float32, "strong", 2.4, "auto"),
+    # some gates -inf, -1e30 ... -30 (test_gate.EXTREMES): resets, huge exponents, the floor
+    ("30_50-K32-V32-BT32-f32-huge", [30, 50], 32, 32, 32, jnp.float32, "extreme", 1.0, "auto"),
+    ("T64-K64-V32-BT64-bf16-huge", 64, 64, 32, 64, jnp.bfloat16, "extreme", 1.0, "auto"),
 ]
 
 
@@ -198,14 +207,14 @@ def test_config_rejects_bad_values():
     intra.Config(num_warps=3)
   x = jnp.zeros((1, 16, 1, 16))
   with pytest.raises(ValueError, match="chunk_size"):
-    intra.pallas(x, x, x, x[..., 0], x, scale=1.0, chunk_size=8, interpret=True)
+    intra.pallas(x, x, x, x[..., 0], x, x, scale=1.0, chunk_size=8, interpret=True)
 
 
 def _lower(K, V, BT, dtype, config, debug=False):
   Ta, HV = 4 * BT, 2
   s = lambda d, *shape: jax.ShapeDtypeStruct(shape, d)
   args = (s(dtype, 1, Ta, HV, K), s(dtype, 1, Ta, HV, K), s(dtype, 1, Ta, HV, V), s(dtype, 1, Ta, HV),
-          s(jnp.float32, 1, Ta, HV, K))
+          s(jnp.float32, 1, Ta, HV, K), s(jnp.float32, 1, Ta, HV, K))
   fn = functools.partial(intra.pallas, scale=K ** -0.5, chunk_size=BT, config=config)
   if not debug:
     return lower_h200(fn, *args)

@@ -23,9 +23,10 @@ REF_TOL = dict(atol=1e-5, rtol=1e-5)
 KERNEL_TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-def numpy_state(kg, w, u, gc, h0, aligned_cu, BT):
+def numpy_state(kg, w, u, gi, gf, h0, aligned_cu, BT):
   """The docstring's chunk recurrence, one sequence and head at a time, in float64."""
-  kg, w, u, gc, h0 = (np.asarray(x, np.float64) for x in (kg, w, u, gc, h0))
+  kg, w, u, gi, gf, h0 = (np.asarray(x, np.float64) for x in (kg, w, u, gi, gf, h0))
+  gc = gi + gf
   acu = np.asarray(aligned_cu)
   _, Ta, HV, K = kg.shape
   V = u.shape[-1]
@@ -64,14 +65,16 @@ def stage_inputs(seed, lens, *, HV, K, V, BT, initial_state=True):
   g = np.where(r[3].uniform(size=(1, Ta, HV, 1)) < 0.05, 8.0 * g - 1.0, g)
   beta = 1.0 / (1.0 + np.exp(-r[4].standard_normal((1, Ta, HV, 1))))
   k, v, g, beta = (np.where(valid, x, 0.0) for x in (k, v, g, beta))
-  gc = np.cumsum(g.reshape(1, Ta // BT, BT, HV, K), axis=2)
+  g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
+  gi, gf = (np.cumsum(x.reshape(1, Ta // BT, BT, HV, K), axis=2) for x in (np.ceil(g), g - np.ceil(g)))
+  gc = gi + gf
   kg = (k.reshape(gc.shape) * np.exp(gc[:, :, -1:] - gc)).reshape(k.shape)
-  gc = gc.reshape(k.shape)
+  gc, gi, gf = (x.reshape(k.shape) for x in (gc, gi, gf))
   w = beta * k * np.exp(gc)
   u = beta * v
   h0 = 0.5 * r[5].standard_normal((len(lens), HV, K, V)) if initial_state else np.zeros((len(lens), HV, K, V))
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  return f32(kg), f32(w), f32(u), f32(gc), f32(h0), acu
+  return f32(kg), f32(w), f32(u), f32(gi), f32(gf), f32(h0), acu
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,15 +98,15 @@ def check_outputs(got, want, acu, BT, tol):
 
 @pytest.mark.parametrize("profile,BT", [("with_empty", 16), ("trailing_empty", 16), ("45_80_20", 32)])
 def test_reference_matches_numpy_chunk_recurrence(profile, BT):
-  kg, w, u, gc, h0, acu = stage_inputs(1, cases.SEQ_LENS[profile], HV=2, K=16, V=8, BT=BT)
-  got = _reference(BT)(kg, w, u, gc, h0, acu)
-  h, v_new, final = numpy_state(kg, w, u, gc, h0, acu, BT)
+  args = stage_inputs(1, cases.SEQ_LENS[profile], HV=2, K=16, V=8, BT=BT)
+  got = _reference(BT)(*args)
+  h, v_new, final = numpy_state(*args, BT)
   cases.report_close("h", got.h, h, **REF_TOL)
   cases.report_close("v_new", got.v_new, v_new, **REF_TOL)
   cases.report_close("final_state", got.final_state, final, **REF_TOL)
   lens = cases.SEQ_LENS[profile]
   for n in (n for n, L in enumerate(lens) if L == 0):   # an empty sequence keeps its state
-    np.testing.assert_array_equal(np.asarray(got.final_state[n]), np.asarray(h0[n]))
+    np.testing.assert_array_equal(np.asarray(got.final_state[n]), np.asarray(args[5][n]))
 
 
 KERNEL_CASES = [
@@ -134,17 +137,17 @@ def test_kernel_never_reads_the_tail():
 
   Also covers sequences handed out in input order (longest_first=False)."""
   BT = 16
-  kg, w, u, gc, h0, acu = stage_inputs(3, cases.SEQ_LENS["long_short"], HV=2, K=32, V=32, BT=BT)
-  want = _reference(BT)(kg, w, u, gc, h0, acu)
+  kg, w, u, gi, gf, h0, acu = stage_inputs(3, cases.SEQ_LENS["long_short"], HV=2, K=32, V=32, BT=BT)
+  want = _reference(BT)(kg, w, u, gi, gf, h0, acu)
   tail = (jnp.arange(kg.shape[1]) >= acu[-1])[None, :, None, None]
-  kg, w, u, gc = (jnp.where(tail, jnp.nan, x) for x in (kg, w, u, gc))
-  got = _kernel(BT, state.Config(longest_first=False))(kg, w, u, gc, h0, acu)
+  kg, w, u, gi, gf = (jnp.where(tail, jnp.nan, x) for x in (kg, w, u, gi, gf))
+  got = _kernel(BT, state.Config(longest_first=False))(kg, w, u, gi, gf, h0, acu)
   check_outputs(got, want, acu, BT, KERNEL_TOL)
 
 
 def test_kernel_without_sequences_gives_zeros():
   z = jnp.ones((1, 32, 2, 16))
-  got = state.pallas(z, z, z, z, jnp.zeros((0, 2, 16, 16)), jnp.zeros((1,), jnp.int32), chunk_size=16,
+  got = state.pallas(z, z, z, z, z, jnp.zeros((0, 2, 16, 16)), jnp.zeros((1,), jnp.int32), chunk_size=16,
                      interpret=True)
   chex.assert_shape((got.h, got.v_new, got.final_state), [(1, 2, 2, 16, 16), (1, 32, 2, 16), (0, 2, 16, 16)])
   assert not np.any(np.asarray(got.h)) and not np.any(np.asarray(got.v_new))
@@ -180,5 +183,5 @@ def test_kernel_lowers_for_h200(K, V, BT, precision):
   kd, vd = jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta, HV, V))
   acu = jnp.zeros((N + 1,), jnp.int32)
   fn = functools.partial(state.pallas, chunk_size=BT, config=state.Config(precision=precision))
-  txt = lower_h200(fn, kd, kd, vd, kd, jnp.zeros((N, HV, K, V)), acu)
+  txt = lower_h200(fn, kd, kd, vd, kd, kd, jnp.zeros((N, HV, K, V)), acu)
   assert "kda_state" in txt
