@@ -8,13 +8,24 @@ The autodiff path through the forward stages stays available for checking it:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kda import padding, pipeline, shapes
-from kda.shapes import CHUNK_SIZES, check_float, check_int, check_rank, check_shape, is_concrete
+from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
+                        check_shape, is_concrete)
+
+
+def _as_jax(x):
+  """numpy (or other array-like) input -> a jax array; jax arrays and tracers pass through; None stays None.
+
+  Done after the checks (so their messages show the dtype the user passed), before any computation:
+  a numpy array indexed by a traced index (inside a scan) would raise TracerArrayConversionError.
+  """
+  return x if x is None or isinstance(x, jax.Array) else jnp.asarray(x)
 
 
 def _check_inputs(q, k, v, g, beta):
@@ -25,6 +36,8 @@ def _check_inputs(q, k, v, g, beta):
   check_rank("beta", beta, 3, "[B, T, HV]")
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
     check_float(name, x)
+  check_head_sizes("q", q, {2: "H", 3: "K"})
+  check_head_sizes("v", v, {2: "HV", 3: "V"})
   B, T, H, K = q.shape
   HV = v.shape[2]
   check_shape("k", k, q.shape, "[B, T, H, K] like q")
@@ -42,19 +55,23 @@ def _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_sta
   if cu_seqlens is not None and segment_ids is not None:
     raise ValueError("pass either cu_seqlens or segment_ids, got both")
   if cu_seqlens is not None:
-    cu_seqlens = jnp.asarray(cu_seqlens) if not isinstance(cu_seqlens, jax.Array) else cu_seqlens
+    if not isinstance(cu_seqlens, jax.Array):
+      cu_seqlens = np.asarray(cu_seqlens)   # numpy / list: its own dtype, so a too-large value shows
     check_rank("cu_seqlens", cu_seqlens, 1, "[N+1]")
     check_int("cu_seqlens", cu_seqlens)
+    check_fits_int32("cu_seqlens", cu_seqlens)
     if B != 1:
       raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
     if cu_seqlens.shape[0] < 1:
       raise ValueError("cu_seqlens must have at least one entry [0], got an empty array")
     shapes.check_cu_seqlens_values(cu_seqlens, T)
-    return padding.layout_from_cu_seqlens(cu_seqlens.astype(jnp.int32), T, chunk_size)
+    return padding.layout_from_cu_seqlens(jnp.asarray(cu_seqlens).astype(jnp.int32), T, chunk_size)
   if segment_ids is not None:
-    segment_ids = jnp.asarray(segment_ids) if not isinstance(segment_ids, jax.Array) else segment_ids
+    if not isinstance(segment_ids, jax.Array):
+      segment_ids = np.asarray(segment_ids)
     check_rank("segment_ids", segment_ids, 2, "[B, T]")
     check_int("segment_ids", segment_ids)
+    check_fits_int32("segment_ids", segment_ids)
     check_shape("segment_ids", segment_ids, (B, T), "[B, T]")
     if num_segments is not None:
       if not isinstance(num_segments, (int, np.integer)) or isinstance(num_segments, bool) or num_segments < 0:
@@ -75,20 +92,23 @@ def _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_sta
     elif N is None:
       raise ValueError("with traced segment_ids the number of sequences N must be static: pass "
                        "num_segments=N (or initial_state), got neither")
-    starts, lens = padding.segment_ids_to_seqs(segment_ids.astype(jnp.int32), int(N))
+    starts, lens = padding.segment_ids_to_seqs(jnp.asarray(segment_ids).astype(jnp.int32), int(N))
     return padding.make_layout(starts, lens, B * T, chunk_size)
   starts = jnp.arange(B, dtype=jnp.int32) * T
   return padding.make_layout(starts, jnp.full((B,), T, jnp.int32), B * T, chunk_size)
 
 
 def _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound):
+  """-> lower_bound as a Python float (or None)."""
   if lower_bound is not None:
-    if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
-      raise TypeError(f"lower_bound must be a float, got {type(lower_bound).__name__}")
-    lo = -5.0 if safe_gate else -float("inf")
-    if not lo <= lower_bound < 0:
-      raise ValueError(f"lower_bound must be in [{lo}, 0){' with safe_gate' if safe_gate else ''}, "
-                       f"got {lower_bound}")
+    lower_bound = _real("lower_bound", lower_bound, "a float")
+    if not math.isfinite(lower_bound):
+      raise ValueError("lower_bound must be a finite negative number (at -inf every gate is -inf and the "
+                       f"gradients of A_log and dt_bias are undefined), got {lower_bound}")
+    if safe_gate and not -5.0 <= lower_bound < 0:
+      raise ValueError(f"lower_bound must be in [-5.0, 0) with safe_gate, got {lower_bound}")
+    if not lower_bound < 0:
+      raise ValueError(f"lower_bound must be in (-inf, 0) (a finite negative number), got {lower_bound}")
   elif safe_gate:
     raise ValueError("safe_gate=True requires lower_bound in [-5, 0), got lower_bound=None")
   if use_gate_in_kernel:
@@ -102,6 +122,14 @@ def _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower
     check_rank("dt_bias", dt_bias, 1, "[HV * K]")
     check_float("dt_bias", dt_bias)
     check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
+  return lower_bound
+
+
+def _real(name, x, what):
+  """A static real number (Python or numpy int/float, not bool) -> float; else TypeError."""
+  if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_)):
+    return float(x)
+  raise TypeError(f"{name} must be {what}, got {type(x).__name__}")
 
 
 BACKWARDS = ("custom_vjp", "autodiff")
@@ -111,10 +139,23 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
               chunk_size=64, impl=None):
-  """Varlen chunked Kimi Delta Attention. See API.md for the contract.
+  """Varlen chunked Kimi Delta Attention. See docs/api.md for the contract.
 
   q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV] -> (o [B,T,HV,V] in v.dtype,
-  final_state [N,HV,K,V] float32 or None).
+  final_state [N,HV,K,V] float32 or None). Every array may be a jax or a numpy array, `scale` and
+  `lower_bound` Python or numpy real numbers. `T == 0`, `N == 0` and empty sequences are valid: `o`
+  is empty or zero there and the final state of an empty sequence is its initial state (or zeros).
+
+  Not checked under `jax.jit`: the values of traced `cu_seqlens` / `segment_ids` (start at 0,
+  non-decreasing, end <= T, fit int32, >= 0). Their shapes and dtypes are still checked, and concrete
+  values (including numpy arrays closed over by the jitted function) are checked in full. Bad traced
+  values give garbage out (meaningless numbers, possibly NaN), never an out-of-bounds memory access
+  (the layout's gathers and scatters are clamped, filled or dropped at the buffer's edge).
+
+  Positive gates (`g > 0` after activation) are outside the contract: `exp(g) > 1` grows the state
+  instead of decaying it. Nothing checks for them (the gates may be traced); results may overflow to
+  inf / NaN over long sequences. The built-in activations (`use_gate_in_kernel=True`) always give
+  `g <= 0`.
 
   Gradients come from the staged backward (S0-S5, `kda.pipeline.backward`) through a jax.custom_vjp.
   To check it, `kda.api.chunk_kda_with(..., backward="autodiff")` takes the same arguments and
@@ -142,15 +183,15 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
   if scale is None:
     scale = K ** -0.5
-  elif isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
-    scale = float(scale)
   else:
-    raise TypeError(f"scale must be a (static) real number or None, got {type(scale).__name__}")
+    scale = _real("scale", scale, "a (static) real number or None")
+    if not math.isfinite(scale):
+      raise ValueError(f"scale must be a finite real number, got {scale}")
   if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
     raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True, got "
                      f"use_gate_in_kernel=False with A_log={'set' if A_log is not None else None}, "
                      f"dt_bias={'set' if dt_bias is not None else None}")
-  _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound)
+  lower_bound = _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound)
   if initial_state is not None:
     check_rank("initial_state", initial_state, 4, "[N, HV, K, V]")
     check_float("initial_state", initial_state)
@@ -165,9 +206,12 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   if backward == "autodiff" and kernels:
     raise ValueError("backward='autodiff' differentiates through the forward stages, which needs their "
                      f"jnp references (impl='reference'); got kernels for stages {kernels}")
+  q, k, v, g, beta, initial_state, A_log, dt_bias = map(_as_jax, (q, k, v, g, beta, initial_state, A_log, dt_bias))
   h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
-  if N == 0:                       # no sequence at all (e.g. a batch of padding): nothing to compute
+  if N == 0 or B * T == 0:         # no sequence or no token (e.g. a batch of padding, T == 0): nothing
+    # to compute; every sequence is empty, so its final state is its initial state. Pure jnp, so the
+    # gradient of initial_state is the final_state cotangent and every other gradient is zero.
     return jnp.zeros_like(v), (h0 if output_final_state else None)
   pack = lambda x: x.reshape((1, B * T) + x.shape[2:])
   o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), pack(g), pack(beta), h0, A_log,

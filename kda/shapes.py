@@ -51,8 +51,35 @@ def round_up(a: int, b: int) -> int:
   return cdiv(a, b) * b
 
 
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def check_fits_int32(name, x):
+  """A concrete integer array's values fit int32 (checked before any cast, which would wrap them)."""
+  if not is_concrete(x) or x.dtype == np.int32:
+    return
+  a = np.asarray(x)
+  if a.size == 0:
+    return
+  lo, hi = int(a.min()), int(a.max())
+  if lo < INT32_MIN or hi > INT32_MAX:
+    bad = hi if hi > INT32_MAX else lo
+    i = tuple(int(j) for j in np.unravel_index(int(np.argmax(a) if hi > INT32_MAX else np.argmin(a)), a.shape))
+    where = ", ".join(str(j) for j in i)
+    raise ValueError(f"{name} values must fit int32 [{INT32_MIN}, {INT32_MAX}], got {name}[{where}]={bad} "
+                     f"(dtype {a.dtype})")
+
+
+def check_head_sizes(name, x, axes):
+  """Head counts and head dims are >= 1: axes maps an axis of x to its name (e.g. {2: "H", 3: "K"})."""
+  for axis, what in axes.items():
+    if x.shape[axis] < 1:
+      raise ValueError(f"{name} must have {what} >= 1 (axis {axis}), got {what}={x.shape[axis]} "
+                       f"in shape {tuple(x.shape)}")
+
+
 def check_cu_seqlens_values(cu_seqlens, T):
-  """Value checks of a concrete cu_seqlens (skipped under jit: see API.md)."""
+  """Value checks of a concrete cu_seqlens (skipped under jit: see docs/api.md)."""
   if not is_concrete(cu_seqlens):
     return
   cu = np.asarray(cu_seqlens)

@@ -1,5 +1,5 @@
 """Bad input to kda.chunk_kda raises ValueError (TypeError for dtypes) naming the argument and the
-received value (API.md). Every case fails in the up-front checks, before any computation."""
+received value (docs/api.md). Every case fails in the up-front checks, before any computation."""
 from __future__ import annotations
 
 import re
@@ -99,6 +99,47 @@ BAD = [
     ("g_int", lambda i: dict(g=i.g.astype(jnp.int32)), TypeError, ("g must have a floating dtype", "got int32")),
     ("beta_int", lambda i: dict(beta=i.beta.astype(jnp.int32)), TypeError, ("beta must have a floating dtype", "got int32")),
     ("scale_str", lambda i: dict(scale="0.5"), TypeError, ("scale must be a (static) real number or None", "got str")),
+    # zero head counts / head dims (were ZeroDivisionError)
+    ("K_zero", lambda i: dict(q=i.q[..., :0], k=i.k[..., :0], g=i.g[..., :0]), ValueError,
+     ("q must have K >= 1", "got K=0", "(1, 12, 2, 0)")),
+    ("V_zero", lambda i: dict(v=i.v[..., :0]), ValueError, ("v must have V >= 1", "got V=0", "(1, 12, 2, 0)")),
+    ("H_zero", lambda i: dict(q=i.q[:, :, :0], k=i.k[:, :, :0]), ValueError,
+     ("q must have H >= 1", "got H=0", "(1, 12, 0, 8)")),
+    ("HV_zero", lambda i: dict(v=i.v[:, :, :0], g=i.g[:, :, :0], beta=i.beta[:, :, :0]), ValueError,
+     ("v must have HV >= 1", "got HV=0", "(1, 12, 0, 8)")),
+    # non-finite scale (was accepted: all NaN out)
+    ("scale_nan", lambda i: dict(scale=float("nan")), ValueError, ("scale must be a finite real number", "got nan")),
+    ("scale_inf", lambda i: dict(scale=np.float32(np.inf)), ValueError, ("scale must be a finite real number", "got inf")),
+    ("scale_-inf", lambda i: dict(scale=-float("inf")), ValueError, ("scale must be a finite real number", "got -inf")),
+    ("scale_bool", lambda i: dict(scale=True), TypeError, ("scale must be a (static) real number or None", "got bool")),
+    # values that do not fit int32 (used to wrap silently in the cast)
+    ("cu_int64_overflow", lambda i: dict(cu_seqlens=np.array([0, 5, 2 ** 32 + 12], np.int64)), ValueError,
+     ("cu_seqlens values must fit int32 [-2147483648, 2147483647]", "got cu_seqlens[2]=4294967308", "int64")),
+    ("cu_list_overflow", lambda i: dict(cu_seqlens=[0, 2 ** 40, 12]), ValueError,
+     ("cu_seqlens values must fit int32", f"got cu_seqlens[1]={2 ** 40}")),
+    ("cu_uint32_overflow", lambda i: dict(cu_seqlens=np.array([0, 5, 2 ** 31], np.uint32)), ValueError,
+     ("cu_seqlens values must fit int32", f"got cu_seqlens[2]={2 ** 31}", "uint32")),
+    ("cu_int64_underflow", lambda i: dict(cu_seqlens=np.array([0, -2 ** 32 + 5, 12], np.int64)), ValueError,
+     ("cu_seqlens values must fit int32", f"got cu_seqlens[1]={-2 ** 32 + 5}")),
+    ("segment_ids_int64_overflow", lambda i: dict(cu_seqlens=None, segment_ids=np.full((1, 12), 2 ** 32 + 1, np.int64)),
+     ValueError, ("segment_ids values must fit int32", "got segment_ids[0, 0]=4294967297")),
+    # lower_bound must be a finite negative number
+    ("lower_bound_-inf", lambda i: dict(use_gate_in_kernel=True, lower_bound=-float("inf")), ValueError,
+     ("lower_bound must be a finite negative number", "gradients of A_log and dt_bias are undefined", "got -inf")),
+    ("lower_bound_-inf_numpy", lambda i: dict(use_gate_in_kernel=True, lower_bound=np.float32(-np.inf)), ValueError,
+     ("lower_bound must be a finite negative number", "got -inf")),
+    ("lower_bound_nan", lambda i: dict(use_gate_in_kernel=True, lower_bound=float("nan")), ValueError,
+     ("lower_bound must be a finite negative number", "got nan")),
+    ("lower_bound_-inf_safe", lambda i: dict(safe_gate=True, lower_bound=-float("inf")), ValueError,
+     ("lower_bound must be a finite negative number", "got -inf")),
+    ("lower_bound_numpy_below_-5_safe", lambda i: dict(safe_gate=True, lower_bound=np.float32(-6.0)), ValueError,
+     ("lower_bound must be in [-5.0, 0) with safe_gate", "got -6.0")),
+    ("lower_bound_numpy_positive", lambda i: dict(use_gate_in_kernel=True, lower_bound=np.float64(0.5)), ValueError,
+     ("lower_bound must be in", "0)", "got 0.5")),
+    ("lower_bound_bool", lambda i: dict(use_gate_in_kernel=True, lower_bound=True), TypeError,
+     ("lower_bound must be a float", "got bool")),
+    ("lower_bound_numpy_bool", lambda i: dict(use_gate_in_kernel=True, lower_bound=np.bool_(True)), TypeError,
+     ("lower_bound must be a float", "got bool")),
     ("impl_unknown", lambda i: dict(impl="triton"), ValueError, ("impl must be", "got 'triton'")),
     ("impl_unknown_stage", lambda i: dict(impl={"intraa": "reference"}), ValueError,
      ("impl names unknown stages ['intraa']",)),
@@ -157,7 +198,7 @@ def test_traced_cu_seqlens_still_checks_dtype_and_rank(inp):
 
 
 def test_good_input_variants_are_accepted(inp):
-  """The checks do not reject what API.md allows: cu_seqlens as a list or numpy array, a lower_bound
+  """The checks do not reject what docs/api.md allows: cu_seqlens as a list or numpy array, a lower_bound
   below -5 without safe_gate, lower_bound without A_log (the sigmoid form)."""
   f = jax.jit(lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, cu_seqlens=[0, 5, 12],
                                                      use_gate_in_kernel=True, lower_bound=-7.0))
@@ -172,6 +213,14 @@ def test_recurrent_kda_rejects_bad_heads_and_batch(inp):
   with pytest.raises(ValueError, match=_m("cu_seqlens requires B == 1", "got B=2")):
     kda.reference.recurrent_kda(rows["q"], rows["k"], rows["v"], rows["g"], rows["beta"],
                                 cu_seqlens=inp.cu_seqlens)
+
+
+def test_recurrent_kda_rejects_bad_values(inp):
+  with pytest.raises(ValueError, match=_m("cu_seqlens values must fit int32", "got cu_seqlens[2]=4294967308")):
+    kda.reference.recurrent_kda(inp.q, inp.k, inp.v, inp.g, inp.beta,
+                                cu_seqlens=np.array([0, 5, 2 ** 32 + 12], np.int64))
+  with pytest.raises(ValueError, match=_m("head counts and head dims must be >= 1", "K=0")):
+    kda.reference.recurrent_kda(inp.q[..., :0], inp.k[..., :0], inp.v, inp.g[..., :0], inp.beta)
 
 
 def test_autodiff_backward_with_kernels_is_refused():

@@ -12,8 +12,12 @@ sequence: they get o = 0 and are never read (their values are masked before any 
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from kda.shapes import check_fits_int32
 
 HI = lax.Precision.HIGHEST
 
@@ -27,10 +31,14 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
   """q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] (log-space, activated); beta [B,T,HV].
 
   Returns (o [B,T,HV,V] in v.dtype, final_state [N,HV,K,V] float32 or None). Math in float32
-  (float64 when an input is float64 and x64 is on).
+  (float64 when an input is float64 and x64 is on). Arrays may be jax or numpy (cu_seqlens also a
+  list); T == 0 and empty sequences are valid (final state = initial state).
   """
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
+  if min(H, K, HV, V) < 1:
+    raise ValueError(f"head counts and head dims must be >= 1, got H={H}, K={K}, HV={HV}, V={V}")
   if HV % H:
     raise ValueError(f"v heads HV={HV} must be a multiple of q/k heads H={H}")
   dt = _math_dtype(q, k, v, g, beta)
@@ -42,7 +50,10 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
   else:
     if B != 1:
       raise ValueError(f"cu_seqlens requires B == 1, got B={B}")
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    if not isinstance(cu_seqlens, jax.Array):
+      cu_seqlens = np.asarray(cu_seqlens)
+    check_fits_int32("cu_seqlens", cu_seqlens)
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
   N = cu.shape[0] - 1
   Tp = q.shape[1]
   rep = HV // H
