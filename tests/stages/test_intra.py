@@ -198,11 +198,25 @@ def test_auto_diagonal_takes_both_paths():
     assert np.array_equal(np.asarray(auto.Akk), np.asarray(pair.Akk)) == same, gate_scale
 
 
+def test_gc_frac_kernel_computes_the_same_bits():
+  """Gates above -1 (gc_int == 0): the launcher's gc_frac-only kernel equals the two-part one bit for
+  bit; with an extreme gate (gc_int != 0) it takes the two-part kernel, which matches the reference."""
+  BT, scale = 32, 32 ** -0.5
+  args, _ = stage_inputs(lens=[30, 50], HV=2, K=32, V=32, BT=BT, gate_kind="strong", gate_scale=0.15)
+  assert not np.any(np.asarray(args[4])) and float(jnp.min(args[5])) < -10
+  auto = _kernel(BT, scale)(*args)
+  always = _kernel(BT, scale, intra.Config(two_part="always"))(*args)
+  for name in intra.Out._fields:
+    np.testing.assert_array_equal(np.asarray(getattr(auto, name)), np.asarray(getattr(always, name)), name)
+
+
 def test_config_rejects_bad_values():
   with pytest.raises(ValueError, match="precision"):
     intra.Config(precision="fast")
   with pytest.raises(ValueError, match="diag"):
     intra.Config(diag="fast")
+  with pytest.raises(ValueError, match="two_part"):
+    intra.Config(two_part="never")
   with pytest.raises(ValueError, match="num_warps"):
     intra.Config(num_warps=3)
   x = jnp.zeros((1, 16, 1, 16))
@@ -256,7 +270,7 @@ def test_triton_dot_precisions(dtype):
 
   Per chunk of 4 sub-blocks: A takes 2 x (6 + 4) dots [16, K] x [K, 16], the solve 10 + 6 float32
   [16, 16] dots, w and u 2 x 10 dots [16, 16] x [16, K]."""
-  ir = _lower(128, 128, 64, dtype, intra.Config(), debug=True)
+  ir = _lower(128, 128, 64, dtype, intra.Config(two_part="always"), debug=True)   # one kernel
   dots = [l for l in ir.splitlines() if "tt.dot" in l]
   f32_dots = [l for l in dots if re.search(r"tensor<\d+x\d+xf32> \* tensor<\d+x\d+xf32> ->", l)]
   bf16_dots = [l for l in dots if "xbf16> * tensor<" in l]
