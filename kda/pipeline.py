@@ -192,7 +192,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   ds = run("bwd_dh", rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
   wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
   it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
-  gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc)
+  gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
       (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))

@@ -1,7 +1,7 @@
 """bwd_gate (S5): reverse chunk-local cumsum of dgc, then the gate activation's backward.
 
 gc[t] = g_act[c*BT] + ... + g_act[t] within chunk c, so dg_act[t] = dgc[t] + ... + dgc[c*BT + BT-1]
-(a reverse cumsum inside the chunk). The forward zeroes g_act where valid is False and floors it at
+(a reverse cumsum inside the chunk), plus S3's dg_state. The forward zeroes g_act where valid is False and floors it at
 gate.GATE_FLOOR (exp of it is 0: a full reset), so dg_act is zeroed there too: the raw gate's
 gradient at padding, and at gates at or below the floor (-inf included), is exactly 0. Then, with x = g + dt_bias, a =
 exp(A_log) and the sums over every token (and channel for dA_log):
@@ -13,7 +13,8 @@ exp(A_log) and the sums over every token (and channel for dA_log):
     dg = dx,  ddt_bias[h*K + c] = sum_t dx[t, h, c]
 
 In:  g [1, Ta, HV, K] raw (prepared: aligned, gate-neutralised), valid [1, Ta] bool, A_log [HV] or None,
-     dt_bias [HV*K] or None, dgc [1, Ta, HV, K] f32.
+     dt_bias [HV*K] or None, dgc [1, Ta, HV, K] f32 (S3 + S4), dg_state [1, Ta, HV, K] f32 (S3: the
+     gradient through kg and the chunk decay, already summed over the gates it passes).
 Out: dg [1, Ta, HV, K] float32 (raw-gate cotangent, 0 where valid is False), dA_log [HV] float32 or
      None (None unless use_gate_in_kernel and A_log is given), ddt_bias [HV*K] float32 or None.
 """
@@ -43,11 +44,12 @@ def reverse_chunk_cumsum(x, chunk_size):
   return jnp.flip(jnp.cumsum(jnp.flip(xc, 2), axis=2), 2).reshape(x.shape)
 
 
-def reference(g, valid, A_log, dt_bias, dgc, *, chunk_size, use_gate_in_kernel, lower_bound):
+def reference(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound):
   f32 = jnp.float32
   g_act = gate.activate(g, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   live = valid[:, :, None, None] & gate.passes_floor(g_act)
-  dg_act = jnp.where(live, reverse_chunk_cumsum(dgc.astype(f32), chunk_size), 0.0)
+  dg_act = reverse_chunk_cumsum(dgc.astype(f32), chunk_size) + dg_state.astype(f32)
+  dg_act = jnp.where(live, dg_act, 0.0)
   if not use_gate_in_kernel:
     return Out(dg_act, None, None)
   HV, K = g.shape[-2:]

@@ -12,9 +12,12 @@ the cotangents dAqk (S1) and dAkk (S3) give, with G_i = sum_{j<i} dAkk[i, j] k_j
     dk_j  += scale * sum_{i>=j} dAqk[i, j] q_i E[i, j]                          (=: dkA_j)
            + beta_i G_i  (at row i)  +  sum_{i>j} beta_i dAkk[i, j] k_i E[i, j]  (=: dkK1_i, dkK2_j)
     dbeta_i += sum_c k_i[c] G_i[c]
-    dgc   += q * dqA - k * dkA + k * dkK1 - k * dkK2
+    dgc   += q * dqA' - k * dkA' + k * dkK1 - k * dkK2       (' : the sums over j < i only)
 
-(d/dgc_i of E[i, j] is +E, d/dgc_j is -E: so each pair sends its term to row i and minus it to j.)
+(d/dgc_i of E[i, j] is +E, d/dgc_j is -E: so each pair sends its term to row i and minus it to j.
+The diagonal E[i, i] = 1 has no gate derivative: its two terms would cancel only up to rounding, and
+bwd_gate's reverse cumsum would carry that rounding of the largest terms to every earlier token, so
+the gate terms take the strict pairs alone.)
 Nothing is divided by beta (0 at padding) and no exp(-gc) is formed alone.
 
 In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out), dAqk, dAkk [1, Ta, HV, BT] f32,
@@ -55,13 +58,15 @@ def reference(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, sc
   b = beta[..., None]
   dqA = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, E)
   dkA = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, E)
+  dqAs = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, Es)             # without the diagonal
+  dkAs = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, Es)
   G = ein("cihj,cjhk,cijhk->cihk", dAkk, k, Es)
   dkK1 = b * G
   dkK2 = ein("cihj,cihk,cijhk->cjhk", dAkk * beta[..., None], k, Es)
   dq_t = dqA
   dk_t = dkA + dkK1 + dkK2
   dbeta_t = jnp.sum(k * G, -1)
-  dgc_t = q * dqA - k * dkA + k * dkK1 - k * dkK2
+  dgc_t = q * dqAs - k * dkAs + k * dkK1 - k * dkK2
   add = lambda acc, x: acc.astype(f32) + from_chunks(x)
   return Out(add(dq, dq_t), add(dk, dk_t), add(dbeta, dbeta_t), add(dgc, dgc_t))
 

@@ -13,8 +13,14 @@ S2's (dqg, dkg, dw, du, dgc_last). From those:
     dq = dqg * exp(gc)
     dk = dkg * exp(gc_last - gc) + dkb * beta * exp(gc)
     dv = dvb * beta,   dbeta = sum_K(dkb * k * exp(gc)) + sum_V(dvb * v)
-    dgc = dqg * qg - dkg * kg + dkb * kb,  plus at the chunk's last row
-          dgc_last (S2's, through the state decay) + sum_t(dkg * kg)
+    dgc = dqg * qg + dkb * kb                                  the gates of rows t' >= t
+    dg_state[t] = dgc_last + sum_{s < t} dkg_s * kg_s            the gates of the chunk's tail
+
+kg_s = k_s exp(gc_last - gc_s) decays through the gates after s, and the state decay exp(gc_last)
+through all of them, so their gate gradients are the sums above, formed directly: as a cotangent of
+gc (+sum_s dkg * kg at the last row, -dkg * kg at row s) bwd_gate's reverse cumsum would subtract
+nearly equal sums, losing float32 accuracy when strong gates make the true gradient small. bwd_gate
+adds dg_state to the reverse cumsum of dgc.
 
 Every exponent is gc (<= 0) or gc_last - gc (<= 0): nothing overflows however strong the gates.
 Nothing here reads a state or its cotangent: every input and output is O(T) or O(NTa) times K, V or
@@ -23,10 +29,10 @@ BT. The Akk and Aqk paths (bwd_intra) and the cumsum / activation (bwd_gate) com
 In:  q, k [1, Ta, HV, K], v [1, Ta, HV, V], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32,
      Ainv [1, Ta, HV, BT] f32, and S2's dqg, dkg, dw [1, Ta, HV, K] f32, du [1, Ta, HV, V] f32,
      dgc_last [1, NTa, HV, K] f32.
-Out: dq, dk, dgc [1, Ta, HV, K], dv [1, Ta, HV, V], dbeta [1, Ta, HV], dAkk [1, Ta, HV, BT]; float32.
+Out: dq, dk, dgc, dg_state [1, Ta, HV, K], dv [1, Ta, HV, V], dbeta [1, Ta, HV], dAkk [1, Ta, HV, BT];
+     float32.
 Padding: q = k = v = beta = 0 and du = 0 at padding tokens (do = 0 there), so dq, dk's WY part, dv,
-dbeta are 0 there; dgc at a chunk's last row carries dgc_last even when that row is padding (gc_last
-is read there), which the reverse cumsum of bwd_gate hands to the chunk's real tokens.
+dbeta are 0 there; dg_state is nonzero at padding rows (bwd_gate drops it there).
 """
 from __future__ import annotations
 
@@ -48,7 +54,8 @@ class Out(NamedTuple):
   dk: jax.Array     # [1, Ta, HV, K] float32
   dv: jax.Array     # [1, Ta, HV, V] float32
   dbeta: jax.Array  # [1, Ta, HV] float32
-  dgc: jax.Array    # [1, Ta, HV, K] float32, cotangent of the chunk-local cumsum gc
+  dgc: jax.Array    # [1, Ta, HV, K] float32, cotangent of gc through qg and kb (reverse-cumsummed later)
+  dg_state: jax.Array  # [1, Ta, HV, K] float32, gate gradient through kg and the decay (summed)
   dAkk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower (row i of chunk c at token c*BT + i)
 
 
@@ -73,9 +80,11 @@ def reference(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, 
   dk = dkg * el + dkb * b * eg
   dv = dvb * b
   dbeta = jnp.sum(dkb * k * eg, -1) + jnp.sum(dvb * v, -1)
-  dgc = dqg * qg - dkg * kg + dkb * kb
-  dgc = dgc.at[:, -1].add(dgc_last[0].astype(f32) + jnp.sum(dkg * kg, 1))   # [NTa, HV, K]
-  return Out(*(from_chunks(x) for x in (dq, dk, dv, dbeta, dgc, dAkk)))
+  dgc = dqg * qg + dkb * kb
+  x = dkg * kg
+  before = jnp.cumsum(jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1), axis=1)   # s < t
+  dg_state = before + dgc_last[0].astype(f32)[:, None]
+  return Out(*(from_chunks(x) for x in (dq, dk, dv, dbeta, dgc, dg_state, dAkk)))
 
 
 STAGE = Stage(NAME, reference=reference)

@@ -26,17 +26,19 @@ def test_bwd_gate_matches_vjp_of_gate(case):
   g, valid, A_log, dt_bias = s.rec["inputs"]["gate"]
   A_log = None if "A_log" in drop else A_log
   dt_bias = None if "dt_bias" in drop else dt_bias
-  (dgc,) = bwd_setup.randn(60, g.shape)
+  dgc, dg_state = bwd_setup.randn(60, g.shape, g.shape)
   fkw = dict(chunk_size=s.plan.chunk_size, **gate_kw)
 
   @jax.jit
-  def run(g, A_log, dt_bias, dgc):
-    fwd = lambda g, A_log, dt_bias: sum(gate.reference(g, valid, A_log, dt_bias, **fkw)[1:])   # gc
-    want = jax.vjp(fwd, g, A_log, dt_bias)[1](dgc)
-    got = bwd_gate.reference(g, valid, A_log, dt_bias, dgc, **fkw)
+  def run(g, A_log, dt_bias, dgc, dg_state):
+    def fwd(g, A_log, dt_bias):   # (gc, activated gate): dg_state is a cotangent of the latter
+      out = gate.reference(g, valid, A_log, dt_bias, **fkw)
+      return out.gc_int + out.gc_frac, out.g
+    want = jax.vjp(fwd, g, A_log, dt_bias)[1]((dgc, dg_state))
+    got = bwd_gate.reference(g, valid, A_log, dt_bias, dgc, dg_state, **fkw)
     return got, want
 
-  got, (dg, dA_log, ddt_bias) = run(g, A_log, dt_bias, dgc)
+  got, (dg, dA_log, ddt_bias) = run(g, A_log, dt_bias, dgc, dg_state)
   bwd_setup.close("dg", got.dg, dg)
   for name, want in (("dA_log", dA_log), ("ddt_bias", ddt_bias)):
     if want is None:

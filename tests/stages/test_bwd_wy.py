@@ -15,6 +15,7 @@ import pytest
 
 from kda import pipeline
 from kda.stages import bwd_recompute, bwd_wy, intra
+from kda.stages.bwd_gate import reverse_chunk_cumsum
 from kda.stages.intra import to_chunks
 from tests.stages import bwd_setup
 
@@ -45,6 +46,9 @@ def test_bwd_wy_matches_vjp_of_wy(case):
     return got, want
 
   got, (dq, dk, dv, dbeta, dgc, dAkk) = run(dqg, dkg, dw, du, dgc_last)
-  for name, want in dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dgc=dgc).items():
+  for name, want in dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta).items():
     bwd_setup.close(name, getattr(got, name), want)
+  # gc's cotangent, as the gate gradient bwd_gate makes of it: the reverse cumsum plus dg_state
+  dg = reverse_chunk_cumsum(got.dgc, BT) + got.dg_state
+  bwd_setup.close("dg (reverse cumsum of dgc + dg_state)", dg, reverse_chunk_cumsum(dgc, BT))
   bwd_setup.close("dAkk", got.dAkk, bwd_setup.mask_rows(dAkk, BT, strict=True))
