@@ -1,6 +1,6 @@
 """Named shapes, sequence-length profiles and random inputs shared by tests and tools.
 
-Inputs follow the testing rules of STYLE.md: a fresh key per tensor, log-gates drawn negative with
+Inputs follow the project's testing rules: a fresh key per tensor, log-gates drawn negative with
 some pushed to extremes, beta in (0, 1), unit-norm q and k, a random initial_state; tokens of no
 sequence are poisoned (large values and NaN) so a leak shows.
 """
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# name -> sequence lengths (the seed's matrix plus the boundary cases of STYLE.md)
+# name -> sequence lengths (the reference matrix plus the chunk-boundary cases)
 SEQ_LENS = {
     "30_50": [30, 50],
     "45_80_20": [45, 80, 20],

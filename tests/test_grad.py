@@ -120,7 +120,7 @@ def chunk_grad(case, backward="custom_vjp"):
 
 
 def l2norm(x):
-  """API.md's definition, rounded back to x's dtype as the pipeline's inputs are."""
+  """docs/api.md's definition, rounded back to x's dtype as the pipeline's inputs are."""
   xf = x.astype(jnp.float32)
   return (xf / jnp.sqrt(jnp.sum(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 

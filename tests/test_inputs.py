@@ -1,4 +1,4 @@
-"""Hostile but valid inputs (issue 7, docs/api.md): numpy arrays and numpy scalars wherever jax arrays
+"""Hostile but valid inputs (docs/api.md): numpy arrays and numpy scalars wherever jax arrays
 and Python scalars go, in and out of jax.jit; T == 0 forward and backward. Ground truth:
 kda.reference.recurrent_kda on the same inputs as jax arrays. Tiny shapes: the whole file is a few
 seconds on a CPU (the two impl="pallas" cases run Pallas interpret mode)."""

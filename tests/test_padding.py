@@ -39,7 +39,7 @@ _unalign = jax.jit(padding.unalign, static_argnums=3)
 
 
 def test_worked_example_100_50():
-  """The seed's example: seq_lens [100, 50], BT = 64, T = 150."""
+  """The worked example of the padding layer: seq_lens [100, 50], BT = 64, T = 150."""
   x = _tokens(0, 150)
   beta = _tokens(1, 150, feat=(2,))
   cu = cases.cu_from_lens([100, 50])

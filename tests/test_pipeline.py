@@ -75,7 +75,7 @@ def _view(x, idx, B):
 
 
 def l2norm(x):
-  """API.md's definition, rounded back to x's dtype as the pipeline's inputs are."""
+  """docs/api.md's definition, rounded back to x's dtype as the pipeline's inputs are."""
   xf = x.astype(jnp.float32)
   return (xf / jnp.sqrt(jnp.sum(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
@@ -247,7 +247,7 @@ def test_qk_l2norm_in_kernel(dtype):
 
 
 def test_recurrence_gate_is_the_api_formula():
-  """tests.cases.recurrence_gate (the recurrence's gate below) against API.md, in numpy."""
+  """tests.cases.recurrence_gate (the recurrence's gate below) against docs/api.md, in numpy."""
   inp = pool("raw")
   HV, K = inp.g.shape[2:]
   g = np.asarray(inp.g, np.float64)[0]

@@ -17,7 +17,7 @@ F32_TOL = dict(atol=2e-6, rtol=2e-6)
 
 
 def numpy_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None):
-  """The recurrence of API.md, one sequence and one value head at a time, in float64.
+  """The recurrence of docs/api.md, one sequence and one value head at a time, in float64.
 
   q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV] -> (o [B,T,HV,V], final [N,HV,K,V]).
   """

@@ -1,6 +1,6 @@
 """The padding layer: align every sequence to a multiple of BT, neutralise padding gates, unalign.
 
-Public functions (API.md): `align`, `neutralize_gate`, `unalign`; plus the layout helpers the
+Public functions (docs/api.md): `align`, `neutralize_gate`, `unalign`; plus the layout helpers the
 pipeline and the tools use (`Layout`, `chunk_table`, segment_ids conversion).
 """
 from __future__ import annotations
