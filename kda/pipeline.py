@@ -57,7 +57,7 @@ class Plan:
 def make_plan(*, scale, chunk_size, use_qk_l2norm=False, use_gate_in_kernel=False, lower_bound=None,
               impl=None, interpret=None) -> Plan:
   names = stages.names()
-  impls = resolve(impl, names, default_impls(names))
+  impls = resolve(impl, names, default_impls(names), {n: stages.get(n).implementations() for n in names})
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return Plan(float(scale), int(chunk_size), bool(use_qk_l2norm), bool(use_gate_in_kernel),

@@ -146,6 +146,8 @@ BAD = [
     ("impl_unknown_stage_impl", lambda i: dict(impl={"intra": "cuda"}), ValueError,
      ("impl['intra'] must be one of", "got 'cuda'")),
     ("impl_type", lambda i: dict(impl=3), TypeError, ("impl must be None, a str or a dict", "got int")),
+    ("impl_dict_missing_kernel", lambda i: dict(impl={"bwd_dav": "pallas"}), ValueError,
+     ("impl['bwd_dav'] = 'pallas'", "stage 'bwd_dav' has no 'pallas' implementation", "it has reference")),
     ("cu_and_segment_ids", lambda i: dict(segment_ids=jnp.ones((1, 12), jnp.int32)), ValueError,
      ("either cu_seqlens or segment_ids", "got both")),
     ("segment_ids_negative", lambda i: dict(cu_seqlens=None, segment_ids=-jnp.ones((1, 12), jnp.int32)), ValueError,
@@ -229,3 +231,14 @@ def test_autodiff_backward_with_kernels_is_refused():
   with pytest.raises(ValueError, match=re.escape("got kernels for stages ['intra']")):
     chunk_kda_with(inp.q, inp.k, inp.v, inp.g, inp.beta, cu_seqlens=inp.cu_seqlens,
                    impl={"intra": "pallas"}, backward="autodiff")
+
+
+def test_impl_string_takes_the_backend_where_a_stage_has_it():
+  """impl="pallas": kernels for the stages that have one, the reference for the others (a dict is
+  strict, see impl_dict_missing_kernel above)."""
+  from kda import pipeline, stages
+  plan = pipeline.make_plan(scale=1.0, chunk_size=16, impl="pallas")
+  for n in stages.names():
+    want = "pallas" if "pallas" in stages.get(n).implementations() else "reference"
+    assert plan.impl(n) == want, (n, plan.impl(n))
+  assert plan.impl("intra") == "pallas" and plan.impl("bwd_dav") == "reference"

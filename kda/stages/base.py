@@ -38,14 +38,21 @@ class Stage:
     return fn(*args, interpret=interpret, **kwargs)
 
 
-def resolve(impl, names: tuple[str, ...], default: Mapping[str, str]) -> dict[str, str]:
-  """impl (None, "pallas", "reference" or {stage: impl}) -> {stage: impl} for every stage."""
+def resolve(impl, names: tuple[str, ...], default: Mapping[str, str],
+            available: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, str]:
+  """impl (None, "pallas", "reference" or {stage: impl}) -> {stage: impl} for every stage.
+
+  A string asks for that backend in every stage that has it and the reference elsewhere; a dict is
+  strict: naming an implementation a stage lacks is a ValueError naming the stage. `available`
+  maps each stage to its implementations (every stage has all of them when omitted).
+  """
+  has = lambda n, i: available is None or i in available[n]
   if impl is None:
     return dict(default)
   if isinstance(impl, str):
     if impl not in IMPLS:
       raise ValueError(f"impl must be None, one of {IMPLS} or a dict {{stage: impl}}, got {impl!r}")
-    return {n: impl for n in names}
+    return {n: impl if has(n, impl) else "reference" for n in names}
   if isinstance(impl, Mapping):
     unknown = sorted(set(impl) - set(names))
     if unknown:
@@ -53,6 +60,9 @@ def resolve(impl, names: tuple[str, ...], default: Mapping[str, str]) -> dict[st
     for n, i in impl.items():
       if i not in IMPLS:
         raise ValueError(f"impl[{n!r}] must be one of {IMPLS}, got {i!r}")
+      if not has(n, i):
+        raise ValueError(f"impl[{n!r}] = {i!r}: stage {n!r} has no {i!r} implementation (it has "
+                         f"{', '.join(available[n])})")
     out = dict(default)
     out.update(impl)
     return out
