@@ -1,7 +1,7 @@
 """bwd_intra (S4): through the intra-chunk matrices Akk and Aqk, accumulated onto S3's gradients.
 
 Per chunk and value head, with E[i, j, c] = exp(gc_i[c] - gc_j[c]) on the causal pairs (masked before
-exp, so <= 1) and the forward
+exp, so <= 1; E[i, i] = 1, so only the strict pairs are formed) and the forward
 
     Aqk[i, j] = scale * sum_c q_i[c] k_j[c] E[i, j, c]            j <= i
     Akk[i, j] = beta_i * sum_c k_i[c] k_j[c] E[i, j, c]           j < i
@@ -53,13 +53,12 @@ def reference(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, sc
   q, k, beta, gi, gf, dAqk, dAkk = (to_chunks(x.astype(f32), chunk_size)
                                     for x in (q, k, beta, gc_int, gc_frac, dAqk, dAkk))
   ein = lambda s, *a: jnp.einsum(s, *a, precision=HI)
-  E = pair_decay(gi, gf, False)                                  # [NTa, BT(i), BT(j), HV, K]
-  Es = pair_decay(gi, gf, True)
+  Es = pair_decay(gi, gf, True)                                  # [NTa, BT(i), BT(j), HV, K], j < i
   b = beta[..., None]
-  dqA = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, E)
-  dkA = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, E)
-  dqAs = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, Es)             # without the diagonal
+  dqAs = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, Es)             # the pairs j < i
   dkAs = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, Es)
+  d = scale * jnp.moveaxis(jnp.diagonal(dAqk, axis1=1, axis2=3), 1, 2)[..., None]   # [NTa, BT, HV, 1]
+  dqA, dkA = dqAs + d * k, dkAs + d * q                                 # and the diagonal, E = 1
   G = ein("cihj,cjhk,cijhk->cihk", dAkk, k, Es)
   dkK1 = b * G
   dkK2 = ein("cihj,cihk,cijhk->cjhk", dAkk * beta[..., None], k, Es)
