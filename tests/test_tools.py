@@ -85,7 +85,8 @@ def test_trace_catches_unneutralised_padding_gates(monkeypatch):
   # neither -1e4 at padding nor the gate stage's mask: softplus(0 + dt_bias) decays the state there
   def unmasked(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound):
     g_act = gate.activate(g, A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
-    return gate.Out(g_act, gate.chunk_cumsum(g_act, chunk_size))
+    whole, frac = gate.split(g_act)
+    return gate.Out(g_act, gate.chunk_cumsum(whole, chunk_size), gate.chunk_cumsum(frac, chunk_size))
 
   monkeypatch.setattr(padding, "neutralize_gate", lambda g, valid: g)
   monkeypatch.setitem(stages.STAGES, "gate", Stage("gate", reference=unmasked))
