@@ -94,8 +94,8 @@ def _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_sta
                        "num_segments=N (or initial_state), got neither")
     starts, lens = padding.segment_ids_to_seqs(jnp.asarray(segment_ids).astype(jnp.int32), int(N))
     return padding.make_layout(starts, lens, B * T, chunk_size)
-  starts = jnp.arange(B, dtype=jnp.int32) * T
-  return padding.make_layout(starts, jnp.full((B,), T, jnp.int32), B * T, chunk_size)
+  starts = np.arange(B, dtype=np.int32) * T               # numpy: concrete even under jit
+  return padding.make_layout(starts, np.full((B,), T, np.int32), B * T, chunk_size)
 
 
 def _check_gate_args(HV, K, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound):

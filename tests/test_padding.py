@@ -45,8 +45,8 @@ def test_worked_example_100_50():
   cu = cases.cu_from_lens([100, 50])
   (xa, ba), acu = padding.align([x, beta], cu, 64)   # eager, public API
   np.testing.assert_array_equal(np.asarray(acu), [0, 128, 192])
-  assert xa.shape == (1, 320, 2, 3) and ba.shape == (1, 320, 2)
-  real = np.zeros(320, bool)
+  assert xa.shape == (1, 192, 2, 3) and ba.shape == (1, 192, 2)   # concrete cu: the exact length
+  real = np.zeros(192, bool)
   real[0:100] = real[128:178] = True
   np.testing.assert_array_equal(np.asarray(xa[0, 0:100]), x[0, 0:100])
   np.testing.assert_array_equal(np.asarray(xa[0, 128:178]), x[0, 100:150])
@@ -54,9 +54,33 @@ def test_worked_example_100_50():
   np.testing.assert_array_equal(np.asarray(xa[0, ~real]), 0.0)
   np.testing.assert_array_equal(np.asarray(ba[0, ~real]), 0.0)
   layout = padding.layout_from_cu_seqlens(cu, 150, 64)
-  assert (layout.T, layout.Ta, layout.chunk_size, layout.N, layout.NTa) == (150, 320, 64, 2, 5)
+  assert (layout.T, layout.Ta, layout.chunk_size, layout.N, layout.NTa) == (150, 192, 64, 2, 3)
   np.testing.assert_array_equal(np.asarray(padding.valid_mask(layout)), real)
   np.testing.assert_array_equal(np.asarray(padding.unalign(xa, cu, acu, 150)), x)
+  # traced cu_seqlens: the static bound T + N * (BT - 1), the same real tokens, zeros after
+  (xt,), _ = jax.jit(lambda x, cu: padding.align([x], cu, 64))(x, cu)
+  assert xt.shape == (1, 320, 2, 3)
+  np.testing.assert_array_equal(np.asarray(xt[0, :192]), np.asarray(xa[0]))
+  np.testing.assert_array_equal(np.asarray(xt[0, 192:]), 0.0)
+
+
+@pytest.mark.parametrize("BT", [16, 64])
+def test_aligned_length_buckets(BT):
+  """Concrete lengths: the exact aligned length rounded up to a bucket (<= 1/8 more, a multiple of
+  BT, 8 sizes per doubling); traced lengths: the bound."""
+  rng = np.random.default_rng(BT)
+  sizes = set()
+  for _ in range(300):
+    lens = rng.integers(0, 300, size=rng.integers(1, 40))
+    T = int(lens.sum()) + int(rng.integers(0, 50))
+    exact = int(np.sum(-(-lens // BT))) * BT
+    Ta = padding.aligned_length(T, len(lens), BT, lens)
+    assert Ta % BT == 0 and max(exact, BT) <= Ta <= max(exact * 9 // 8, BT), (lens, Ta, exact)
+    if 4096 <= exact < 8192:
+      sizes.add(Ta)
+  assert len(sizes) <= 9, sorted(sizes)       # 4096, 4608, ..., 7680 and 8192
+  traced = jax.eval_shape(lambda lens: jnp.zeros(padding.aligned_length(100, 3, BT, lens)), jnp.ones(3, jnp.int32))
+  assert traced.shape == (padding.aligned_length(100, 3, BT),)
 
 
 def _poisoned_aligned(Ta, seed=2):

@@ -20,7 +20,8 @@ def align(tensors, cu_seqlens, chunk_size):
   """tensors: [1, T, ...] arrays -> (same structure at [1, Ta, ...], aligned_cu_seqlens [N+1]).
 
   Sequence n moves to [aligned_cu[n], aligned_cu[n] + len_n); every other position is 0. Tokens
-  past cu_seqlens[-1] are never read. Ta = round_up(T + N * (BT - 1), BT) is static.
+  past cu_seqlens[-1] are never read. Ta is `aligned_length`: round_up(T + N * (BT - 1), BT) for a
+  traced cu_seqlens, the exact aligned length rounded up to a bucket for a concrete one.
   """
   tensors = list(tensors)
   layout = layout_from_cu_seqlens(cu_seqlens, tensors[0].shape[1], chunk_size)

@@ -2,13 +2,15 @@
 
 A packed buffer of T tokens holds N sequences, sequence n at tokens [starts[n], starts[n] + lens[n])
 (contiguous for cu_seqlens; with segment_ids there may be padding tokens between sequences). The
-aligned buffer has the static length Ta = round_up(T + N * (BT - 1), BT), enough for any lengths, and
-puts sequence n at [aligned_cu[n], aligned_cu[n] + lens[n]), aligned_cu[n] a multiple of BT. Positions
+aligned buffer puts sequence n at [aligned_cu[n], aligned_cu[n] + lens[n]), aligned_cu[n] a multiple
+of BT. Its length Ta (`aligned_length`) is static: for traced lengths the bound
+round_up(T + N * (BT - 1), BT), enough for any lengths; for concrete ones the exact aligned length
+rounded up to a bucket (at most 1/8 more, so few shapes compile). Positions
 of the aligned buffer that hold no real token (a sequence's last partial chunk, and the tail after
 aligned_cu[-1]) are padding: zeros after `align`.
 
-Everything here is jnp on possibly traced lengths, with static shapes, so a new length profile never
-recompiles. Gathers use index = size (one past the end) with mode="fill": a slot that owns no token
+Everything here is jnp on possibly traced lengths, with static shapes, so under jit a new length
+profile never recompiles. Gathers use index = size (one past the end) with mode="fill": a slot that owns no token
 reads an explicit zero, never position 0 or a neighbour.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kda import shapes
 
@@ -38,8 +41,26 @@ class Layout(NamedTuple):
     return self.Ta // self.chunk_size
 
 
-def aligned_length(T: int, N: int, chunk_size: int) -> int:
-  return shapes.round_up(T + N * (chunk_size - 1), chunk_size) if N else shapes.round_up(max(T, 1), chunk_size)
+def aligned_length(T: int, N: int, chunk_size: int, lens=None) -> int:
+  """The aligned buffer's length Ta (a multiple of BT, at least BT).
+
+  Without concrete `lens` (traced under jit): the static bound T + N * (BT - 1), enough for any
+  lengths, so a new length profile never recompiles. With concrete `lens`: the exact aligned length
+  sum(round_up(len, BT)) rounded up to a bucket (`bucket`), so that few distinct shapes compile.
+  """
+  bound = shapes.round_up(T + N * (chunk_size - 1), chunk_size) if N else shapes.round_up(max(T, 1), chunk_size)
+  if lens is None or not shapes.is_concrete(lens):
+    return bound
+  lens = np.asarray(lens, np.int64)
+  exact = int(np.sum((lens + chunk_size - 1) // chunk_size)) * chunk_size
+  return bucket(max(exact, chunk_size), chunk_size)
+
+
+def bucket(n: int, chunk_size: int) -> int:
+  """n rounded up to a multiple of max(BT, 2**(bit_length(n) - 4)): at most 1/8 more than n, and 8
+  sizes per doubling of n."""
+  q = max(chunk_size, 1 << max(int(n).bit_length() - 4, 0))
+  return shapes.round_up(n, q)
 
 
 def aligned_cu_seqlens(lens, chunk_size):
@@ -48,13 +69,16 @@ def aligned_cu_seqlens(lens, chunk_size):
 
 
 def make_layout(starts, lens, T: int, chunk_size: int) -> Layout:
+  Ta = aligned_length(T, len(lens), chunk_size, lens)
   starts = jnp.asarray(starts, jnp.int32)
   lens = jnp.asarray(lens, jnp.int32)
-  Ta = aligned_length(T, lens.shape[0], chunk_size)
   return Layout(starts, lens, aligned_cu_seqlens(lens, chunk_size), T, Ta, chunk_size)
 
 
 def layout_from_cu_seqlens(cu_seqlens, T: int, chunk_size: int) -> Layout:
+  if shapes.is_concrete(cu_seqlens):      # lengths known now (also inside a trace): the exact Ta
+    cu = np.asarray(cu_seqlens).astype(np.int32)
+    return make_layout(cu[:-1], np.diff(cu), T, chunk_size)
   cu = jnp.asarray(cu_seqlens, jnp.int32)
   return make_layout(cu[:-1], cu[1:] - cu[:-1], T, chunk_size)
 
