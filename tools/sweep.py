@@ -29,12 +29,12 @@ def grid(cls, **axes):
 
 
 CONFIGS = {
-    "gate": lambda: grid(gate.Config, num_warps=[1, 2, 4]),
-    "intra": lambda: grid(intra.Config, precision=["highest", "tf32x3", "tf32"], num_warps=[4, 8]),
-    "state": lambda: grid(state.Config, precision=["highest", "tf32x3", "tf32"], block_v=[32, 64],
-                          num_warps=[4, 8]),
-    "output": lambda: grid(output.Config, precision=["highest", "tf32x3", "tf32"], block_v=[64, 128],
-                           num_warps=[4, 8]),
+    "gate": lambda: grid(gate.pallas.Config, num_warps=[1, 2, 4]),
+    "intra": lambda: grid(intra.pallas.Config, precision=["highest", "tf32x3", "tf32"], num_warps=[4, 8]),
+    "state": lambda: grid(state.pallas.Config, precision=["highest", "tf32x3", "tf32"], block_v=[32, 64],
+                                 num_warps=[4, 8]),
+    "output": lambda: grid(output.pallas.Config, precision=["highest", "tf32x3", "tf32"], block_v=[64, 128],
+                                  num_warps=[4, 8]),
 }
 
 

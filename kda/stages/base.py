@@ -3,13 +3,23 @@
 Every implementation of a stage takes the same arguments and returns the same NamedTuple, so the
 composer can swap one for another (`impl={"intra": "reference"}`) and a test can compare them
 field by field. Kernel launchers also take `interpret` (decided once, by the composer).
+
+The implementations (IMPLS), each in the stage package's module of that name:
+- reference: jnp (`kda/stages/<stage>/reference.py`), every stage has one;
+- pallas: a Pallas kernel, Triton lowering (`pallas.py`), any CUDA GPU;
+- mosaic_gpu: a Pallas Mosaic GPU kernel (`mosaic_gpu.py`), Hopper and newer.
+
+`supports` maps a backend name to its predicate: called with the same arguments as that
+implementation (`interpret` included for kernels), it returns None if the implementation takes
+the call and a string saying why not otherwise (e.g. "mosaic_gpu needs bf16 q/k/v, got float32").
+A backend without a predicate takes every call. No stage sets one yet.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Mapping
 
-IMPLS = ("reference", "pallas")
+IMPLS = ("reference", "pallas", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +27,9 @@ class Stage:
   name: str
   reference: Callable
   pallas: Callable | None = None
+  mosaic_gpu: Callable | None = None
+  # {backend: predicate} (module docstring); not part of equality or the hash (a dict is unhashable)
+  supports: Mapping[str, Callable] | None = dataclasses.field(default=None, compare=False)
 
   def implementations(self) -> tuple[str, ...]:
     return tuple(i for i in IMPLS if getattr(self, i) is not None)
@@ -40,7 +53,7 @@ class Stage:
 
 def resolve(impl, names: tuple[str, ...], default: Mapping[str, str],
             available: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, str]:
-  """impl (None, "pallas", "reference" or {stage: impl}) -> {stage: impl} for every stage.
+  """impl (None, one of IMPLS or {stage: impl}) -> {stage: impl} for every stage.
 
   A string asks for that backend in every stage that has it and the reference elsewhere; a dict is
   strict: naming an implementation a stage lacks is a ValueError naming the stage. `available`

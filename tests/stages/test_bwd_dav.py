@@ -16,9 +16,9 @@ def test_bwd_dav_matches_vjp_of_output():
 
   @jax.jit
   def both(Aqk, v_new, do):
-    fwd = lambda A, vn: output.reference(qg, h, A, vn, scale=s.plan.scale, chunk_size=BT).o
+    fwd = lambda A, vn: output.reference.apply(qg, h, A, vn, scale=s.plan.scale, chunk_size=BT).o
     _, vjp = jax.vjp(fwd, Aqk, v_new)
-    return vjp(do), bwd_dav.reference(v_new, Aqk, do, chunk_size=BT)
+    return vjp(do), bwd_dav.reference.apply(v_new, Aqk, do, chunk_size=BT)
 
   (dAqk, dv), got = both(Aqk, v_new, do)
   bwd_setup.close("dAqk", got.dAqk, bwd_setup.mask_rows(dAqk, BT, strict=False))

@@ -28,14 +28,14 @@ def test_bwd_dh_matches_vjp_of_state_and_output():
   do, dht = bwd_setup.randn(30, u.shape, h0.shape)   # random everywhere, padding and tail included
 
   def state_output(qg, kg, w, u, gc, S0):
-    st = state.reference(kg, w, u, gi, gc, S0, acu, chunk_size=BT)
-    return output.reference(qg, st.h, Aqk, st.v_new, scale=scale, chunk_size=BT).o, st.final_state
+    st = state.reference.apply(kg, w, u, gi, gc, S0, acu, chunk_size=BT)
+    return output.reference.apply(qg, st.h, Aqk, st.v_new, scale=scale, chunk_size=BT).o, st.final_state
 
   @jax.jit
   def run(do, dht):
-    dv1 = bwd_dav.reference(v_new, Aqk, do, chunk_size=BT).dv
-    got = bwd_dh.reference(qg, kg, w, gi, gc, h, v_new, do, dv1, dht, acu,
-                           **pipeline.backward_kwargs(s.plan, "bwd_dh"))
+    dv1 = bwd_dav.reference.apply(v_new, Aqk, do, chunk_size=BT).dv
+    got = bwd_dh.reference.apply(qg, kg, w, gi, gc, h, v_new, do, dv1, dht, acu,
+                                 **pipeline.backward_kwargs(s.plan, "bwd_dh"))
     want = jax.vjp(state_output, qg, kg, w, u, gc, h0)[1]((do, dht))
     return got, want
 

@@ -32,10 +32,10 @@ def test_bwd_gate_matches_vjp_of_gate(case):
   @jax.jit
   def run(g, A_log, dt_bias, dgc, dg_state):
     def fwd(g, A_log, dt_bias):   # (gc, activated gate): dg_state is a cotangent of the latter
-      out = gate.reference(g, valid, A_log, dt_bias, **fkw)
+      out = gate.reference.apply(g, valid, A_log, dt_bias, **fkw)
       return out.gc_int + out.gc_frac, out.g
     want = jax.vjp(fwd, g, A_log, dt_bias)[1]((dgc, dg_state))
-    got = bwd_gate.reference(g, valid, A_log, dt_bias, dgc, dg_state, **fkw)
+    got = bwd_gate.reference.apply(g, valid, A_log, dt_bias, dgc, dg_state, **fkw)
     return got, want
 
   got, (dg, dA_log, ddt_bias) = run(g, A_log, dt_bias, dgc, dg_state)

@@ -25,10 +25,10 @@ def test_bwd_intra_matches_vjp_of_intra(case):
 
   @jax.jit
   def run(dAqk, dAkk, aq, ak, ab, ag):
-    fwd = lambda q, k, beta, gc: intra.reference(q, k, v, beta, gi, gc, scale=scale, chunk_size=BT)[:2]
+    fwd = lambda q, k, beta, gc: intra.reference.apply(q, k, v, beta, gi, gc, scale=scale, chunk_size=BT)[:2]
     want = jax.vjp(fwd, q, k, beta, gc)[1]((dAkk, dAqk))
-    got = bwd_intra.reference(q, k, beta, gi, gc, dAqk, dAkk, aq, ak, ab, ag,
-                              **pipeline.backward_kwargs(s.plan, "bwd_intra"))
+    got = bwd_intra.reference.apply(q, k, beta, gi, gc, dAqk, dAkk, aq, ak, ab, ag,
+                                    **pipeline.backward_kwargs(s.plan, "bwd_intra"))
     return got, want
 
   zeros = [jnp.zeros_like(x) for x in (aq, ak, ab, ag)]

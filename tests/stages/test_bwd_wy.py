@@ -15,7 +15,7 @@ import pytest
 
 from kda import pipeline
 from kda.stages import bwd_recompute, bwd_wy, intra
-from kda.stages.bwd_gate import reverse_chunk_cumsum
+from kda.stages.bwd_gate.reference import reverse_chunk_cumsum
 from kda.stages.intra import to_chunks
 from tests.stages import bwd_setup
 
@@ -33,16 +33,16 @@ def test_bwd_wy_matches_vjp_of_wy(case):
                                                (1, NTa) + gc.shape[2:])
 
   def piece(q, k, v, beta, gc, Akk):
-    Ainv = bwd_setup.row_layout(intra.unit_lower_inverse(bwd_setup.chunk_mats(Akk, BT)))
-    w, u, qg, kg = bwd_recompute.wy_from_inverse(q, k, v, beta, gi, gc, Ainv, chunk_size=BT)
+    Ainv = bwd_setup.row_layout(intra.reference.unit_lower_inverse(bwd_setup.chunk_mats(Akk, BT)))
+    w, u, qg, kg = bwd_recompute.reference.wy_from_inverse(q, k, v, beta, gi, gc, Ainv, chunk_size=BT)
     return (w, u, qg, kg, to_chunks(gi + gc, BT)[None, :, -1]), Ainv
 
   @jax.jit
   def run(dqg, dkg, dw, du, dgc_last):
     _, vjp, Ainv = jax.vjp(piece, q, k, v, beta, gc, Akk, has_aux=True)
     want = vjp((dw, du, dqg, dkg, dgc_last))
-    got = bwd_wy.reference(q, k, v, beta, gi, gc, Ainv, dqg, dkg, dw, du, dgc_last,
-                           **pipeline.backward_kwargs(s.plan, "bwd_wy"))
+    got = bwd_wy.reference.apply(q, k, v, beta, gi, gc, Ainv, dqg, dkg, dw, du, dgc_last,
+                                 **pipeline.backward_kwargs(s.plan, "bwd_wy"))
     return got, want
 
   got, (dq, dk, dv, dbeta, dgc, dAkk) = run(dqg, dkg, dw, du, dgc_last)

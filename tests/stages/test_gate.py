@@ -112,7 +112,7 @@ def test_reference_matches_numpy_loops(form):
   BT = 16
   _, _, _, g, _, valid, A_log, dt_bias = pooled_inputs(lens=[20, 7], HV=2, K=8, BT=BT, gate_kind="raw")
   args, kw = form_args(form, g, valid, A_log, dt_bias)
-  got = jax.jit(functools.partial(gate.reference, chunk_size=BT, **kw))(*args)
+  got = jax.jit(functools.partial(gate.reference.apply, chunk_size=BT, **kw))(*args)
   want = numpy_gate(*args, BT=BT, **kw)
   cases.report_close("g", got.g, want[0], **REF_TOL)
   cases.report_close("gc", got.gc_int + got.gc_frac, want[1], **REF_TOL)
@@ -157,8 +157,8 @@ def test_kernel_matches_reference(lens, K, BT, dtype, form):
       gate_kind=gate_kind)
   g = jnp.where(valid[:, :, None, None], g, jnp.nan)          # padding values must never be read
   args, kw = form_args(form, g, valid, A_log, dt_bias)
-  want = jax.jit(functools.partial(gate.reference, chunk_size=BT, **kw))(*args)
-  got = jax.jit(functools.partial(gate.pallas, chunk_size=BT, interpret=True, **kw))(*args)
+  want = jax.jit(functools.partial(gate.reference.apply, chunk_size=BT, **kw))(*args)
+  got = jax.jit(functools.partial(gate.pallas.apply, chunk_size=BT, interpret=True, **kw))(*args)
   for name in gate.Out._fields:
     chex.assert_shape(getattr(got, name), getattr(want, name).shape)
     assert getattr(got, name).dtype == jnp.float32
@@ -171,8 +171,9 @@ def test_kernel_strong_gates_stay_finite():
   BT = 64
   _, _, _, g, _, valid, _, _ = pooled_inputs(T=128, HV=2, K=64, BT=BT, gate_kind="strong")
   kw = dict(use_gate_in_kernel=False, lower_bound=None)
-  want = jax.jit(functools.partial(gate.reference, chunk_size=BT, **kw))(g, valid, None, None)
-  got = jax.jit(functools.partial(gate.pallas, chunk_size=BT, interpret=True, **kw))(g, valid, None, None)
+  want = jax.jit(functools.partial(gate.reference.apply, chunk_size=BT, **kw))(g, valid, None, None)
+  got = jax.jit(functools.partial(gate.pallas.apply, chunk_size=BT, interpret=True, **kw))(
+      g, valid, None, None)
   assert float(jnp.min(got.gc_int + got.gc_frac)) < -300 and bool(jnp.all(jnp.isfinite(got.gc_frac)))
   for name in gate.Out._fields:
     cases.report_close(name, getattr(got, name), getattr(want, name), **TOL[name])
@@ -199,7 +200,7 @@ def test_extreme_gates_keep_every_decay_exact(impl):
   _, _, _, g, _, valid, _, _ = pooled_inputs(lens=[40, 50], HV=2, K=16, BT=BT)
   g = extreme_gates(g, 3)
   kw = dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
-  fn = gate.reference if impl == "reference" else functools.partial(gate.pallas, interpret=True)
+  fn = gate.reference.apply if impl == "reference" else functools.partial(gate.pallas.apply, interpret=True)
   got = jax.jit(functools.partial(fn, **kw))(g, valid, None, None)
   act, _ = numpy_gate(g, valid, None, None, use_gate_in_kernel=False, lower_bound=None, BT=BT)
   np.testing.assert_array_equal(np.asarray(got.g), act.astype(np.float32))
@@ -218,10 +219,10 @@ def test_extreme_gates_keep_every_decay_exact(impl):
 def test_kernel_rejects_missing_A_log():
   x = jnp.zeros((1, 16, 1, 16))
   with pytest.raises(ValueError, match="A_log"):
-    gate.pallas(x, jnp.ones((1, 16), bool), None, None, chunk_size=16, use_gate_in_kernel=True,
-                lower_bound=None, interpret=True)
+    gate.pallas.apply(x, jnp.ones((1, 16), bool), None, None, chunk_size=16, use_gate_in_kernel=True,
+                      lower_bound=None, interpret=True)
   with pytest.raises(ValueError, match="num_warps"):
-    gate.Config(num_warps=3)
+    gate.pallas.Config(num_warps=3)
 
 
 LOWER_CASES = [(128, 64, jnp.bfloat16, f) for f in ("softplus", "sigmoid", "sigmoid-noA", "identity")] + [
@@ -234,5 +235,5 @@ def test_kernel_lowers_for_h200(K, BT, dtype, form):
   Ta, HV = 4 * BT, 2
   g = jnp.zeros((1, Ta, HV, K), dtype)
   args, kw = form_args(form, g, jnp.ones((1, Ta), bool), jnp.zeros((HV,)), jnp.zeros((HV * K,)))
-  txt = lower_h200(functools.partial(gate.pallas, chunk_size=BT, **kw), *args)
+  txt = lower_h200(functools.partial(gate.pallas.apply, chunk_size=BT, **kw), *args)
   assert "kda_gate" in txt

@@ -55,7 +55,8 @@ TOL = {
 
 @functools.partial(jax.jit, static_argnames=("BT", "raw"))
 def _gc(g, valid, A_log, dt_bias, *, BT, raw):
-  return gate.reference(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=raw, lower_bound=None)[1:]
+  return gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=raw,
+                              lower_bound=None)[1:]
 
 
 def stage_inputs(*, lens=None, T=None, HV=2, K=32, V=32, BT=32, dtype=jnp.float32, gate_kind="plain",
@@ -78,12 +79,13 @@ def stage_inputs(*, lens=None, T=None, HV=2, K=32, V=32, BT=32, dtype=jnp.float3
 
 @functools.lru_cache(maxsize=None)
 def _reference(BT, scale):
-  return jax.jit(functools.partial(intra.reference, scale=scale, chunk_size=BT))
+  return jax.jit(functools.partial(intra.reference.apply, scale=scale, chunk_size=BT))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(BT, scale, config=None):
-  return jax.jit(functools.partial(intra.pallas, scale=scale, chunk_size=BT, interpret=True, config=config))
+  return jax.jit(functools.partial(intra.pallas.apply, scale=scale, chunk_size=BT, interpret=True,
+                                   config=config))
 
 
 def numpy_intra(q, k, v, beta, gi, gf, scale, BT):
@@ -175,7 +177,7 @@ def test_kernel_matches_reference(lens, K, V, BT, dtype, gate_kind, gate_scale, 
                              BT=BT, dtype=dtype, gate_kind=gate_kind, gate_scale=gate_scale)
   scale = K ** -0.5
   want = _reference(BT, scale)(*args)
-  got = _kernel(BT, scale, intra.Config(diag=diag))(*args)
+  got = _kernel(BT, scale, intra.pallas.Config(diag=diag))(*args)
   dt = jnp.dtype(dtype).name
   for name in intra.Out._fields:
     g, w = getattr(got, name), getattr(want, name)
@@ -193,8 +195,8 @@ def test_auto_diagonal_takes_both_paths():
   BT, scale = 32, 32 ** -0.5
   for gate_scale, same in ((1.0, False), (2.4, True)):
     args, _ = stage_inputs(T=64, HV=2, K=32, V=32, BT=BT, gate_kind="strong", gate_scale=gate_scale)
-    auto = _kernel(BT, scale, intra.Config(diag="auto"))(*args)
-    pair = _kernel(BT, scale, intra.Config(diag="pairwise"))(*args)
+    auto = _kernel(BT, scale, intra.pallas.Config(diag="auto"))(*args)
+    pair = _kernel(BT, scale, intra.pallas.Config(diag="pairwise"))(*args)
     assert np.array_equal(np.asarray(auto.Akk), np.asarray(pair.Akk)) == same, gate_scale
 
 
@@ -205,23 +207,23 @@ def test_gc_frac_kernel_computes_the_same_bits():
   args, _ = stage_inputs(lens=[30, 50], HV=2, K=32, V=32, BT=BT, gate_kind="strong", gate_scale=0.15)
   assert not np.any(np.asarray(args[4])) and float(jnp.min(args[5])) < -10
   auto = _kernel(BT, scale)(*args)
-  always = _kernel(BT, scale, intra.Config(two_part="always"))(*args)
+  always = _kernel(BT, scale, intra.pallas.Config(two_part="always"))(*args)
   for name in intra.Out._fields:
     np.testing.assert_array_equal(np.asarray(getattr(auto, name)), np.asarray(getattr(always, name)), name)
 
 
 def test_config_rejects_bad_values():
   with pytest.raises(ValueError, match="precision"):
-    intra.Config(precision="fast")
+    intra.pallas.Config(precision="fast")
   with pytest.raises(ValueError, match="diag"):
-    intra.Config(diag="fast")
+    intra.pallas.Config(diag="fast")
   with pytest.raises(ValueError, match="two_part"):
-    intra.Config(two_part="never")
+    intra.pallas.Config(two_part="never")
   with pytest.raises(ValueError, match="num_warps"):
-    intra.Config(num_warps=3)
+    intra.pallas.Config(num_warps=3)
   x = jnp.zeros((1, 16, 1, 16))
   with pytest.raises(ValueError, match="chunk_size"):
-    intra.pallas(x, x, x, x[..., 0], x, x, scale=1.0, chunk_size=8, interpret=True)
+    intra.pallas.apply(x, x, x, x[..., 0], x, x, scale=1.0, chunk_size=8, interpret=True)
 
 
 def _lower(K, V, BT, dtype, config, debug=False):
@@ -229,7 +231,7 @@ def _lower(K, V, BT, dtype, config, debug=False):
   s = lambda d, *shape: jax.ShapeDtypeStruct(shape, d)
   args = (s(dtype, 1, Ta, HV, K), s(dtype, 1, Ta, HV, K), s(dtype, 1, Ta, HV, V), s(dtype, 1, Ta, HV),
           s(jnp.float32, 1, Ta, HV, K), s(jnp.float32, 1, Ta, HV, K))
-  fn = functools.partial(intra.pallas, scale=K ** -0.5, chunk_size=BT, config=config)
+  fn = functools.partial(intra.pallas.apply, scale=K ** -0.5, chunk_size=BT, config=config)
   if not debug:
     return lower_h200(fn, *args)
   buf = io.StringIO()
@@ -245,15 +247,15 @@ def _lower(K, V, BT, dtype, config, debug=False):
 
 LOWER_CASES = [
     # K, V, BT, dtype, config
-    (128, 128, 64, jnp.bfloat16, intra.Config()),
-    (128, 128, 64, jnp.bfloat16, intra.Config(diag="pairwise")),
-    (128, 128, 64, jnp.bfloat16, intra.Config(bf16_dots=False, precision="tf32", num_warps=8)),
-    (128, 128, 64, jnp.float32, intra.Config()),
-    (128, 128, 64, jnp.float32, intra.Config(precision="tf32x3")),
-    (96, 96, 64, jnp.bfloat16, intra.Config()),
-    (128, 128, 16, jnp.bfloat16, intra.Config()),
-    (64, 128, 32, jnp.float32, intra.Config()),
-    (256, 256, 64, jnp.bfloat16, intra.Config(num_warps=8)),
+    (128, 128, 64, jnp.bfloat16, intra.pallas.Config()),
+    (128, 128, 64, jnp.bfloat16, intra.pallas.Config(diag="pairwise")),
+    (128, 128, 64, jnp.bfloat16, intra.pallas.Config(bf16_dots=False, precision="tf32", num_warps=8)),
+    (128, 128, 64, jnp.float32, intra.pallas.Config()),
+    (128, 128, 64, jnp.float32, intra.pallas.Config(precision="tf32x3")),
+    (96, 96, 64, jnp.bfloat16, intra.pallas.Config()),
+    (128, 128, 16, jnp.bfloat16, intra.pallas.Config()),
+    (64, 128, 32, jnp.float32, intra.pallas.Config()),
+    (256, 256, 64, jnp.bfloat16, intra.pallas.Config(num_warps=8)),
 ]
 
 
@@ -270,7 +272,7 @@ def test_triton_dot_precisions(dtype):
 
   Per chunk of 4 sub-blocks: A takes 2 x (6 + 4) dots [16, K] x [K, 16], the solve 10 + 6 float32
   [16, 16] dots, w and u 2 x 10 dots [16, 16] x [16, K]."""
-  ir = _lower(128, 128, 64, dtype, intra.Config(two_part="always"), debug=True)   # one kernel
+  ir = _lower(128, 128, 64, dtype, intra.pallas.Config(two_part="always"), debug=True)   # one kernel
   dots = [l for l in ir.splitlines() if "tt.dot" in l]
   f32_dots = [l for l in dots if re.search(r"tensor<\d+x\d+xf32> \* tensor<\d+x\d+xf32> ->", l)]
   bf16_dots = [l for l in dots if "xbf16> * tensor<" in l]

@@ -66,12 +66,12 @@ def numpy_output(qg, h, Aqk, v_new, scale, BT):
 
 @functools.lru_cache(maxsize=None)
 def _reference(scale, BT):
-  return jax.jit(functools.partial(output.reference, scale=scale, chunk_size=BT))
+  return jax.jit(functools.partial(output.reference.apply, scale=scale, chunk_size=BT))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(scale, BT, config=None):
-  return jax.jit(functools.partial(output.pallas, scale=scale, chunk_size=BT, interpret=True,
+  return jax.jit(functools.partial(output.pallas.apply, scale=scale, chunk_size=BT, interpret=True,
                                    config=config))
 
 
@@ -101,7 +101,8 @@ def test_kernel_matches_reference_varlen(profile, K, V, BT, block_v):
   want = _reference(scale, BT)(qg, h, Aqk, v_new)
   # NaN above the diagonal: the kernel masks Aqk itself, so this must not reach o
   upper = (np.arange(Aqk.shape[1])[:, None] % BT < np.arange(BT)[None, :])[None, :, None, :]
-  got = _kernel(scale, BT, output.Config(block_v=block_v))(qg, h, jnp.where(upper, jnp.nan, Aqk), v_new)
+  got = _kernel(scale, BT, output.pallas.Config(block_v=block_v))(qg, h, jnp.where(upper, jnp.nan, Aqk),
+                                                                v_new)
   chex.assert_shape(got.o, want.o.shape)
   cases.report_close("o", got.o, want.o, **KERNEL_TOL)
   assert not np.any(np.asarray(got.o)[:, ~valid]), "o at padding positions is not exactly 0"
@@ -109,9 +110,9 @@ def test_kernel_matches_reference_varlen(profile, K, V, BT, block_v):
 
 def test_config_rejects_bad_tiles():
   with pytest.raises(ValueError, match="block_v"):
-    output.Config(block_v=8)
+    output.pallas.Config(block_v=8)
   with pytest.raises(ValueError, match="precision"):
-    output.Config(precision="bf16")
+    output.pallas.Config(precision="bf16")
 
 
 LOWER_CASES = [(128, 128, 64, "highest"), (128, 128, 64, "tf32"), (96, 96, 64, "highest"),
@@ -122,8 +123,8 @@ LOWER_CASES = [(128, 128, 64, "highest"), (128, 128, 64, "tf32"), (96, 96, 64, "
                          ids=[f"K{K}-V{V}-BT{BT}-{p}" for K, V, BT, p in LOWER_CASES])
 def test_kernel_lowers_for_h200(K, V, BT, precision):
   Ta, HV = 8 * BT, 2
-  fn = functools.partial(output.pallas, scale=K ** -0.5, chunk_size=BT,
-                         config=output.Config(precision=precision))
+  fn = functools.partial(output.pallas.apply, scale=K ** -0.5, chunk_size=BT,
+                         config=output.pallas.Config(precision=precision))
   txt = lower_h200(fn, jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta // BT, HV, K, V)),
                    jnp.zeros((1, Ta, HV, BT)), jnp.zeros((1, Ta, HV, V)))
   assert "kda_output" in txt

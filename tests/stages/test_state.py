@@ -79,12 +79,12 @@ def stage_inputs(seed, lens, *, HV, K, V, BT, initial_state=True):
 
 @functools.lru_cache(maxsize=None)
 def _reference(BT):
-  return jax.jit(functools.partial(state.reference, chunk_size=BT))
+  return jax.jit(functools.partial(state.reference.apply, chunk_size=BT))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(BT, config=None):
-  return jax.jit(functools.partial(state.pallas, chunk_size=BT, interpret=True, config=config))
+  return jax.jit(functools.partial(state.pallas.apply, chunk_size=BT, interpret=True, config=config))
 
 
 def check_outputs(got, want, acu, BT, tol):
@@ -128,7 +128,7 @@ def test_kernel_matches_reference_varlen(profile, K, V, BT, h0, block_v):
   args = stage_inputs(2, cases.SEQ_LENS[profile], HV=2, K=K, V=V, BT=BT, initial_state=h0)
   acu = args[-1]
   want = _reference(BT)(*args)
-  got = _kernel(BT, state.Config(block_v=block_v))(*args)
+  got = _kernel(BT, state.pallas.Config(block_v=block_v))(*args)
   check_outputs(got, want, acu, BT, KERNEL_TOL)
 
 
@@ -141,14 +141,14 @@ def test_kernel_never_reads_the_tail():
   want = _reference(BT)(kg, w, u, gi, gf, h0, acu)
   tail = (jnp.arange(kg.shape[1]) >= acu[-1])[None, :, None, None]
   kg, w, u, gi, gf = (jnp.where(tail, jnp.nan, x) for x in (kg, w, u, gi, gf))
-  got = _kernel(BT, state.Config(longest_first=False))(kg, w, u, gi, gf, h0, acu)
+  got = _kernel(BT, state.pallas.Config(longest_first=False))(kg, w, u, gi, gf, h0, acu)
   check_outputs(got, want, acu, BT, KERNEL_TOL)
 
 
 def test_kernel_without_sequences_gives_zeros():
   z = jnp.ones((1, 32, 2, 16))
-  got = state.pallas(z, z, z, z, z, jnp.zeros((0, 2, 16, 16)), jnp.zeros((1,), jnp.int32), chunk_size=16,
-                     interpret=True)
+  got = state.pallas.apply(z, z, z, z, z, jnp.zeros((0, 2, 16, 16)), jnp.zeros((1,), jnp.int32),
+                           chunk_size=16, interpret=True)
   chex.assert_shape((got.h, got.v_new, got.final_state), [(1, 2, 2, 16, 16), (1, 32, 2, 16), (0, 2, 16, 16)])
   assert not np.any(np.asarray(got.h)) and not np.any(np.asarray(got.v_new))
 
@@ -156,7 +156,7 @@ def test_kernel_without_sequences_gives_zeros():
 def test_kernel_one_compile_for_two_layouts():
   """aligned_cu is traced: another length profile with the same N and T reuses the compile."""
   BT = 16
-  f = jax.jit(functools.partial(state.pallas, chunk_size=BT, interpret=True))
+  f = jax.jit(functools.partial(state.pallas.apply, chunk_size=BT, interpret=True))
   for lens in ((30, 0, 50), (3, 64, 13)):
     args = stage_inputs(4, lens, HV=2, K=32, V=64, BT=BT)
     check_outputs(f(*args), _reference(BT)(*args), args[-1], BT, KERNEL_TOL)
@@ -165,11 +165,11 @@ def test_kernel_one_compile_for_two_layouts():
 
 def test_config_rejects_bad_tiles():
   with pytest.raises(ValueError, match="block_v"):
-    state.Config(block_v=48)
+    state.pallas.Config(block_v=48)
   with pytest.raises(ValueError, match="precision"):
-    state.Config(precision="fast")
+    state.pallas.Config(precision="fast")
   with pytest.raises(ValueError, match="num_warps"):
-    state.Config(num_warps=3)
+    state.pallas.Config(num_warps=3)
 
 
 LOWER_CASES = [(128, 128, 64, "highest"), (128, 128, 64, "tf32x3"), (96, 96, 64, "highest"),
@@ -182,6 +182,6 @@ def test_kernel_lowers_for_h200(K, V, BT, precision):
   Ta, HV, N = 8 * BT, 2, 3
   kd, vd = jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta, HV, V))
   acu = jnp.zeros((N + 1,), jnp.int32)
-  fn = functools.partial(state.pallas, chunk_size=BT, config=state.Config(precision=precision))
+  fn = functools.partial(state.pallas.apply, chunk_size=BT, config=state.pallas.Config(precision=precision))
   txt = lower_h200(fn, kd, kd, vd, kd, kd, jnp.zeros((N, HV, K, V)), acu)
   assert "kda_state" in txt

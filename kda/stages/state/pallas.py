@@ -1,18 +1,4 @@
-"""state: the state recurrence across the chunks of each sequence.
-
-For chunk c of a sequence, S the [K, V] float32 state entering it (initial_state[n] for the first):
-
-    h[c]     = S
-    v_new    = u - w @ S
-    S_next   = exp(gc_last)[:, None] * S + kg^T @ v_new
-
-In:  kg, w [1, Ta, HV, K], u [1, Ta, HV, V], gc_int, gc_frac [1, Ta, HV, K] float32 (the gate stage's
-     two parts of gc; only each chunk's last row is read), initial_state [N, HV, K, V] float32,
-     aligned_cu [N+1] int32 (multiples of BT).
-Out: h [1, NTa, HV, K, V] float32 (0 for chunks after aligned_cu[-1]), v_new [1, Ta, HV, V] float32,
-     final_state [N, HV, K, V] float32 (initial_state[n] for an empty sequence).
-Padding: u = w = kg = 0 at padding tokens, so v_new = 0 there and the state leaving a sequence's last
-chunk is the state after its last real token (gc is flat over the padding).
+"""state: the Pallas kernel, Triton lowering (any CUDA GPU); the math is in kda.stages.state.
 
 Kernel: grid (V tiles, HV, N); one program per (V tile, head, sequence) walks that sequence's chunks
 with a fori_loop whose trip count it reads from aligned_cu, carrying the [K, BV] float32 state on chip.
@@ -25,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,19 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kda import _pallas
-from kda.padding import chunk_table
-from kda.stages.intra import from_chunks, to_chunks
-from kda.stages.base import Stage
 from kda.stages.gate import exponent
-
-NAME = "state"
-HI = lax.Precision.HIGHEST
-
-
-class Out(NamedTuple):
-  h: jax.Array            # [1, NTa, HV, K, V] float32, state entering each chunk
-  v_new: jax.Array        # [1, Ta, HV, V] float32
-  final_state: jax.Array  # [N, HV, K, V] float32
+from kda.stages.state import NAME, Out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,37 +36,6 @@ class Config:
 
   def __post_init__(self):
     _pallas.check_config(self)
-
-
-def chunk_decay(gc_int, gc_frac, chunk_size):
-  """exp(gc_last) of every chunk: [NTa, HV, K] float32."""
-  last = lambda x: to_chunks(x.astype(jnp.float32), chunk_size)[:, -1]
-  return jnp.exp(exponent(last(gc_int), last(gc_frac)))
-
-
-def reference(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size):
-  f32 = jnp.float32
-  kg, w, u = (to_chunks(x.astype(f32), chunk_size) for x in (kg, w, u))
-  NTa = kg.shape[0]
-  h0 = initial_state.astype(f32)
-  table = chunk_table(aligned_cu, NTa, chunk_size)
-  decay = chunk_decay(gc_int, gc_frac, chunk_size)              # [NTa, HV, K]
-
-  def step(carry, x):
-    S, final = carry
-    kg_c, w_c, u_c, d_c, n, first, last = x
-    owned = n >= 0
-    n = jnp.maximum(n, 0)
-    S = jnp.where(first, h0[n], jnp.where(owned, S, 0.0))
-    v_new = u_c - jnp.einsum("thk,hkv->thv", w_c, S, precision=HI)
-    S_next = d_c[:, :, None] * S + jnp.einsum("thk,thv->hkv", kg_c, v_new, precision=HI)
-    final = final.at[n].set(jnp.where(last, S_next, final[n]))
-    return (S_next, final), (S, v_new)
-
-  init = (jnp.zeros(h0.shape[1:], f32), h0)          # empty sequences keep initial_state
-  xs = (kg, w, u, decay, table.seq, table.first, table.last)
-  (_, final), (h, v_new) = lax.scan(step, init, xs)
-  return Out(h[None], from_chunks(v_new), final)
 
 
 def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gi_ref, gf_ref, h0_ref, h_ref, v_new_ref, ht_ref, *,
@@ -134,8 +77,8 @@ def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gi_ref, gf_ref, h0_ref, h_r
   lax.fori_loop(0, jnp.maximum(NTa - first + N - 1, 0) // N, zero, 0)
 
 
-def pallas(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, interpret=False,
-           config=None):
+def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, interpret=False,
+          config=None):
   config = config or Config()
   BT = chunk_size
   _, Ta, HV, K = kg.shape
@@ -177,6 +120,3 @@ def pallas(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, 
   if (Kp, Vp) != (K, V):
     h, v_new, ht = h[..., :K, :V], v_new[..., :V], ht[..., :K, :V]
   return Out(h, v_new, ht)
-
-
-STAGE = Stage(NAME, reference=reference, pallas=pallas)

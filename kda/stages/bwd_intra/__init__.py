@@ -31,14 +31,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from kda.stages.base import Stage
-from kda.stages.intra import from_chunks, pair_decay, to_chunks
 
 NAME = "bwd_intra"
-HI = lax.Precision.HIGHEST
 
 
 class Out(NamedTuple):
@@ -48,26 +44,6 @@ class Out(NamedTuple):
   dgc: jax.Array    # [1, Ta, HV, K] float32
 
 
-def reference(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size):
-  f32 = jnp.float32
-  q, k, beta, gi, gf, dAqk, dAkk = (to_chunks(x.astype(f32), chunk_size)
-                                    for x in (q, k, beta, gc_int, gc_frac, dAqk, dAkk))
-  ein = lambda s, *a: jnp.einsum(s, *a, precision=HI)
-  Es = pair_decay(gi, gf, True)                                  # [NTa, BT(i), BT(j), HV, K], j < i
-  b = beta[..., None]
-  dqAs = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, Es)             # the pairs j < i
-  dkAs = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, Es)
-  d = scale * jnp.moveaxis(jnp.diagonal(dAqk, axis1=1, axis2=3), 1, 2)[..., None]   # [NTa, BT, HV, 1]
-  dqA, dkA = dqAs + d * k, dkAs + d * q                                 # and the diagonal, E = 1
-  G = ein("cihj,cjhk,cijhk->cihk", dAkk, k, Es)
-  dkK1 = b * G
-  dkK2 = ein("cihj,cihk,cijhk->cjhk", dAkk * beta[..., None], k, Es)
-  dq_t = dqA
-  dk_t = dkA + dkK1 + dkK2
-  dbeta_t = jnp.sum(k * G, -1)
-  dgc_t = q * dqAs - k * dkAs + k * dkK1 - k * dkK2
-  add = lambda acc, x: acc.astype(f32) + from_chunks(x)
-  return Out(add(dq, dq_t), add(dk, dk_t), add(dbeta, dbeta_t), add(dgc, dgc_t))
+from kda.stages.bwd_intra import reference  # noqa: E402  (they import the names above)
 
-
-STAGE = Stage(NAME, reference=reference)
+STAGE = Stage(NAME, reference=reference.apply)

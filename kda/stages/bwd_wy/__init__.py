@@ -39,14 +39,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from kda.stages.base import Stage
-from kda.stages.intra import chunk_decays, from_chunks, to_chunks
 
 NAME = "bwd_wy"
-HI = lax.Precision.HIGHEST
 
 
 class Out(NamedTuple):
@@ -59,32 +55,6 @@ class Out(NamedTuple):
   dAkk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower (row i of chunk c at token c*BT + i)
 
 
-def reference(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size):
-  f32 = jnp.float32
-  BT = chunk_size
-  q, k, v, beta, gi, gf, Ainv, dqg, dkg, dw, du = (
-      to_chunks(x.astype(f32), BT) for x in (q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du))
-  ein = lambda s, a, b: jnp.einsum(s, a, b, precision=HI)
-  b = beta[..., None]
-  eg, el = chunk_decays(gi, gf)                                  # exp(gc), exp(gc_last - gc)
-  qg, kg, kb, vb = q * eg, k * el, b * k * eg, b * v
+from kda.stages.bwd_wy import reference  # noqa: E402  (they import the names above)
 
-  dkb = ein("cihj,cihk->cjhk", Ainv, dw)                         # Ainv^T @ dw
-  dvb = ein("cihj,cihv->cjhv", Ainv, du)                         # Ainv^T @ du
-  dAinv = ein("cihk,cjhk->cihj", dw, kb) + ein("cihv,cjhv->cihj", du, vb)
-  M = ein("ciha,cihb->cahb", Ainv, ein("cihj,cbhj->cihb", dAinv, Ainv))   # Ainv^T dAinv Ainv^T
-  strict = jnp.arange(BT)[None, :, None, None] > jnp.arange(BT)[None, None, None, :]
-  dAkk = jnp.where(strict, -M, 0.0)
-
-  dq = dqg * eg
-  dk = dkg * el + dkb * b * eg
-  dv = dvb * b
-  dbeta = jnp.sum(dkb * k * eg, -1) + jnp.sum(dvb * v, -1)
-  dgc = dqg * qg + dkb * kb
-  x = dkg * kg
-  before = jnp.cumsum(jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1), axis=1)   # s < t
-  dg_state = before + dgc_last[0].astype(f32)[:, None]
-  return Out(*(from_chunks(x) for x in (dq, dk, dv, dbeta, dgc, dg_state, dAkk)))
-
-
-STAGE = Stage(NAME, reference=reference)
+STAGE = Stage(NAME, reference=reference.apply)

@@ -1,8 +1,4 @@
-"""output: o = scale * qg @ h[c] + Aqk @ v_new, per chunk and value head.
-
-In:  qg [1, Ta, HV, K], h [1, NTa, HV, K, V], Aqk [1, Ta, HV, BT], v_new [1, Ta, HV, V].
-Out: o [1, Ta, HV, V] float32.
-Padding: qg = 0 and Aqk's row is 0 at a padding token, so o = 0 there.
+"""output: the Pallas kernel, Triton lowering (any CUDA GPU); the math is in kda.stages.output.
 
 Kernel: grid (V tiles, HV, NTa), one program per (V tile, head, chunk); every chunk is independent
 (h already carries the state), so the tail after aligned_cu[-1] needs no special case: its inputs
@@ -12,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kda import _pallas
-from kda.stages.intra import from_chunks, to_chunks
-from kda.stages.base import Stage
-
-NAME = "output"
-HI = lax.Precision.HIGHEST
-
-
-class Out(NamedTuple):
-  o: jax.Array  # [1, Ta, HV, V] float32
+from kda.stages.output import NAME, Out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +32,6 @@ class Config:
     _pallas.check_config(self)
 
 
-def reference(qg, h, Aqk, v_new, *, scale, chunk_size):
-  f32 = jnp.float32
-  qg, Aqk, v_new = (to_chunks(x.astype(f32), chunk_size) for x in (qg, Aqk, v_new))
-  o = scale * jnp.einsum("cthk,chkv->cthv", qg, h[0].astype(f32), precision=HI)
-  o = o + jnp.einsum("cthj,cjhv->cthv", Aqk, v_new, precision=HI)
-  return Out(from_chunks(o))
-
-
 def _kernel(qg_ref, h_ref, Aqk_ref, v_new_ref, o_ref, *, scale, precision):
   # refs: qg [BT, K], h [K, BV], Aqk [BT, BT], v_new and o [BT, BV] (one chunk, head, V tile)
   f32 = jnp.float32
@@ -66,7 +45,7 @@ def _kernel(qg_ref, h_ref, Aqk_ref, v_new_ref, o_ref, *, scale, precision):
   o_ref[...] = b_o
 
 
-def pallas(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None):
+def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None):
   config = config or Config()
   BT = chunk_size
   _, Ta, HV, K = qg.shape
@@ -91,6 +70,3 @@ def pallas(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None
       compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret, name=f"kda_{NAME}")(qg, h, Aqk, v_new)
   return Out(o[..., :V] if Vp != V else o)
-
-
-STAGE = Stage(NAME, reference=reference, pallas=pallas)

@@ -1,20 +1,4 @@
-"""intra: everything inside one chunk of BT tokens, per value head.
-
-    Akk[i, j] = beta_i * sum_c k_i[c] k_j[c] exp(gc_i[c] - gc_j[c])    j < i
-    Aqk[i, j] = scale  * sum_c q_i[c] k_j[c] exp(gc_i[c] - gc_j[c])    j <= i
-    Ainv = (I + Akk)^-1                       unit lower triangular (forward substitution)
-    w = Ainv @ (beta * k * exp(gc)),  u = Ainv @ (beta * v)             the WY representation
-    qg = q * exp(gc),  kg = k * exp(gc_last - gc)
-
-In:  q, k [1, Ta, HV, K] (q/k already mapped to value heads), v [1, Ta, HV, V], beta [1, Ta, HV],
-     gc_int, gc_frac [1, Ta, HV, K] float32 (the gate stage's two parts of gc; every exponent below
-     is formed from them with gate.exponent).
-Out: Akk, Aqk, Ainv [1, Ta, HV, BT] (row i of chunk c at token c*BT + i), w, qg, kg [1, Ta, HV, K],
-     u [1, Ta, HV, V]; all float32.
-Numerics: the exponent difference gc_i - gc_j is formed and masked (j <= i, so <= 0) before exp, so
-no factor overflows whatever the gates, and from the two parts of gc, so it keeps float32 accuracy
-however large they are. Padding: q = k = v = beta = 0 there, so padding rows and
-columns of Akk and Aqk are 0, Ainv's padding rows are one-hot, and u = w = qg = kg = 0.
+"""intra: the Pallas kernel, Triton lowering (any CUDA GPU); the math is in kda.stages.intra.
 
 Kernel: grid (NTa, HV), one program per (chunk, head), on [BT, K] / [BT, V] tiles read straight from
 the [1, Ta, HV, D] layout, in 16-token sub-blocks I, J (BT / 16 of them):
@@ -41,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,23 +32,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kda import _pallas
-from kda.stages.base import Stage
 from kda.stages.gate import exponent
+from kda.stages.intra import NAME, Out
 
-NAME = "intra"
-HI = lax.Precision.HIGHEST
 SUB = 16           # sub-block rows: the smallest Triton dot tile
 DIAG_RANGE = 80.0  # exp(+-80) stays normal float32 (overflow at 88.7, denormals below -87.3)
-
-
-class Out(NamedTuple):
-  Akk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower, beta_i folded in
-  Aqk: jax.Array   # [1, Ta, HV, BT] float32, lower with diagonal, scale folded in
-  Ainv: jax.Array  # [1, Ta, HV, BT] float32, (I + Akk)^-1
-  w: jax.Array     # [1, Ta, HV, K] float32
-  u: jax.Array     # [1, Ta, HV, V] float32
-  qg: jax.Array    # [1, Ta, HV, K] float32
-  kg: jax.Array    # [1, Ta, HV, K] float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,63 +55,6 @@ class Config:
       raise ValueError(f"diag must be 'auto' or 'pairwise', got {self.diag!r}")
     if self.two_part not in ("auto", "always"):
       raise ValueError(f"two_part must be 'auto' or 'always', got {self.two_part!r}")
-
-
-def to_chunks(x, chunk_size):
-  """[1, Ta, ...] -> [NTa, BT, ...]."""
-  return x.reshape((x.shape[1] // chunk_size, chunk_size) + x.shape[2:])
-
-
-def from_chunks(x):
-  """[NTa, BT, ...] -> [1, Ta, ...]."""
-  return x.reshape((1, x.shape[0] * x.shape[1]) + x.shape[2:])
-
-
-def pair_decay(gi, gf, strict):
-  """exp(gc_i - gc_j) over the causal pairs of each chunk, 0 elsewhere: [NTa, BT(i), BT(j), HV, K],
-  from the chunked parts gi, gf [NTa, BT, HV, K] of gc.
-
-  The difference is masked before exp, so it never overflows."""
-  BT = gi.shape[1]
-  i = jnp.arange(BT)[:, None]
-  j = jnp.arange(BT)[None, :]
-  mask = ((j < i) if strict else (j <= i))[None, :, :, None, None]
-  d = exponent(gi[:, :, None], gf[:, :, None], gi[:, None, :], gf[:, None, :])
-  return jnp.where(mask, jnp.exp(jnp.where(mask, d, 0.0)), 0.0)
-
-
-def chunk_decays(gi, gf):
-  """Chunked parts of gc -> (exp(gc), exp(gc_last - gc)), each [NTa, BT, HV, K]."""
-  return jnp.exp(exponent(gi, gf)), jnp.exp(exponent(gi[:, -1:], gf[:, -1:], gi, gf))
-
-
-def chunk_matrices(q, k, beta, gi, gf, scale):
-  """Chunked inputs (f32) -> Akk, Aqk as [NTa, HV, BT, BT]."""
-  Akk = jnp.einsum("cihk,cjhk,cijhk->chij", k, k, pair_decay(gi, gf, True), precision=HI)
-  Akk = Akk * jnp.moveaxis(beta, 1, 2)[..., None]
-  Aqk = scale * jnp.einsum("cihk,cjhk,cijhk->chij", q, k, pair_decay(gi, gf, False), precision=HI)
-  return Akk, Aqk
-
-
-def unit_lower_inverse(A):
-  """(I + A)^-1 for strictly lower A [..., BT, BT]."""
-  eye = jnp.eye(A.shape[-1], dtype=A.dtype)
-  return jax.scipy.linalg.solve_triangular(eye + A, jnp.broadcast_to(eye, A.shape), lower=True,
-                                           unit_diagonal=True)
-
-
-def reference(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size):
-  f32 = jnp.float32
-  q, k, v, beta, gi, gf = (to_chunks(x.astype(f32), chunk_size) for x in (q, k, v, beta, gc_int, gc_frac))
-  Akk, Aqk = chunk_matrices(q, k, beta, gi, gf, scale)
-  Ainv = unit_lower_inverse(Akk)
-  e_start, e_last = chunk_decays(gi, gf)
-  w = jnp.einsum("chij,cjhk->cihk", Ainv, beta[..., None] * k * e_start, precision=HI)
-  u = jnp.einsum("chij,cjhv->cihv", Ainv, beta[..., None] * v, precision=HI)
-  qg = q * e_start
-  kg = k * e_last
-  rows = lambda A: from_chunks(jnp.moveaxis(A, 1, 2))   # [NTa, HV, BT, BT] -> [1, Ta, HV, BT]
-  return Out(rows(Akk), rows(Aqk), rows(Ainv), *(from_chunks(x) for x in (w, u, qg, kg)))
 
 
 def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_ref, w_ref, u_ref, qg_ref,
@@ -261,7 +175,7 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
   kg_ref[...] = k_ref[...].astype(f32) * jnp.exp(diff(gc(row_at(BT - 1)), b_g))
 
 
-def pallas(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
+def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
   config = config or Config()
   BT = chunk_size
   if BT < SUB or BT & (BT - 1):
@@ -298,6 +212,3 @@ def pallas(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False
   if Vp != V:
     u = u[..., :V]
   return Out(Akk, Aqk, Ainv, w, u, qg, kg)
-
-
-STAGE = Stage(NAME, reference=reference, pallas=pallas)

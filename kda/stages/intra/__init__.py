@@ -1,0 +1,72 @@
+"""intra: everything inside one chunk of BT tokens, per value head.
+
+    Akk[i, j] = beta_i * sum_c k_i[c] k_j[c] exp(gc_i[c] - gc_j[c])    j < i
+    Aqk[i, j] = scale  * sum_c q_i[c] k_j[c] exp(gc_i[c] - gc_j[c])    j <= i
+    Ainv = (I + Akk)^-1                       unit lower triangular (forward substitution)
+    w = Ainv @ (beta * k * exp(gc)),  u = Ainv @ (beta * v)             the WY representation
+    qg = q * exp(gc),  kg = k * exp(gc_last - gc)
+
+In:  q, k [1, Ta, HV, K] (q/k already mapped to value heads), v [1, Ta, HV, V], beta [1, Ta, HV],
+     gc_int, gc_frac [1, Ta, HV, K] float32 (the gate stage's two parts of gc; every exponent below
+     is formed from them with gate.exponent).
+Out: Akk, Aqk, Ainv [1, Ta, HV, BT] (row i of chunk c at token c*BT + i), w, qg, kg [1, Ta, HV, K],
+     u [1, Ta, HV, V]; all float32.
+Numerics: the exponent difference gc_i - gc_j is formed and masked (j <= i, so <= 0) before exp, so
+no factor overflows whatever the gates, and from the two parts of gc, so it keeps float32 accuracy
+however large they are. Padding: q = k = v = beta = 0 there, so padding rows and
+columns of Akk and Aqk are 0, Ainv's padding rows are one-hot, and u = w = qg = kg = 0.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kda.stages.base import Stage
+from kda.stages.gate import exponent
+
+NAME = "intra"
+
+
+class Out(NamedTuple):
+  Akk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower, beta_i folded in
+  Aqk: jax.Array   # [1, Ta, HV, BT] float32, lower with diagonal, scale folded in
+  Ainv: jax.Array  # [1, Ta, HV, BT] float32, (I + Akk)^-1
+  w: jax.Array     # [1, Ta, HV, K] float32
+  u: jax.Array     # [1, Ta, HV, V] float32
+  qg: jax.Array    # [1, Ta, HV, K] float32
+  kg: jax.Array    # [1, Ta, HV, K] float32
+
+
+def to_chunks(x, chunk_size):
+  """[1, Ta, ...] -> [NTa, BT, ...]."""
+  return x.reshape((x.shape[1] // chunk_size, chunk_size) + x.shape[2:])
+
+
+def from_chunks(x):
+  """[NTa, BT, ...] -> [1, Ta, ...]."""
+  return x.reshape((1, x.shape[0] * x.shape[1]) + x.shape[2:])
+
+
+def pair_decay(gi, gf, strict):
+  """exp(gc_i - gc_j) over the causal pairs of each chunk, 0 elsewhere: [NTa, BT(i), BT(j), HV, K],
+  from the chunked parts gi, gf [NTa, BT, HV, K] of gc.
+
+  The difference is masked before exp, so it never overflows."""
+  BT = gi.shape[1]
+  i = jnp.arange(BT)[:, None]
+  j = jnp.arange(BT)[None, :]
+  mask = ((j < i) if strict else (j <= i))[None, :, :, None, None]
+  d = exponent(gi[:, :, None], gf[:, :, None], gi[:, None, :], gf[:, None, :])
+  return jnp.where(mask, jnp.exp(jnp.where(mask, d, 0.0)), 0.0)
+
+
+def chunk_decays(gi, gf):
+  """Chunked parts of gc -> (exp(gc), exp(gc_last - gc)), each [NTa, BT, HV, K]."""
+  return jnp.exp(exponent(gi, gf)), jnp.exp(exponent(gi[:, -1:], gf[:, -1:], gi, gf))
+
+
+from kda.stages.intra import pallas, reference  # noqa: E402  (they import the names above)
+
+STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply)

@@ -1,0 +1,24 @@
+"""output: o = scale * qg @ h[c] + Aqk @ v_new, per chunk and value head.
+
+In:  qg [1, Ta, HV, K], h [1, NTa, HV, K, V], Aqk [1, Ta, HV, BT], v_new [1, Ta, HV, V].
+Out: o [1, Ta, HV, V] float32.
+Padding: qg = 0 and Aqk's row is 0 at a padding token, so o = 0 there.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from kda.stages.base import Stage
+
+NAME = "output"
+
+
+class Out(NamedTuple):
+  o: jax.Array  # [1, Ta, HV, V] float32
+
+
+from kda.stages.output import pallas, reference  # noqa: E402  (they import the names above)
+
+STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply)

@@ -1,0 +1,36 @@
+"""state: the jnp reference; the math is in kda.stages.state."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from kda.padding import chunk_table
+from kda.stages.intra import from_chunks, to_chunks
+from kda.stages.state import Out, chunk_decay
+
+HI = lax.Precision.HIGHEST
+
+
+def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size):
+  f32 = jnp.float32
+  kg, w, u = (to_chunks(x.astype(f32), chunk_size) for x in (kg, w, u))
+  NTa = kg.shape[0]
+  h0 = initial_state.astype(f32)
+  table = chunk_table(aligned_cu, NTa, chunk_size)
+  decay = chunk_decay(gc_int, gc_frac, chunk_size)              # [NTa, HV, K]
+
+  def step(carry, x):
+    S, final = carry
+    kg_c, w_c, u_c, d_c, n, first, last = x
+    owned = n >= 0
+    n = jnp.maximum(n, 0)
+    S = jnp.where(first, h0[n], jnp.where(owned, S, 0.0))
+    v_new = u_c - jnp.einsum("thk,hkv->thv", w_c, S, precision=HI)
+    S_next = d_c[:, :, None] * S + jnp.einsum("thk,thv->hkv", kg_c, v_new, precision=HI)
+    final = final.at[n].set(jnp.where(last, S_next, final[n]))
+    return (S_next, final), (S, v_new)
+
+  init = (jnp.zeros(h0.shape[1:], f32), h0)          # empty sequences keep initial_state
+  xs = (kg, w, u, decay, table.seq, table.first, table.last)
+  (_, final), (h, v_new) = lax.scan(step, init, xs)
+  return Out(h[None], from_chunks(v_new), final)
