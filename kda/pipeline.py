@@ -29,13 +29,28 @@ FORWARD_STAGES = ("gate", "intra", "state", "output")
 BACKWARD_STAGES = ("bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate")
 
 
-def default_impls(names, backend: str | None = None) -> dict[str, str]:
-  """Kernels on an accelerator, the jnp reference on a CPU (where kernels only interpret)."""
+def is_hopper(device=None) -> bool:
+  """sm_90 (H100/H200): the only GPUs with wgmma, which the mosaic_gpu kernels use."""
+  device = device or jax.devices()[0]
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
+
+
+def default_impls(names, backend: str | None = None, hopper: bool | None = None) -> dict[str, str]:
+  """Per stage the fastest the platform runs: mosaic_gpu on sm_90 where the stage has it, else
+  pallas on a GPU where it has a kernel, else the jnp reference (on a CPU kernels only interpret).
+  A mosaic_gpu or pallas choice made here falls back at call time when the kernel's `supports`
+  predicate refuses the call (`_run`)."""
   backend = backend or jax.default_backend()
+  hopper = is_hopper() if hopper is None and backend == "gpu" else bool(hopper)
   out = {}
   for n in names:
-    has_kernel = stages.get(n).pallas is not None
-    out[n] = "pallas" if (backend != "cpu" and has_kernel) else "reference"
+    st = stages.get(n)
+    if backend != "cpu" and hopper and st.mosaic_gpu is not None:
+      out[n] = "mosaic_gpu"
+    elif backend != "cpu" and st.pallas is not None:
+      out[n] = "pallas"
+    else:
+      out[n] = "reference"
   return out
 
 
@@ -49,6 +64,7 @@ class Plan:
   lower_bound: float | None
   impls: tuple[tuple[str, str], ...]
   interpret: bool
+  strict: tuple[str, ...] = ()   # stages an impl dict named: a refusing `supports` is an error there
 
   def impl(self, name: str) -> str:
     return dict(self.impls)[name]
@@ -60,9 +76,29 @@ def make_plan(*, scale, chunk_size, use_qk_l2norm=False, use_gate_in_kernel=Fals
   impls = resolve(impl, names, default_impls(names), {n: stages.get(n).implementations() for n in names})
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+  strict = tuple(sorted(impl)) if isinstance(impl, dict) else ()
   return Plan(float(scale), int(chunk_size), bool(use_qk_l2norm), bool(use_gate_in_kernel),
               None if lower_bound is None else float(lower_bound), tuple(sorted(impls.items())),
-              bool(interpret))
+              bool(interpret), strict)
+
+
+def choose(plan: Plan, name: str, *args, **kwargs) -> str:
+  """The implementation stage `name` runs on these arguments: the plan's, unless its `supports`
+  predicate refuses them; then a ValueError with the predicate's reason where an impl dict named
+  the stage, else the next of mosaic_gpu -> pallas -> reference that the stage has and takes them."""
+  st = stages.get(name)
+  impl = plan.impl(name)
+  order = ("mosaic_gpu", "pallas", "reference")
+  for cand in order[order.index(impl):]:
+    if getattr(st, cand) is None:
+      continue
+    pred = (st.supports or {}).get(cand)
+    why = None if pred is None else pred(*args, **kwargs)
+    if why is None:
+      return cand
+    if name in plan.strict:
+      raise ValueError(f"impl[{name!r}] = {impl!r}: {why}")
+  return "reference"
 
 
 def l2norm(x):
@@ -72,7 +108,7 @@ def l2norm(x):
 
 
 def _run(plan: Plan, name: str, *args, **kwargs):
-  return stages.get(name)(plan.impl(name), *args, interpret=plan.interpret, **kwargs)
+  return stages.get(name)(choose(plan, name, *args, **kwargs), *args, interpret=plan.interpret, **kwargs)
 
 
 def forward_kwargs(plan: Plan, name: str) -> dict[str, Any]:

@@ -41,3 +41,35 @@ def test_impl_mosaic_gpu_runs_the_references():
                                    chunk_size=16, impl=impl)
   for got, want in zip(run("mosaic_gpu"), run("reference")):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _fake(tag):
+  def fn(*args, interpret=False, **kwargs):
+    return tag
+  return fn
+
+
+def test_impl_none_picks_mosaic_gpu_on_hopper_and_falls_back_when_refused(monkeypatch):
+  """impl=None: mosaic_gpu on sm_90 where a stage has it, pallas elsewhere on a GPU; a mosaic_gpu
+  kernel whose `supports` refuses the call gives way to pallas, then the reference; an impl dict
+  naming the stage turns the refusal into a ValueError with the predicate's reason."""
+  refuse = {"mosaic_gpu": lambda x, **kw: None if x == "ok" else f"mosaic_gpu takes 'ok', got {x!r}"}
+  st = Stage("state", reference=_fake("reference"), pallas=_fake("pallas"), mosaic_gpu=_fake("mosaic_gpu"),
+             supports=refuse)
+  monkeypatch.setitem(stages.STAGES, "state", st)
+  names = stages.names()
+  assert pipeline.default_impls(names, backend="gpu", hopper=True)["state"] == "mosaic_gpu"
+  assert pipeline.default_impls(names, backend="gpu", hopper=True)["intra"] == "pallas"
+  assert pipeline.default_impls(names, backend="gpu", hopper=False)["state"] == "pallas"
+  assert pipeline.default_impls(names, backend="cpu", hopper=True)["state"] == "reference"
+  auto = pipeline.Plan(1.0, 64, False, False, None, (("state", "mosaic_gpu"),), True)
+  assert pipeline._run(auto, "state", "ok") == "mosaic_gpu"
+  assert pipeline._run(auto, "state", "bad") == "pallas"
+  assert pipeline.choose(auto, "state", "bad") == "pallas"
+  strict = pipeline.make_plan(scale=1.0, chunk_size=64, impl={"state": "mosaic_gpu"})
+  assert pipeline._run(strict, "state", "ok") == "mosaic_gpu"
+  with pytest.raises(ValueError, match=r"impl\['state'\] = 'mosaic_gpu': mosaic_gpu takes 'ok', got 'bad'"):
+    pipeline._run(strict, "state", "bad")
+  loose = pipeline.make_plan(scale=1.0, chunk_size=64, impl="mosaic_gpu")
+  assert loose.impl("state") == "mosaic_gpu" and loose.impl("intra") == "reference"
+  assert pipeline._run(loose, "state", "bad") == "pallas"
