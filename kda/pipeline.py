@@ -65,6 +65,7 @@ class Plan:
   impls: tuple[tuple[str, str], ...]
   interpret: bool
   strict: tuple[str, ...] = ()   # stages an impl dict named: a refusing `supports` is an error there
+  auto: bool = True              # impl=None: a refused kernel gives way to the next backend, else to the reference
 
   def impl(self, name: str) -> str:
     return dict(self.impls)[name]
@@ -79,17 +80,18 @@ def make_plan(*, scale, chunk_size, use_qk_l2norm=False, use_gate_in_kernel=Fals
   strict = tuple(sorted(impl)) if isinstance(impl, dict) else ()
   return Plan(float(scale), int(chunk_size), bool(use_qk_l2norm), bool(use_gate_in_kernel),
               None if lower_bound is None else float(lower_bound), tuple(sorted(impls.items())),
-              bool(interpret), strict)
+              bool(interpret), strict, impl is None)
 
 
 def choose(plan: Plan, name: str, *args, **kwargs) -> str:
   """The implementation stage `name` runs on these arguments: the plan's, unless its `supports`
   predicate refuses them; then a ValueError with the predicate's reason where an impl dict named
-  the stage, else the next of mosaic_gpu -> pallas -> reference that the stage has and takes them."""
+  the stage, the reference where a string impl asked for the backend, and with impl=None the next
+  of mosaic_gpu -> pallas -> reference that the stage has and takes them."""
   st = stages.get(name)
   impl = plan.impl(name)
   order = ("mosaic_gpu", "pallas", "reference")
-  for cand in order[order.index(impl):]:
+  for cand in order[order.index(impl):] if plan.auto else (impl, "reference"):
     if getattr(st, cand) is None:
       continue
     pred = (st.supports or {}).get(cand)

@@ -40,6 +40,7 @@ def chunk_decay(gc_int, gc_frac, chunk_size):
   return jnp.exp(exponent(last(gc_int), last(gc_frac)))
 
 
-from kda.stages.state import pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.state import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply)
+STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})

@@ -1,0 +1,287 @@
+"""state: the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.state.
+
+Kernel: one program per (sequence rank r, value head h, V tile vt) walks its sequence's chunks in a
+fori_loop whose trip count it reads from aligned_cu at run time (one compile for any lengths),
+carrying the state S [K, BV] float32 in registers (WGMMA layout, BV = 64) across the chunks. Per
+chunk c, with the next chunk's tiles already in flight (two SMEM slots, one barrier per slot, TMA):
+
+    h[c]  = S                      f32 registers -> SMEM -> TMA store
+    v_new = u_c - w_c @ bf16(S)    wgmma [64, K] @ [K, BV], bf16 operands, f32 accumulation
+    S     = decay_c[:, None] * S + kg_c^T @ bf16(v_new)
+                                   wgmma on the transposed view kg_s.T: [K, 64] @ [64, BV], M = K
+
+What is bf16: kg, w, u (cast in the launcher: one XLA pass over them if they come in float32) and
+the two SMEM copies that feed the tensor cores, bf16(S) and bf16(v_new). S itself, the decay,
+v_new as stored, h and final_state are float32; the decay exp(gc_int + gc_frac) of each chunk's
+last row is formed in the launcher ([NTa, HV, K] f32, it reads only those rows). Rounding S and
+v_new to bf16 in the dots costs ~1e-3 relative error against the float32 reference (simulator,
+max|d| / max|ref| <= 1.5e-3 on bf16-exact inputs, up to 24 chunks; test_state_mosaic.py), and
+float32 inputs are rounded to bf16 too, so this kernel does not meet the float32 1e-5 policy: the
+stage's predicate (`takes`, what impl=None consults) refuses float32 kg, w, u, and `apply` (which
+tests and tools call directly) casts them.
+
+Grid: (N, HV, V // BV) with names ("r", "h", "v"). Mosaic GPU launches grid (g0, g1, g2) as CUDA
+(z, y, x) and x is dispatched fastest, so with the sequence rank on g0 every (head, V tile) of the
+longest sequence starts first (rank r takes the r-th longest sequence: an argsort in the launcher).
+CUDA caps z and y at 65535; for N > 65535 the launcher puts the sequences on x instead.
+
+Tail: the chunks at or past aligned_cu[-1] get h = 0 and v_new = 0 from the kernel itself; the N
+programs of each (head, V tile) take them round-robin (disjoint rows), each with TMA stores of one
+zeroed SMEM tile, so the launcher has no extra pass over h (which would cost a read and a write of
+all of h, 512 MiB at T = 32768, H = 16, K = V = 128). aligned_cu[0] must be 0 (align's output).
+
+SMEM per program (bytes, BT = 64, BV = 64):
+    w, kg     2 slots x [64, K] bf16 each                  512 K
+    u         2 slots x [64, BV] bf16                      16384
+    decay     2 slots x [K] f32                            8 K
+    bf16(S)   [K, BV]; bf16(v_new) [64, BV]                128 K + 8192
+    h stage   [K, BV] f32; v_new stage [64, BV] f32        256 K + 16384   (Config.stage_stores)
+  K = 128: 156672 (153 KiB), K = 64: 98816 (96.5 KiB); with barriers and alignment the CUDA
+  lowering's SMEM check puts them at ~157300 and ~100000 (limit 232448). With stage_stores=False
+  h and v_new go from registers straight to GMEM and the two stages shrink to 2 KiB each: ~112300
+  (K = 128) and ~71300 (K = 64) as lowered, which leaves room for two programs per SM (228 KiB)
+  where the registers allow it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda.stages.state import Out
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+WG = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)   # [M] vector, one value per row of a WGMMA [M, N] tile
+MAX_GRID_YZ = 65535
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiles and switches of the state kernel; they depend on K, V, BT and dtype only."""
+  block_v: int = 64            # BV: state columns per program
+  longest_first: bool = True   # rank r of the grid takes the r-th longest sequence
+  seq_major: bool = True       # sequences on the slowest-dispatched grid axis (if N <= 65535)
+  stage_stores: bool = True    # h and v_new through SMEM + TMA (else registers -> GMEM stores)
+  lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+  swizzle_stages: bool = False  # the f32 store stages tiled + 128-byte swizzled (fewer bank conflicts)
+
+  def __post_init__(self):
+    if self.block_v != 64:
+      raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
+
+
+def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size) -> Optional[str]:
+  """None if `apply` takes this call, else the reason in words."""
+  if chunk_size != 64:
+    return f"chunk_size must be 64, got {chunk_size}"
+  if kg.ndim != 4 or kg.shape[0] != 1:
+    return f"kg must be [1, Ta, HV, K], got shape {kg.shape}"
+  _, Ta, HV, K = kg.shape
+  if u.ndim != 4 or u.shape[:3] != (1, Ta, HV):
+    return f"u must be [1, Ta, HV, V] with kg's Ta, HV, got {u.shape}"
+  V = u.shape[-1]
+  if K not in HEAD_DIMS:
+    return f"K must be one of {HEAD_DIMS}, got {K}"
+  if V not in HEAD_DIMS:
+    return f"V must be one of {HEAD_DIMS}, got {V}"
+  if Ta % chunk_size:
+    return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
+  for name, x, shape in (("w", w, kg.shape), ("gc_int", gc_int, kg.shape), ("gc_frac", gc_frac, kg.shape)):
+    if x.shape != shape:
+      return f"{name} must have shape {shape}, got {x.shape}"
+  for name, x in (("kg", kg), ("w", w), ("u", u), ("gc_int", gc_int), ("gc_frac", gc_frac),
+                  ("initial_state", initial_state)):
+    if jnp.dtype(x.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
+      return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
+  if aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer):
+    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
+  N = aligned_cu.shape[0] - 1
+  if initial_state.shape != (N, HV, K, V):
+    return f"initial_state must have shape {(N, HV, K, V)}, got {initial_state.shape}"
+  if HV > MAX_GRID_YZ:
+    return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
+  return None
+
+
+def takes(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, **_) -> Optional[str]:
+  """The stage's predicate: `supports`, and bf16 kg, w, u (the dtype policy's bf16 intermediates);
+  float32 ones would be rounded to bf16, below the float32 accuracy promised for float32 inputs."""
+  reason = supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  if reason is None:
+    bad = [n for n, x in (("kg", kg), ("w", w), ("u", u)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
+    if bad:
+      reason = (f"mosaic_gpu state takes bfloat16 kg, w, u (float32 would be rounded to bfloat16), "
+                f"got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in (('kg', kg), ('w', w), ('u', u)))}")
+  return reason
+
+
+def _swz(shape, dtype=BF16):
+  """SMEM tiled + swizzled along its minor dim, as TMA and wgmma operands want it."""
+  item = jnp.dtype(dtype).itemsize
+  sw = plgpu.find_swizzle(shape[-1] * item * 8)
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // item)),
+                                              plgpu.SwizzleTransform(sw)))
+
+
+def _load(ref, layout=WG):
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _mm(a, b, shape):
+  """a @ b on the tensor cores (SMEM operands, .T views allowed), f32 result in registers."""
+  def scoped(acc):
+    plgpu.wgmma(acc, a, b)
+    return acc[...]          # reading the accumulator waits for the wgmma
+  return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+
+
+def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
+          kg_s, w_s, u_s, dec_s, sb_s, vb_s, hf_s, vf_s, bars, *, BT, BV, stage_stores):
+  # GMEM: order [N], cu [N+1] int32; kg, w [Ta, HV, K] bf16; u [Ta, HV, V] bf16; dec [NTa, HV, K];
+  # h0, ht [N, HV, K, V]; h [NTa, HV, K, V]; vn [Ta, HV, V] (all f32 but the three bf16 inputs).
+  N = order_g.shape[0]
+  NTa, K = h_g.shape[0], h_g.shape[2]
+  r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
+  i_n = order_g[r]
+  bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  nch = (eos - bos) // BT
+  cols = pl.ds(i_v * BV, BV)
+
+  def fetch(i, slot):
+    start = pl.multiple_of(bos + i * BT, BT)
+    rows, bar = pl.ds(start, BT), bars.at[slot]
+    plgpu.copy_gmem_to_smem(w_g.at[rows, i_h, :], w_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(kg_g.at[rows, i_h, :], kg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(u_g.at[rows, i_h, cols], u_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dec_g.at[start // BT, i_h, :], dec_s.at[slot], bar)
+
+  @pl.when(nch > 0)
+  def _():
+    fetch(0, 0)
+
+  def step(i, S):
+    slot = lax.rem(i, 2)
+
+    @pl.when(i + 1 < nch)
+    def _():
+      fetch(i + 1, 1 - slot)     # that slot's last readers, step i-1's wgmmas, have completed
+
+    start = pl.multiple_of(bos + i * BT, BT)
+    rows = pl.ds(start, BT)
+    c = start // BT
+    if stage_stores:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # step i-1's h and v_new stores have read
+      hf_s[...] = S
+    sb_s[...] = S.astype(BF16)
+    plgpu.commit_smem()                                  # before TMA and wgmma read them
+    if stage_stores:
+      plgpu.copy_smem_to_gmem(hf_s, h_g.at[c, i_h, :, cols])
+    else:
+      h_g[c, i_h, :, cols] = S
+    plgpu.barrier_wait(bars.at[slot])
+
+    v = _load(u_s.at[slot]).astype(F32) - _mm(w_s.at[slot], sb_s, (BT, BV))
+    vb_s[...] = v.astype(BF16)
+    if stage_stores:
+      vf_s[...] = v
+    plgpu.commit_smem()
+    if stage_stores:
+      plgpu.copy_smem_to_gmem(vf_s, vn_g.at[rows, i_h, cols])
+    else:
+      vn_g[rows, i_h, cols] = v
+
+    decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of S
+    S = S * lax.broadcast_in_dim(decay, (K, BV), [0]) + _mm(kg_s.at[slot].T, vb_s, (K, BV))
+    plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
+    return S
+
+  S0 = _load(h0_g.at[i_n, i_h, :, cols])
+  ht_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, S0)
+
+  # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
+  # the shortest sequence's program first; each stores the same zeroed tiles, so SMEM is written once.
+  first = cu_g[N] // BT + (N - 1 - r)
+  count = jnp.maximum(NTa - first + N - 1, 0) // N
+  zh = plgpu.layout_cast(jnp.zeros((K, BV), F32), WG)
+  zv = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG)
+
+  @pl.when(count > 0)
+  def _():
+    if stage_stores:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      hf_s[...] = zh
+      vf_s[...] = zv
+      plgpu.commit_smem()
+
+    def zero(j, carry):
+      c = first + j * N
+      rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+      if stage_stores:
+        plgpu.copy_smem_to_gmem(hf_s, h_g.at[c, i_h, :, cols])
+        plgpu.copy_smem_to_gmem(vf_s, vn_g.at[rows, i_h, cols])
+      else:
+        h_g[c, i_h, :, cols] = zh
+        vn_g[rows, i_h, cols] = zv
+      return carry
+
+    lax.fori_loop(0, count, zero, 0)
+
+  plgpu.wait_smem_to_gmem(0)     # every TMA store has landed before the program exits
+
+
+def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, interpret=False,
+          config=None):
+  config = config or Config()
+  reason = supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu state kernel: {reason}")
+  BT, BV = chunk_size, config.block_v
+  _, Ta, HV, K = kg.shape
+  V = u.shape[-1]
+  N = aligned_cu.shape[0] - 1
+  NTa = Ta // BT
+  if N == 0:                                  # no program to launch; every chunk is tail
+    return Out(jnp.zeros((1, NTa, HV, K, V), F32), jnp.zeros((1, Ta, HV, V), F32),
+               jnp.zeros((0, HV, K, V), F32))
+  aligned_cu = aligned_cu.astype(jnp.int32)
+  if config.longest_first:
+    order = jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
+  else:
+    order = jnp.arange(N, dtype=jnp.int32)
+  last = lambda x: x[0, BT - 1::BT].astype(F32)                     # [NTa, HV, K]
+  decay = jnp.exp(last(gc_int) + last(gc_frac))                     # gc_int + gc_frac = gc
+  kg, w, u = (x[0].astype(BF16) for x in (kg, w, u))
+
+  if config.seq_major and N <= MAX_GRID_YZ:
+    grid, names = (N, HV, V // BV), ("r", "h", "v")
+  else:
+    grid, names = (V // BV, HV, N), ("v", "h", "r")
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  stage = lambda shape: _swz(shape, F32) if config.swizzle_stages else plgpu.SMEM(shape, F32)
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV, stage_stores=config.stage_stores)
+  f = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((NTa, HV, K, V), F32),
+                jax.ShapeDtypeStruct((Ta, HV, V), F32),
+                jax.ShapeDtypeStruct((N, HV, K, V), F32)),
+      grid=grid, grid_names=names,
+      scratch_types=[
+          _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, BV)),    # kg, w, u: two slots each
+          plgpu.SMEM((2, K), F32),                                  # decay rows, two slots
+          _swz((K, BV)), _swz((BT, BV)),                            # bf16(S), bf16(v_new): wgmma RHS
+          stage((K, BV) if config.stage_stores else (8, BV)),       # h store stage
+          stage((BT, BV) if config.stage_stores else (8, BV)),      # v_new store stage
+          plgpu.Barrier(num_arrivals=4, num_barriers=2),
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  h, v_new, final = f(order, aligned_cu, kg, w, u, decay, initial_state.astype(F32))
+  return Out(h[None], v_new[None], final)
