@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda.stages.state import mosaic_gpu as mgs
+from tools.bench import varlen_lens
 
 BT, H, K, V, TOTAL = 64, 16, 128, 128, 32768
 CASES = {"long": (64, 4096), "short": (1, 128)}
@@ -45,26 +46,14 @@ def say(*a):
   print(*a, flush=True)
 
 
-def varlen_lens(total, lo, hi, seed=0):
-  """tools.bench.varlen_lens (copied so this script does not depend on tools/)."""
-  rng = np.random.default_rng(seed)
-  lens, s = [], 0
-  while s < total:
-    L = min(int(rng.integers(lo, hi + 1)), total - s)
-    lens.append(L)
-    s += L
-  return lens
-
-
 def reference_fn():
   from kda.stages import state
-  return state.reference if callable(state.reference) else state.reference.apply
+  return state.reference.apply
 
 
 def triton_fn():
   from kda.stages import state
-  p = state.pallas
-  return p if callable(p) else p.apply
+  return state.pallas.apply
 
 
 def recorded_inputs(lens, interpret=False):
