@@ -148,6 +148,17 @@ def test_stages_tool_lists_every_forward_stage():
   assert "no stage disagrees" in text
 
 
+def test_stages_tool_compares_the_mosaic_gpu_kernels():
+  """--impl mosaic_gpu: the stages with a Mosaic GPU kernel run it (the simulator here) on the
+  reference's inputs, at the bfloat16 tolerance; the others are "no kernel"."""
+  rep = stages_tool.compare_stages(seq_lens=[70, 1], chunk_size=64, head_dim=64, heads=1, impl="mosaic_gpu")
+  want = {n: "agrees" if stages.get(n).mosaic_gpu is not None else "no kernel" for n in pipeline.FORWARD_STAGES}
+  assert {s.name: s.status for s in rep.stages} == want and want["state"] == "agrees"
+  assert rep.config["tol"] == stages_tool.TOL["bfloat16"]
+  with pytest.raises(ValueError, match="impl must be one of"):
+    stages_tool.compare_stages(impl="triton")
+
+
 def as_kernel(fn):
   """A reference used as a stand-in kernel (launcher signature: takes interpret)."""
   return lambda *a, interpret=False, **kw: fn(*a, **kw)

@@ -2,8 +2,8 @@
 
 On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths uniform in
 [64, 4096] ("long") and in [1, 128] ("short")):
-  1. every forward stage's kernel against its jnp reference on the same recorded inputs
-     (tools.stages.compare_stages, compiled, not interpreted);
+  1. every forward stage's kernel (pallas, and mosaic_gpu where a stage has one) against its jnp
+     reference on the same recorded inputs (tools.stages.compare_stages, compiled, not interpreted);
   2. the whole forward (impl="pallas") against the token-by-token recurrence in float32, next to
      the XLA-compiled reference pipeline's error on the same inputs;
   3. per-stage times (kernel vs XLA reference on the recorded inputs) and the whole forward's time
@@ -95,6 +95,12 @@ def main(argv=None):
         r["stages"] = {s.name: {"status": s.status, "fields": {f.field: [f.max_abs, f.max_rel] for f in s.fields},
                                 "message": s.message} for s in rep.stages}
         ok &= rep.ok
+        if any(stages.get(n).mosaic_gpu is not None for n in pipeline.FORWARD_STAGES):
+          rep = compare_stages(lens, chunk_size=64, head_dim=K, heads=H, dtype="bfloat16", gate=gate,
+                               interpret=False, impl="mosaic_gpu")
+          r["stages_mosaic_gpu"] = {s.name: {"status": s.status, "fields": {
+              f.field: [f.max_abs, f.max_rel] for f in s.fields}, "message": s.message} for s in rep.stages}
+          ok &= rep.ok
         r["forward"] = forward_errors(lens, gate)
         ok &= r["forward"]["pallas"]["finite"] and r["forward"]["pallas"]["o_rel"] < a.tol_o
         r["stage_ms"] = stage_times(lens, gate, a.reps)

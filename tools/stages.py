@@ -1,14 +1,15 @@
 """python -m tools.stages: every forward stage's kernel against its reference, on identical inputs.
 
-The reference pipeline runs once with every stage recorded; then each stage's "pallas"
-implementation (interpret mode on a CPU) is called on exactly the inputs the reference stage saw, so
+The reference pipeline runs once with every stage recorded; then each stage's kernel of one backend
+(--impl pallas, the default, or mosaic_gpu; interpret mode or the Mosaic GPU simulator on a CPU) is
+called on exactly the inputs the reference stage saw, so
 a difference belongs to that stage alone, not to what flowed into it. Per stage and output field it
 prints the max abs difference and the max relative difference (max |diff| / max |reference|), and
 flags the first stage that disagrees beyond the tolerance (exit status 1). A stage without a kernel
 yet is reported as "no kernel" and skipped.
 
   python -m tools.stages [--seq-lens 100,50] [--chunk-size 64] [--head-dim 128] [--heads 1]
-      [--dtype float32|bfloat16] [--gate raw|plain] [--seed 0] [--tol REL]
+      [--dtype float32|bfloat16] [--gate raw|plain] [--seed 0] [--tol REL] [--impl pallas|mosaic_gpu]
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from tools.trace import make_inputs, parse_lens
 
 # Max |diff| / max |reference| per input dtype. float32: both implementations compute in float32 and
 # differ in summation order only (~1e-6). bfloat16 inputs: a kernel may also round float32
-# intermediates (gc, w, u, kg) to bfloat16 dot operands (8-bit mantissa, ~4e-3 each).
+# intermediates (gc, w, u, kg) to bfloat16 dot operands (8-bit mantissa, ~4e-3 each). mosaic_gpu
+# kernels take bfloat16 operands whatever the inputs, so they are held to the bfloat16 tolerance.
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+BACKENDS = ("pallas", "mosaic_gpu")
 
 
 class FieldDiff(NamedTuple):
@@ -107,11 +110,13 @@ def record_reference(seq_lens, *, chunk_size=64, head_dim=128, heads=1, dtype="f
 
 
 def compare_stages(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, dtype="float32",
-                   gate="raw", seed=0, tol=None, interpret=None) -> Report:
-  """Run every forward stage's kernel on the reference pipeline's recorded inputs; compare outputs."""
+                   gate="raw", seed=0, tol=None, interpret=None, impl="pallas") -> Report:
+  """Run every forward stage's `impl` kernel on the reference pipeline's recorded inputs; compare."""
   if dtype not in TOL:
     raise ValueError(f"dtype must be one of {list(TOL)}, got {dtype!r}")
-  tol = TOL[dtype] if tol is None else float(tol)
+  if impl not in BACKENDS:
+    raise ValueError(f"impl must be one of {BACKENDS}, got {impl!r}")
+  tol = TOL["bfloat16" if impl == "mosaic_gpu" else dtype] if tol is None else float(tol)
   lens = [int(n) for n in seq_lens]
   plan, rec, acu = record_reference(lens, chunk_size=chunk_size, head_dim=head_dim, heads=heads,
                                     dtype=dtype, gate=gate, seed=seed, interpret=interpret)
@@ -127,11 +132,11 @@ def compare_stages(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, 
   reports = []
   for name in pipeline.FORWARD_STAGES:
     st = stages.get(name)
-    if st.pallas is None:
+    if getattr(st, impl) is None:
       reports.append(StageReport(name, "no kernel", []))
       continue
     kw = pipeline.forward_kwargs(plan, name)
-    run = jax.jit(lambda *a, st=st, kw=kw: st("pallas", *a, interpret=plan.interpret, **kw))
+    run = jax.jit(lambda *a, st=st, kw=kw: st(impl, *a, interpret=plan.interpret, **kw))
     want = rec[name]
     try:
       got = jax.block_until_ready(run(*rec["inputs"][name]))
@@ -139,19 +144,19 @@ def compare_stages(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, 
       reports.append(StageReport(name, "error", [], f"{type(e).__name__}: {e}"))
       continue
     if type(got) is not type(want):
-      reports.append(StageReport(name, "error", [], f"pallas returned {type(got).__name__}, "
+      reports.append(StageReport(name, "error", [], f"{impl} returned {type(got).__name__}, "
                                  f"reference {type(want).__module__}.{type(want).__name__}"))
       continue
     fields = [_diff(f, getattr(got, f), getattr(want, f), tol, meta) for f in want._fields]
     reports.append(StageReport(name, "agrees" if all(f.ok for f in fields) else "differs", fields))
   config = dict(seq_lens=lens, chunk_size=chunk_size, head_dim=head_dim, heads=heads, dtype=dtype,
-                gate=gate, seed=seed, tol=tol, interpret=plan.interpret)
+                gate=gate, seed=seed, tol=tol, interpret=plan.interpret, impl=impl)
   return Report(config, reports)
 
 
 def render(report: Report, out):
   c = report.config
-  print(f"kda stages: reference vs pallas{' (interpret)' if c['interpret'] else ''} on identical "
+  print(f"kda stages: reference vs {c['impl']}{' (interpret)' if c['interpret'] else ''} on identical "
         f"inputs; seq_lens {c['seq_lens']}, chunk {c['chunk_size']}, K = V = {c['head_dim']}, "
         f"H = {c['heads']}, {c['dtype']}, gate {c['gate']}, seed {c['seed']}", file=out)
   print(f"a field agrees when max|diff| / max|reference| <= {c['tol']:g}", file=out)
@@ -188,10 +193,12 @@ def main(argv=None, out=None, err=None) -> int:
   p.add_argument("--gate", choices=("raw", "plain"), default="raw")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--tol", type=float, default=None, help="max relative difference (default per dtype)")
+  p.add_argument("--impl", choices=BACKENDS, default="pallas", help="the kernels to compare")
   args = p.parse_args(argv)
   try:
     report = compare_stages(parse_lens(args.seq_lens), chunk_size=args.chunk_size, head_dim=args.head_dim,
-                            heads=args.heads, dtype=args.dtype, gate=args.gate, seed=args.seed, tol=args.tol)
+                            heads=args.heads, dtype=args.dtype, gate=args.gate, seed=args.seed, tol=args.tol,
+                            impl=args.impl)
   except ValueError as e:
     print(f"error: {e}", file=err)
     return 2
