@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.stages.state import Out
+from kda.stages.state import Out, chunk_decay
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 WG = plgpu.Layout.WGMMA
@@ -255,8 +255,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     order = jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
   else:
     order = jnp.arange(N, dtype=jnp.int32)
-  last = lambda x: x[0, BT - 1::BT].astype(F32)                     # [NTa, HV, K]
-  decay = jnp.exp(last(gc_int) + last(gc_frac))                     # gc_int + gc_frac = gc
+  decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u = (x[0].astype(BF16) for x in (kg, w, u))
 
   if config.seq_major and N <= MAX_GRID_YZ:
