@@ -1,7 +1,7 @@
 """output: o = scale * qg @ h[c] + Aqk @ v_new, per chunk and value head.
 
 In:  qg [1, Ta, HV, K], h [1, NTa, HV, K, V], Aqk [1, Ta, HV, BT], v_new [1, Ta, HV, V].
-Out: o [1, Ta, HV, V] float32.
+Out: o [1, Ta, HV, V] float32 (the mosaic_gpu kernel may store it bf16: Config.out_dtype).
 Padding: qg = 0 and Aqk's row is 0 at a padding token, so o = 0 there.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ class Out(NamedTuple):
   o: jax.Array  # [1, Ta, HV, V] float32
 
 
-from kda.stages.output import pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.output import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply)
+STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})

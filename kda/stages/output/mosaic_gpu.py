@@ -1,0 +1,205 @@
+"""output: the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.output.
+
+Kernel: every chunk is independent (h already carries the state), so one program takes
+`chunks_per_program` consecutive chunks of one value head and one V tile of BV columns; with more
+than one, the next chunk's tiles are in flight while it computes the current one (two SMEM slots,
+one barrier per slot, TMA). Per chunk c:
+
+    TMA:  qg_c [64, K], h[c] [K, BV], Aqk_c [64, 64], v_new_c [64, BV]        bf16, swizzled SMEM
+    o_c = scale * qg_c @ h[c] + Aqk_c @ v_new_c      two wgmmas into two f32 accumulators
+                                                     (issued together, read once; scale is not a
+                                                     power of two, so it cannot ride on a bf16 operand)
+    o_c   -> SMEM stage -> TMA store (Config.stage_store), or registers -> GMEM
+
+What is bf16: qg, h, Aqk, v_new (cast in the launcher when they come in float32: one XLA pass each;
+the stage's predicate `takes` only accepts bf16 ones). Accumulation is float32. o is float32, or
+bf16 with Config(out_dtype="bfloat16"): the pipeline rounds o to v's dtype after unalign, and this
+kernel only runs for bf16 intermediates, i.e. bf16 inputs, so a bf16 o is the same bits there and
+halves the store and the unalign's read.
+
+Grid: (G, HV, V // BV) with names ("g", "h", "v"), G = ceil(NTa / chunks_per_program): the V tiles
+and heads of one chunk group are dispatched next to each other (CUDA x fastest), so the second V
+tile's reads of qg and Aqk find them in L2. CUDA caps grid z at 65535; past that G moves to x.
+The tail (chunks past aligned_cu[-1]) needs no special case: qg = Aqk = 0 and h = v_new = 0 there
+(align and the state stage make them so), so o = 0.
+
+SMEM per program (bytes, BT = 64), S slots (1 if chunks_per_program == 1, else 2):
+    qg [64, K] + h [K, BV] + Aqk [64, 64] + v_new [64, BV], bf16     S x (256 K + 384 BV + 8192)
+    o stage [64, BV] (f32 or bf16)                                   256 BV or 128 BV
+  K = 128, BV = 64: 65536 (S = 1), 114688 (S = 2); BV = 128: 106496 (S = 1), 180224 (S = 2).
+  As lowered (barriers, alignment) these are a few hundred bytes more (tests print them).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda.stages.output import Out
+from kda.stages.state.mosaic_gpu import HEAD_DIMS, MAX_GRID_YZ, _swz
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiles and switches of the output kernel; they depend on K, V, BT and dtype only."""
+  block_v: int = 64              # BV: output columns per program (64 or 128, at most V)
+  chunks_per_program: int = 4    # consecutive chunks per program; > 1 double-buffers the loads
+  out_dtype: str = "float32"     # o as stored: "float32" or "bfloat16"
+  stage_store: bool = True       # o through SMEM + TMA (else registers -> GMEM stores)
+  lane_semantics: bool = False   # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+
+  def __post_init__(self):
+    if self.block_v not in (64, 128):
+      raise ValueError(f"block_v must be 64 or 128 (wgmma N tiles), got {self.block_v}")
+    if self.chunks_per_program < 1:
+      raise ValueError(f"chunks_per_program must be >= 1, got {self.chunks_per_program}")
+    if self.out_dtype not in OUT_DTYPES:
+      raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {self.out_dtype!r}")
+
+
+def supports(qg, h, Aqk, v_new, *, scale=None, chunk_size, config=None) -> Optional[str]:
+  """None if `apply` takes this call, else the reason in words."""
+  config = config or Config()
+  if chunk_size != 64:
+    return f"chunk_size must be 64, got {chunk_size}"
+  if qg.ndim != 4 or qg.shape[0] != 1:
+    return f"qg must be [1, Ta, HV, K], got shape {qg.shape}"
+  _, Ta, HV, K = qg.shape
+  if v_new.ndim != 4 or v_new.shape[:3] != (1, Ta, HV):
+    return f"v_new must be [1, Ta, HV, V] with qg's Ta, HV, got {v_new.shape}"
+  V = v_new.shape[-1]
+  if K not in HEAD_DIMS:
+    return f"K must be one of {HEAD_DIMS}, got {K}"
+  if V not in HEAD_DIMS:
+    return f"V must be one of {HEAD_DIMS}, got {V}"
+  if config.block_v > V:
+    return f"block_v {config.block_v} exceeds V {V}"
+  if Ta % chunk_size:
+    return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
+  NTa = Ta // chunk_size
+  if h.shape != (1, NTa, HV, K, V):
+    return f"h must have shape {(1, NTa, HV, K, V)}, got {h.shape}"
+  if Aqk.shape != (1, Ta, HV, chunk_size):
+    return f"Aqk must have shape {(1, Ta, HV, chunk_size)}, got {Aqk.shape}"
+  for name, x in (("qg", qg), ("h", h), ("Aqk", Aqk), ("v_new", v_new)):
+    if jnp.dtype(x.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
+      return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
+  if HV > MAX_GRID_YZ:
+    return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
+  return None
+
+
+def takes(qg, h, Aqk, v_new, *, chunk_size, **kw) -> Optional[str]:
+  """The stage's predicate: `supports`, and bf16 qg, h, Aqk, v_new (the dtype policy's bf16
+  intermediates); float32 ones would be rounded to bf16, below the float32 accuracy promised for
+  float32 inputs."""
+  reason = supports(qg, h, Aqk, v_new, chunk_size=chunk_size, config=kw.get("config"))
+  if reason is None:
+    named = (("qg", qg), ("h", h), ("Aqk", Aqk), ("v_new", v_new))
+    if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for _, x in named):
+      reason = (f"mosaic_gpu output takes bfloat16 qg, h, Aqk, v_new (float32 would be rounded to "
+                f"bfloat16), got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in named)}")
+  return reason
+
+
+def _body(qg_g, h_g, A_g, vn_g, o_g, qg_s, h_s, A_s, vn_s, o_s, bars, *, BT, BV, per, scale,
+          stage_store):
+  # GMEM: qg [Ta, HV, K], h [NTa, HV, K, V], Aqk [Ta, HV, BT], v_new [Ta, HV, V] bf16; o [Ta, HV, V].
+  NTa = h_g.shape[0]
+  slots = qg_s.shape[0]
+  g, i_h, i_v = lax.axis_index("g"), lax.axis_index("h"), lax.axis_index("v")
+  c0 = g * per
+  n = jnp.minimum(per, NTa - c0)
+  cols = pl.ds(i_v * BV, BV)
+
+  def fetch(i, slot):
+    c = c0 + i
+    rows, bar = pl.ds(pl.multiple_of(c * BT, BT), BT), bars.at[slot]
+    plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(h_g.at[c, i_h, :, cols], h_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(A_g.at[rows, i_h, :], A_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(vn_g.at[rows, i_h, cols], vn_s.at[slot], bar)
+
+  def step(i, carry):
+    slot = lax.rem(i, slots) if slots > 1 else 0
+    if slots > 1:
+      @pl.when(i + 1 < n)
+      def _():
+        fetch(i + 1, 1 - slot)   # that slot's readers, step i-1's wgmmas, have completed
+    plgpu.barrier_wait(bars.at[slot])
+
+    def scoped(acc_q, acc_a):
+      plgpu.wgmma(acc_q, qg_s.at[slot], h_s.at[slot])
+      plgpu.wgmma(acc_a, A_s.at[slot], vn_s.at[slot])
+      return scale * acc_q[...] + acc_a[...]
+
+    o = pl.run_scoped(scoped, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, BV), F32))
+    rows = pl.ds(pl.multiple_of((c0 + i) * BT, BT), BT)
+    if stage_store:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous chunk's store has read o_s
+      o_s[...] = o.astype(o_s.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, i_h, cols])
+    else:
+      o_g[rows, i_h, cols] = o.astype(o_g.dtype)
+    plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
+    return carry
+
+  fetch(0, 0)
+  if per == 1:
+    step(0, 0)
+  else:
+    lax.fori_loop(0, n, step, 0)
+  plgpu.wait_smem_to_gmem(0)     # every TMA store has landed before the program exits
+
+
+def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None):
+  config = config or Config()
+  reason = supports(qg, h, Aqk, v_new, chunk_size=chunk_size, config=config)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu output kernel: {reason}")
+  BT, BV, per = chunk_size, config.block_v, config.chunks_per_program
+  _, Ta, HV, K = qg.shape
+  V = v_new.shape[-1]
+  NTa = Ta // BT
+  odt = OUT_DTYPES[config.out_dtype]
+  if NTa == 0:
+    return Out(jnp.zeros((1, 0, HV, V), odt))
+  per = min(per, NTa)
+  G = -(-NTa // per)
+  slots = 1 if per == 1 else 2
+  qg, Aqk, v_new = (x[0].astype(BF16) for x in (qg, Aqk, v_new))
+  h = h[0].astype(BF16)
+  if G <= MAX_GRID_YZ:
+    grid, names = (G, HV, V // BV), ("g", "h", "v")
+  else:
+    grid, names = (V // BV, HV, G), ("v", "h", "g")
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  if config.stage_store:
+    o_stage = _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32)
+  else:
+    o_stage = plgpu.SMEM((8, BV), odt)                     # unused placeholder
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV, per=per, scale=float(scale),
+                             stage_store=config.stage_store)
+  f = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((Ta, HV, V), odt),
+      grid=grid, grid_names=names,
+      scratch_types=[
+          _swz((slots, BT, K)), _swz((slots, K, BV)),      # qg, h[c]
+          _swz((slots, BT, BT)), _swz((slots, BT, BV)),    # Aqk, v_new
+          o_stage,
+          plgpu.Barrier(num_arrivals=4, num_barriers=slots),
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  return Out(f(qg, h, Aqk, v_new)[None])
