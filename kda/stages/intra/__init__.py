@@ -67,6 +67,7 @@ def chunk_decays(gi, gf):
   return jnp.exp(exponent(gi, gf)), jnp.exp(exponent(gi[:, -1:], gf[:, -1:], gi, gf))
 
 
-from kda.stages.intra import pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.intra import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply)
+STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})

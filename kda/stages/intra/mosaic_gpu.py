@@ -1,0 +1,368 @@
+"""intra: the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.intra.
+
+One program per (value head, chunk): TMA loads of q, k [64, K], v [64, V] (bf16), beta [64] and the
+gate cumsum gc [64, K] (float32, one or two parts), everything on the tensor cores after that.
+
+Decays by levels. Every pair (i, j), j < i, of a chunk lies in exactly one level s in 64, 32, ..., 2:
+the one whose s-token block holds both, i in its second half and j in its first. With r the gc row
+at the first token of that second half (gc is non-increasing: gates are <= 0),
+
+    exp(gc_i - gc_j) = exp(gc_i - r) * exp(r - gc_j)         both exponents <= 0
+
+so a level is one product of x * exp(gc - r) (rows of second halves, x = k or q) with
+k * exp(r - gc) (rows of first halves), bf16 operands and float32 accumulation, masked to pairs in the
+same block. Six levels give every strictly lower pair exactly: no factor above 1 and one underflows
+only where the decay itself does. Aqk's diagonal is the plain row dot q_i . k_i.
+Bounded chunks (`bounded`: each 16-token half of both 32-token blocks spans <= BOUNDED_SPAN of gc in
+every channel: always true for gates >= -5 per token, e.g. safe_gate, and for the usual gates) take
+two levels instead: the exact level 64 and the 32-token blocks factored through their middle row,
+every factor exp(x) with |x| <= BOUNDED_SPAN (normal in float32 and bf16); entries above the
+diagonal may overflow there and are masked out.
+
+(I + Akk)^-1 by block doubling: X_1 = I, X_2s = X_s - X_s L_2s X_s, where L_2s holds Akk's pairs of
+level 2s; each product takes hi + lo bf16 splits of both operands (three wgmmas, ~2^-16 relative).
+w = X (beta k exp(gc)) and u = X (beta v) take X's split (two wgmmas) and bf16 right-hand sides.
+
+Out (bf16, the dtype policy for bf16 inputs): Akk, Aqk, Ainv, w, u, qg, kg. The stage predicate
+(`takes`) refuses float32 q/k/v: their float32 accuracy needs the pallas or reference stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda.stages.gate import exponent
+from kda.stages.intra import Out, to_chunks
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+WG = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
+BT = 64
+SLAB = 64                 # gc / operand columns handled at once (register pressure)
+HEAD_DIMS = (64, 128)
+BOUNDED_SPAN = 80.0       # exp(+-80) is a normal float32 / bf16 number
+MAX_GRID_YZ = 65535
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Switches of the intra kernel."""
+  bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
+  two_part: str = "auto"    # "auto": gc_frac alone while gc_int == 0 everywhere; "always": both parts
+
+  def __post_init__(self):
+    if self.bounded not in ("auto", "never"):
+      raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
+    if self.two_part not in ("auto", "always"):
+      raise ValueError(f"two_part must be 'auto' or 'always', got {self.two_part!r}")
+
+
+def supports(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, **_) -> Optional[str]:
+  """None if `apply` takes this call, else the reason in words."""
+  if chunk_size != BT:
+    return f"chunk_size must be {BT}, got {chunk_size}"
+  if k.ndim != 4 or k.shape[0] != 1:
+    return f"k must be [1, Ta, HV, K], got shape {k.shape}"
+  _, Ta, HV, K = k.shape
+  if K not in HEAD_DIMS:
+    return f"K must be one of {HEAD_DIMS}, got {K}"
+  if v.ndim != 4 or v.shape[:3] != (1, Ta, HV) or v.shape[3] not in HEAD_DIMS:
+    return f"v must be [1, Ta, HV, V] with V in {HEAD_DIMS} and k's Ta, HV, got {v.shape}"
+  if Ta % BT:
+    return f"Ta must be a multiple of {BT}, got {Ta}"
+  for name, x in (("q", q), ("gc_int", gc_int), ("gc_frac", gc_frac)):
+    if x.shape != k.shape:
+      return f"{name} must have shape {k.shape}, got {x.shape}"
+  if beta.shape != (1, Ta, HV):
+    return f"beta must have shape {(1, Ta, HV)}, got {beta.shape}"
+  if HV > MAX_GRID_YZ:
+    return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
+  return None
+
+
+def takes(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, **_) -> Optional[str]:
+  """The stage's predicate: `supports`, and bf16 q, k, v (the kernel's operands are bf16; float32
+  inputs keep float32 accuracy on the pallas or reference stage)."""
+  reason = supports(q, k, v, beta, gc_int, gc_frac, scale=scale, chunk_size=chunk_size)
+  if reason is None:
+    bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v))
+           if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
+    if bad:
+      reason = f"mosaic_gpu intra takes bfloat16 q, k, v, got {', '.join(bad)}"
+  return reason
+
+
+def bounded_chunks(gc_int, gc_frac):
+  """[HV * NTa] int32, row-major (head, chunk): 1 where the two-level path is exact to float32
+  factors (module docstring), 0 elsewhere (NaN gates included)."""
+  gi, gf = (to_chunks(x.astype(F32), BT) for x in (gc_int, gc_frac))    # [NTa, BT, HV, K]
+  at = lambda r: (gi[:, r], gf[:, r])
+  span = jnp.zeros(gi.shape[:1] + gi.shape[2:], F32)
+  for a, m, e in ((0, 16, 31), (32, 48, 63)):
+    span = jnp.maximum(span, jnp.maximum(exponent(*at(a), *at(m)), exponent(*at(m), *at(e))))
+  ok = jnp.all(span <= BOUNDED_SPAN, axis=-1)                           # [NTa, HV]; NaN -> False
+  return ok.T.reshape(-1).astype(jnp.int32)
+
+
+def _swz(shape, dtype=BF16):
+  item = jnp.dtype(dtype).itemsize
+  sw = plgpu.find_swizzle(shape[-1] * item * 8)
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // item)),
+                                              plgpu.SwizzleTransform(sw)))
+
+
+def _load(ref, layout=WG):
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _iota(dim, shape=(BT, BT)):
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
+
+
+def _acc(pairs, shape):
+  """sum(a @ b for a, b in pairs) on the tensor cores, float32 result in registers."""
+  def scoped(acc):
+    for a, b in pairs:
+      plgpu.wgmma(acc, a, b)
+    return acc[...]
+  return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+
+
+def _split(x):
+  hi = x.astype(BF16)
+  return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _log2(n):
+  return n.bit_length() - 1
+
+
+def _body(flag_g, q_g, k_g, v_g, b_g, *rest, scale, two_part, bounded):
+  if two_part:
+    gi_g, gf_g, *rest = rest
+  else:
+    gf_g, *rest = rest
+    gi_g = None
+  (akk_g, aqk_g, ainv_g, w_g, u_g, qg_g, kg_g,
+   q_s, k_s, v_s, b_s, *rest) = rest
+  if two_part:
+    gi_s, gf_s, *rest = rest
+  else:
+    gf_s, *rest = rest
+    gi_s = None
+  lk_s, lq_s, rk_s, bar = rest
+  NTa = q_g.shape[0] // BT
+  K, V = q_g.shape[2], v_g.shape[2]
+  i_h, c = lax.axis_index("h"), lax.axis_index("c")
+  start = pl.multiple_of(c * BT, BT)
+  rows = pl.ds(start, BT)
+  slabs = [pl.ds(s * SLAB, SLAB) for s in range(K // SLAB)]
+
+  plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
+  plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
+  plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
+  plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
+  plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
+  if two_part:
+    plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
+  plgpu.barrier_wait(bar)
+
+  # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
+  def g_tile(cols):
+    if two_part:
+      return _load(gi_s.at[:, cols]), _load(gf_s.at[:, cols])
+    return _load(gf_s.at[:, cols])
+
+  def g_row(r, cols, shape):
+    vec = lambda s_: lax.broadcast_in_dim(_load(s_.at[r, cols], COL), shape, [1])
+    return (vec(gi_s), vec(gf_s)) if two_part else vec(gf_s)
+
+  def where(m, a, b):
+    if two_part:
+      return tuple(jnp.where(m, x, y) for x, y in zip(a, b))
+    return jnp.where(m, a, b)
+
+  diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
+  whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
+
+  def operands(ls, both_sides, diag=False):
+    """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
+    r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
+    second halves and rk outside first halves, the bounded level keeps every row. With `diag`
+    also returns q . k per row (ROW)."""
+    shape = (BT, SLAB)
+    row = _iota(0, shape)
+    blk = row >> ls
+    half = 1 << (ls - 1)
+    qk = None
+    for cols in slabs:
+      G = g_tile(cols)
+
+      def pick(b, R, cols=cols):
+        return where(blk == b, g_row((b << ls) + half, cols, shape), R)
+      R = lax.fori_loop(1, BT >> ls, pick, g_row(half, cols, shape))   # one select per block
+      kx = _load(k_s.at[:, cols]).astype(F32)
+      qx = _load(q_s.at[:, cols]).astype(F32)
+      if both_sides:
+        e_l, e_r = jnp.exp(diff(G, R)), jnp.exp(diff(R, G))
+        lk, lq, rk = kx * e_l, qx * e_l, kx * e_r
+      else:
+        second = (row & ((1 << ls) - 1)) >= half
+        e = jnp.exp(jnp.where(second, diff(G, R), diff(R, G)))
+        lk = jnp.where(second, kx * e, 0.0)
+        lq = jnp.where(second, qx * e, 0.0)
+        rk = jnp.where(second, 0.0, kx * e)
+      lk_s.at[:, cols][...] = lk.astype(BF16)
+      lq_s.at[:, cols][...] = lq.astype(BF16)
+      rk_s.at[:, cols][...] = rk.astype(BF16)
+      if diag:
+        part = jnp.sum(qx * kx, axis=1)
+        qk = part if qk is None else qk + part
+    plgpu.commit_smem()
+    return qk
+
+  def products():
+    return _acc([(lk_s, rk_s.T)], (BT, BT)), _acc([(lq_s, rk_s.T)], (BT, BT))
+
+  row, col = _iota(0), _iota(1)
+  qk_diag = operands(6, both_sides=False, diag=True)   # level 64: no mask (its operands are zero elsewhere)
+  p_kk, p_qk = products()
+
+  def exact(akk_s, aqk_s):
+    a_kk = p_kk
+    a_qk = p_qk + jnp.where(row == col, lax.broadcast_in_dim(qk_diag, (BT, BT), [0]), 0.0)
+
+    def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
+      ls = 5 - t
+      operands(ls, both_sides=False)
+      kk, qk = products()
+      same = (row >> ls) == (col >> ls)
+      return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
+    a_kk, a_qk = lax.fori_loop(0, 5, level, (a_kk, a_qk))
+    akk_s[...] = a_kk
+    aqk_s[...] = a_qk
+
+  def two_levels(akk_s, aqk_s):
+    operands(5, both_sides=True)
+    kk, qk = products()
+    same = (row >> 5) == (col >> 5)
+    akk_s[...] = p_kk + jnp.where(same & (col < row), kk, 0.0)
+    aqk_s[...] = p_qk + jnp.where(same & (col <= row), qk, 0.0)
+
+  def scores(akk_s, aqk_s):
+    # either path leaves its result in SMEM (branches cannot return registers)
+    if bounded:
+      flag = flag_g[i_h * NTa + c]
+      pl.when(flag != 0)(lambda: two_levels(akk_s, aqk_s))
+      pl.when(flag == 0)(lambda: exact(akk_s, aqk_s))
+    else:
+      exact(akk_s, aqk_s)
+    return _load(akk_s), _load(aqk_s)
+
+  a_kk, a_qk = pl.run_scoped(scores, plgpu.SMEM((BT, BT), F32), plgpu.SMEM((BT, BT), F32))
+  beta = _load(b_s, ROW)
+  a_kk = a_kk * lax.broadcast_in_dim(beta, (BT, BT), [0])
+  a_qk = a_qk * scale
+  def finish(xh_s, xl_s, th_s, tl_s):
+    # (I + Akk)^-1 by block doubling, products on hi + lo splits
+    def split_mm(a, a_store, b, b_store):
+      if a_store is not None:
+        a_store[0][...], a_store[1][...] = _split(a)
+      b_store[0][...], b_store[1][...] = _split(b)
+      plgpu.commit_smem()
+      (ah, al), (bh, bl) = a_store or (xh_s, xl_s), b_store
+      return _acc([(ah, bh), (ah, bl), (al, bh)], (BT, BT))
+
+    eye = jnp.where(row == col, 1.0, 0.0).astype(F32)
+    X = eye - jnp.where((row >> 1) == (col >> 1), a_kk, 0.0)
+    for s in (2, 4, 8, 16, 32):
+      half = _log2(s)
+      L = jnp.where(((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
+                    & (((col >> half) & 1) == 0), a_kk, 0.0)
+      T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
+      X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
+    xh_s[...], xl_s[...] = _split(X)
+
+    # right-hand sides of w and u; qg and kg in place of q and k once nothing reads them
+    b_rows = lambda shape: lax.broadcast_in_dim(beta, shape, [0])
+    for cols in slabs:
+      G = g_tile(cols)
+      kx = _load(k_s.at[:, cols]).astype(F32)
+      lk_s.at[:, cols][...] = (b_rows((BT, SLAB)) * kx * jnp.exp(whole(G))).astype(BF16)
+    for cols in [pl.ds(s * SLAB, SLAB) for s in range(V // SLAB)]:
+      vx = _load(v_s.at[:, cols]).astype(F32)
+      v_s.at[:, cols][...] = (b_rows((BT, SLAB)) * vx).astype(BF16)
+    plgpu.commit_smem()
+    w = _acc([(xh_s, lk_s), (xl_s, lk_s)], (BT, K))
+    u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
+    lq_s[...] = w.astype(BF16)
+    v_s[...] = u.astype(BF16)
+    for cols in slabs:
+      G = g_tile(cols)
+      last = g_row(BT - 1, cols, (BT, SLAB))
+      qx = _load(q_s.at[:, cols]).astype(F32)
+      kx = _load(k_s.at[:, cols]).astype(F32)
+      q_s.at[:, cols][...] = (qx * jnp.exp(whole(G))).astype(BF16)
+      k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
+    th_s[...] = a_kk.astype(BF16)
+    tl_s[...] = a_qk.astype(BF16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(th_s, akk_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(tl_s, aqk_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(xh_s, ainv_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(lq_s, w_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(q_s, qg_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(k_s, kg_g.at[rows, i_h, :])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(finish, *[_swz((BT, BT)) for _ in range(4)])   # X and T splits, then outputs
+
+
+def _call(q, k, v, beta_t, gis, flag, *, scale, bounded, interpret):
+  """One launch; gis = (gc_int, gc_frac) or (gc_frac,)."""
+  Ta, HV, K = k.shape
+  V = v.shape[-1]
+  two_part = len(gis) == 2
+  body = lambda *refs: _body(*refs, scale=scale, two_part=two_part, bounded=bounded)
+  shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
+  g_smem = [plgpu.SMEM((BT, K), F32) for _ in gis]
+  f = plgpu.kernel(
+      body,
+      out_type=(shape(BT), shape(BT), shape(BT), shape(K), shape(V), shape(K), shape(K)),
+      grid=(HV, Ta // BT), grid_names=("h", "c"),
+      scratch_types=[
+          _swz((BT, K)), _swz((BT, K)), _swz((BT, V)), plgpu.SMEM((BT,), F32), *g_smem,
+          _swz((BT, K)), _swz((BT, K)), _swz((BT, K)),        # level operands lk, lq, rk
+          plgpu.Barrier(num_arrivals=5 + two_part),
+      ],
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  return f(flag, q, k, v, beta_t, *gis)
+
+
+def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
+  config = config or Config()
+  reason = supports(q, k, v, beta, gc_int, gc_frac, scale=scale, chunk_size=chunk_size)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu intra kernel: {reason}")
+  HV = k.shape[2]
+  q, k, v = (x[0].astype(BF16) for x in (q, k, v))
+  beta_t = beta[0].astype(F32).T                                  # [HV, Ta]: contiguous rows for TMA
+  gi, gf = gc_int[0].astype(F32), gc_frac[0].astype(F32)
+  bounded = config.bounded == "auto"
+  flag = bounded_chunks(gc_int, gc_frac) if bounded else jnp.zeros((HV * (k.shape[0] // BT),), jnp.int32)
+  run = lambda *gis: _call(q, k, v, beta_t, gis, flag, scale=float(scale), bounded=bounded,
+                           interpret=interpret)
+  if config.two_part == "always":
+    outs = run(gi, gf)
+  else:   # gc_int == 0 everywhere (every gate > -1): gc is gc_frac, the same decays bit for bit
+    outs = lax.cond(jnp.any(gi != 0), lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
+  return Out(*(x[None] for x in outs))
