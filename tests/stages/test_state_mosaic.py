@@ -5,7 +5,10 @@ comparison isolates the kernel: what is left is the bf16 rounding of S and v_new
 (both dots feed the carried state). Measured on these cases (max over fields and cases, run with -s
 to print them): max|d| / max|ref| <= 1.5e-3 and ||d|| / ||ref|| <= 1.6e-3 (TOL allows 5e-3, 4e-3).
 Against a float32 emulation of the kernel's own rounding (test_state_matches_bf16_emulation) the
-kernel agrees to <= 5.7e-5, so the tolerance above is bf16 rounding, not a kernel error.
+kernel agrees to <= 5.7e-5, so the tolerance above is bf16 rounding, not a kernel error. These
+comparisons run with float32-typed (bf16-exact) inputs, so h and v_new are stored in float32; with
+bf16 inputs they are stored in bf16, and test_state_bf16_stores checks that those are exactly the
+float32 ones rounded (the arithmetic does not depend on the store dtype).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import pytest
 
 from kda.stages import state
 from kda.stages.state import mosaic_gpu as mgs
+from tests.stages.test_output_mosaic import lowered_smem_bytes
 
 BT = 64
 # bf16 operands in both dots: the rounding of S and v_new (rel 2^-9 each) feeds the carried state;
@@ -92,7 +96,8 @@ def check(lens, K, V, config=None, tail_chunks=2, seed=0):
   ref = reference(*args, chunk_size=BT)
   for name in out._fields:
     assert getattr(out, name).shape == getattr(ref, name).shape, name
-    assert getattr(out, name).dtype == jnp.float32, name
+    want = jnp.float32 if name == "final_state" else (config or mgs.Config()).stores(*args[:3])
+    assert getattr(out, name).dtype == want, name
   errs = errors(out, ref, acu, tail)
   print(f"\n  lens={lens} K={K} V={V} {config or ''}: simulator {secs:.2f}s; " +
         ", ".join(f"{k} max {e[0]:.2e} norm {e[1]:.2e}" for k, e in errs.items()))
@@ -177,6 +182,27 @@ def test_state_matches_reference_configs(config):
   check([65, 0, 130, 1], 64, 64, config=config)
 
 
+@pytest.mark.parametrize("K,V,config", [(64, 64, None), (128, 64, None), (64, 128, mgs.Config(stage_stores=False))],
+                         ids=["K64-V64", "K128-V64", "K64-V128-direct-stores"])
+def test_state_bf16_stores(K, V, config):
+  """bf16 kg, w, u: h and v_new come out in bf16, exactly the float32 stores rounded (the kernel's
+  arithmetic does not depend on the store dtype), tail included; final_state stays float32 and equal."""
+  args, acu, tail = make_case([1, 130, 0, 65], K, V, seed=3)
+  f32_out, _ = run_kernel(args, config)
+  bf16_out, _ = run_kernel(tuple(x.astype(jnp.bfloat16) for x in args[:3]) + args[3:], config)
+  assert f32_out.h.dtype == f32_out.v_new.dtype == jnp.float32
+  assert bf16_out.h.dtype == bf16_out.v_new.dtype == jnp.bfloat16
+  assert bf16_out.final_state.dtype == jnp.float32
+  for name in ("h", "v_new"):
+    np.testing.assert_array_equal(np.asarray(getattr(bf16_out, name).astype(jnp.float32)),
+                                  np.asarray(getattr(f32_out, name).astype(jnp.bfloat16).astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(bf16_out.final_state), np.asarray(f32_out.final_state))
+  assert not np.any(np.asarray(bf16_out.h.astype(jnp.float32))[:, tail[::BT]])
+  forced, _ = run_kernel(args, mgs.Config(store_dtype="bfloat16", stage_stores=(config or mgs.Config()).stage_stores))
+  assert forced.h.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(forced.h.astype(jnp.float32)), np.asarray(bf16_out.h.astype(jnp.float32)))
+
+
 def test_state_no_tail_and_no_sequences():
   check([64, 3], 64, 64, tail_chunks=0)
   args, _, _ = make_case([5], 64, 64)
@@ -184,6 +210,8 @@ def test_state_no_tail_and_no_sequences():
   out = mgs.apply(*args, chunk_size=BT, interpret=True)
   assert np.all(np.asarray(out.h) == 0) and np.all(np.asarray(out.v_new) == 0)
   assert out.final_state.shape == (0, 2, 64, 64)
+  out = mgs.apply(*(x.astype(jnp.bfloat16) for x in args[:3]), *args[3:], chunk_size=BT, interpret=True)
+  assert out.h.dtype == out.v_new.dtype == jnp.bfloat16
 
 
 def test_supports_reasons():
@@ -210,15 +238,18 @@ def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("K,V", [(64, 64), (64, 128), (128, 64), (128, 128)],
                          ids=["K64-V64", "K64-V128", "K128-V64", "K128-V128"])
 @pytest.mark.parametrize("config", [mgs.Config(), mgs.Config(stage_stores=False),
-                                    mgs.Config(lane_semantics=True), mgs.Config(swizzle_stages=True)],
-                         ids=["default", "direct-stores", "lane", "swizzled-stages"])
+                                    mgs.Config(lane_semantics=True), mgs.Config(store_dtype="float32"),
+                                    mgs.Config(store_dtype="float32", swizzle_stages=True)],
+                         ids=["default", "direct-stores", "lane", "f32-stores", "f32-swizzled-stages"])
 def test_state_lowers_for_cuda(K, V, config):
   args = _abstract(32768 + 489 * BT, 16, K, V, 489)
   f = lambda *a: mgs.apply(*a, chunk_size=BT, config=config)
   t0 = time.time()
   lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-  print(f"\n  lowered K={K} V={V} {config} in {time.time() - t0:.2f}s")
-  assert "mosaic_gpu" in lowered.as_text()
+  secs = time.time() - t0
+  smem = lowered_smem_bytes(f, *args)
+  print(f"\n  lowered K={K} V={V} {config} in {secs:.2f}s, SMEM {smem} bytes")
+  assert "mosaic_gpu" in lowered.as_text() and smem <= 232448
 
 
 def test_state_lowers_for_cuda_many_sequences_and_f32_inputs():

@@ -9,7 +9,8 @@ For chunk c of a sequence, S the [K, V] float32 state entering it (initial_state
 In:  kg, w [1, Ta, HV, K], u [1, Ta, HV, V], gc_int, gc_frac [1, Ta, HV, K] float32 (the gate stage's
      two parts of gc; only each chunk's last row is read), initial_state [N, HV, K, V] float32,
      aligned_cu [N+1] int32 (multiples of BT).
-Out: h [1, NTa, HV, K, V] float32 (0 for chunks after aligned_cu[-1]), v_new [1, Ta, HV, V] float32,
+Out: h [1, NTa, HV, K, V] float32 (0 for chunks after aligned_cu[-1]), v_new [1, Ta, HV, V] float32
+     (both bf16 from the mosaic_gpu kernel when kg, w, u are bf16: the dtype policy),
      final_state [N, HV, K, V] float32 (initial_state[n] for an empty sequence).
 Padding: u = w = kg = 0 at padding tokens, so v_new = 0 there and the state leaving a sequence's last
 chunk is the state after its last real token (gc is flat over the padding).

@@ -5,20 +5,24 @@ fori_loop whose trip count it reads from aligned_cu at run time (one compile for
 carrying the state S [K, BV] float32 in registers (WGMMA layout, BV = 64) across the chunks. Per
 chunk c, with the next chunk's tiles already in flight (two SMEM slots, one barrier per slot, TMA):
 
-    h[c]  = S                      f32 registers -> SMEM -> TMA store
+    h[c]  = S                      registers -> SMEM -> TMA store
     v_new = u_c - w_c @ bf16(S)    wgmma [64, K] @ [K, BV], bf16 operands, f32 accumulation
     S     = decay_c[:, None] * S + kg_c^T @ bf16(v_new)
                                    wgmma on the transposed view kg_s.T: [K, 64] @ [64, BV], M = K
 
 What is bf16: kg, w, u (cast in the launcher: one XLA pass over them if they come in float32) and
-the two SMEM copies that feed the tensor cores, bf16(S) and bf16(v_new). S itself, the decay,
-v_new as stored, h and final_state are float32; the decay exp(gc_int + gc_frac) of each chunk's
-last row is formed in the launcher ([NTa, HV, K] f32, it reads only those rows). Rounding S and
-v_new to bf16 in the dots costs ~1e-3 relative error against the float32 reference (simulator,
-max|d| / max|ref| <= 1.5e-3 on bf16-exact inputs, up to 24 chunks; test_state_mosaic.py), and
-float32 inputs are rounded to bf16 too, so this kernel does not meet the float32 1e-5 policy: the
-stage's predicate (`takes`, what impl=None consults) refuses float32 kg, w, u, and `apply` (which
-tests and tools call directly) casts them.
+the two SMEM copies that feed the tensor cores, bf16(S) and bf16(v_new). S itself, the decay and
+final_state are float32; the decay exp(gc_int + gc_frac) of each chunk's last row is formed in the
+launcher ([NTa, HV, K] f32, it reads only those rows). h and v_new are stored in bf16 when kg, w, u
+come in bf16 (the dtype policy: they feed the output stage's bf16 wgmmas), else in float32
+(Config.store_dtype overrides): the bf16 ones are those very wgmma operands, bf16(S) and
+bf16(v_new), TMA-stored straight from their SMEM copies, so they need no stage of their own and
+are the bits the output stage would round to anyway. Rounding S and v_new to bf16 in the dots
+costs ~1e-3 relative error against the float32 reference (simulator, max|d| / max|ref| <= 1.5e-3 on
+bf16-exact inputs, up to 24 chunks; test_state_mosaic.py), and float32 inputs are rounded to bf16
+too, so this kernel does not meet the float32 1e-5 policy: the stage's predicate (`takes`, what
+impl=None consults) refuses float32 kg, w, u, and `apply` (which tests and tools call directly)
+casts them.
 
 Grid: (N, HV, V // BV) with names ("r", "h", "v"). Mosaic GPU launches grid (g0, g1, g2) as CUDA
 (z, y, x) and x is dispatched fastest, so with the sequence rank on g0 every (head, V tile) of the
@@ -35,12 +39,11 @@ SMEM per program (bytes, BT = 64, BV = 64):
     u         2 slots x [64, BV] bf16                      16384
     decay     2 slots x [K] f32                            8 K
     bf16(S)   [K, BV]; bf16(v_new) [64, BV]                128 K + 8192
-    h stage   [K, BV] f32; v_new stage [64, BV] f32        256 K + 16384   (Config.stage_stores)
-  K = 128: 156672 (153 KiB), K = 64: 98816 (96.5 KiB); with barriers and alignment the CUDA
-  lowering's SMEM check puts them at ~157300 and ~100000 (limit 232448). With stage_stores=False
-  h and v_new go from registers straight to GMEM and the two stages shrink to 2 KiB each: ~112300
-  (K = 128) and ~71300 (K = 64) as lowered, which leaves room for two programs per SM (228 KiB)
-  where the registers allow it.
+    h stage   [K, BV] f32; v_new stage [64, BV] f32        256 K + 16384   (f32 stores, stage_stores)
+  As lowered for CUDA (barriers and alignment included; limit 232448): bf16 stores 111632 (K = 128)
+  and 70672 (K = 64), which leaves room for two programs per SM (228 KiB) where the registers allow
+  it; f32 stores through the stages 156688 and 99344; with stage_stores=False (registers straight
+  to GMEM, the stages shrink to 2 KiB each) as bf16 stores.
 """
 from __future__ import annotations
 
@@ -71,10 +74,19 @@ class Config:
   stage_stores: bool = True    # h and v_new through SMEM + TMA (else registers -> GMEM stores)
   lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
   swizzle_stages: bool = False  # the f32 store stages tiled + 128-byte swizzled (fewer bank conflicts)
+  store_dtype: Optional[str] = None  # h and v_new as stored; None: bfloat16 if kg, w, u are, else float32
 
   def __post_init__(self):
     if self.block_v != 64:
       raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
+    if self.store_dtype not in (None, "float32", "bfloat16"):
+      raise ValueError(f"store_dtype must be None, 'float32' or 'bfloat16', got {self.store_dtype!r}")
+
+  def stores(self, kg, w, u):
+    """The dtype h and v_new are stored in for these inputs."""
+    if self.store_dtype is not None:
+      return jnp.dtype(self.store_dtype)
+    return jnp.dtype(BF16 if all(jnp.dtype(x.dtype) == jnp.dtype(BF16) for x in (kg, w, u)) else F32)
 
 
 def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size) -> Optional[str]:
@@ -144,10 +156,13 @@ def _mm(a, b, shape):
 
 def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
           kg_s, w_s, u_s, dec_s, sb_s, vb_s, hf_s, vf_s, bars, *, BT, BV, stage_stores):
-  # GMEM: order [N], cu [N+1] int32; kg, w [Ta, HV, K] bf16; u [Ta, HV, V] bf16; dec [NTa, HV, K];
-  # h0, ht [N, HV, K, V]; h [NTa, HV, K, V]; vn [Ta, HV, V] (all f32 but the three bf16 inputs).
+  # GMEM: order [N], cu [N+1] int32; kg, w [Ta, HV, K] bf16; u [Ta, HV, V] bf16; dec [NTa, HV, K] f32;
+  # h0, ht [N, HV, K, V] f32; h [NTa, HV, K, V], vn [Ta, HV, V] f32 or bf16.
   N = order_g.shape[0]
   NTa, K = h_g.shape[0], h_g.shape[2]
+  bf16_out = h_g.dtype == BF16
+  # bf16 stores go out of the wgmma operand copies themselves; f32 ones through their own stages
+  h_st, v_st = (sb_s, vb_s) if bf16_out else (hf_s, vf_s)
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
   i_n = order_g[r]
   bos, eos = cu_g[i_n], cu_g[i_n + 1]
@@ -178,24 +193,25 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
     c = start // BT
     if stage_stores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # step i-1's h and v_new stores have read
-      hf_s[...] = S
+      if not bf16_out:
+        hf_s[...] = S
     sb_s[...] = S.astype(BF16)
     plgpu.commit_smem()                                  # before TMA and wgmma read them
     if stage_stores:
-      plgpu.copy_smem_to_gmem(hf_s, h_g.at[c, i_h, :, cols])
+      plgpu.copy_smem_to_gmem(h_st, h_g.at[c, i_h, :, cols])
     else:
-      h_g[c, i_h, :, cols] = S
+      h_g[c, i_h, :, cols] = S.astype(h_g.dtype)
     plgpu.barrier_wait(bars.at[slot])
 
     v = _load(u_s.at[slot]).astype(F32) - _mm(w_s.at[slot], sb_s, (BT, BV))
     vb_s[...] = v.astype(BF16)
-    if stage_stores:
+    if stage_stores and not bf16_out:
       vf_s[...] = v
     plgpu.commit_smem()
     if stage_stores:
-      plgpu.copy_smem_to_gmem(vf_s, vn_g.at[rows, i_h, cols])
+      plgpu.copy_smem_to_gmem(v_st, vn_g.at[rows, i_h, cols])
     else:
-      vn_g[rows, i_h, cols] = v
+      vn_g[rows, i_h, cols] = v.astype(vn_g.dtype)
 
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of S
     S = S * lax.broadcast_in_dim(decay, (K, BV), [0]) + _mm(kg_s.at[slot].T, vb_s, (K, BV))
@@ -216,19 +232,19 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
   def _():
     if stage_stores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      hf_s[...] = zh
-      vf_s[...] = zv
+      h_st[...] = zh.astype(h_st.dtype)
+      v_st[...] = zv.astype(v_st.dtype)
       plgpu.commit_smem()
 
     def zero(j, carry):
       c = first + j * N
       rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
       if stage_stores:
-        plgpu.copy_smem_to_gmem(hf_s, h_g.at[c, i_h, :, cols])
-        plgpu.copy_smem_to_gmem(vf_s, vn_g.at[rows, i_h, cols])
+        plgpu.copy_smem_to_gmem(h_st, h_g.at[c, i_h, :, cols])
+        plgpu.copy_smem_to_gmem(v_st, vn_g.at[rows, i_h, cols])
       else:
-        h_g[c, i_h, :, cols] = zh
-        vn_g[rows, i_h, cols] = zv
+        h_g[c, i_h, :, cols] = zh.astype(h_g.dtype)
+        vn_g[rows, i_h, cols] = zv.astype(vn_g.dtype)
       return carry
 
     lax.fori_loop(0, count, zero, 0)
@@ -247,8 +263,9 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
   V = u.shape[-1]
   N = aligned_cu.shape[0] - 1
   NTa = Ta // BT
+  sdt = config.stores(kg, w, u)
   if N == 0:                                  # no program to launch; every chunk is tail
-    return Out(jnp.zeros((1, NTa, HV, K, V), F32), jnp.zeros((1, Ta, HV, V), F32),
+    return Out(jnp.zeros((1, NTa, HV, K, V), sdt), jnp.zeros((1, Ta, HV, V), sdt),
                jnp.zeros((0, HV, K, V), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
   if config.longest_first:
@@ -264,19 +281,20 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     grid, names = (V // BV, HV, N), ("v", "h", "r")
   sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
   stage = lambda shape: _swz(shape, F32) if config.swizzle_stages else plgpu.SMEM(shape, F32)
+  f32_stages = config.stage_stores and sdt == F32         # bf16 stores reuse the wgmma operands
   body = lambda *refs: _body(*refs, BT=BT, BV=BV, stage_stores=config.stage_stores)
   f = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((NTa, HV, K, V), F32),
-                jax.ShapeDtypeStruct((Ta, HV, V), F32),
+      out_type=(jax.ShapeDtypeStruct((NTa, HV, K, V), sdt),
+                jax.ShapeDtypeStruct((Ta, HV, V), sdt),
                 jax.ShapeDtypeStruct((N, HV, K, V), F32)),
       grid=grid, grid_names=names,
       scratch_types=[
           _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, BV)),    # kg, w, u: two slots each
           plgpu.SMEM((2, K), F32),                                  # decay rows, two slots
           _swz((K, BV)), _swz((BT, BV)),                            # bf16(S), bf16(v_new): wgmma RHS
-          stage((K, BV) if config.stage_stores else (8, BV)),       # h store stage
-          stage((BT, BV) if config.stage_stores else (8, BV)),      # v_new store stage
+          stage((K, BV) if f32_stages else (8, BV)),                # h store stage
+          stage((BT, BV) if f32_stages else (8, BV)),               # v_new store stage
           plgpu.Barrier(num_arrivals=4, num_barriers=2),
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
