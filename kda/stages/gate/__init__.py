@@ -86,6 +86,7 @@ def chunk_cumsum(g, chunk_size):
   return gc.reshape(g.shape)
 
 
-from kda.stages.gate import pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.gate import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply)
+STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})
