@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import padding, pipeline, shapes
+from kda import padding, pipeline, shapes, sharding
+from kda._vma import unchecked, vary_like
 from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
                         check_shape, is_concrete)
 
@@ -199,6 +200,16 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   N = layout.N
   if initial_state is not None:
     check_shape("initial_state", initial_state, (N, HV, K, V), f"[N={N}, HV, K, V]")
+  mesh = sharding.explicit_mesh(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, segment_ids)
+  if mesh is not None:         # sharded over an explicit mesh: one shard_map over it (kda.sharding)
+    call = functools.partial(
+        chunk_kda_with, backward=backward, scale=scale, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        safe_gate=safe_gate, lower_bound=lower_bound, chunk_size=chunk_size, impl=impl)
+    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
+                  cu_seqlens=cu_seqlens, segment_ids=segment_ids)
+    return sharding.chunk_kda(call, mesh, arrays, N=N, num_segments=num_segments,
+                              output_final_state=output_final_state)
   plan = pipeline.make_plan(scale=scale, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel,
                             lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl)
@@ -222,6 +233,10 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
 
 def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
   """Packed inputs -> (o [1, T, HV, V], final_state [N, HV, K, V]), differentiable."""
+  # Inside shard_map every input varies over the same mesh axes, so each gradient has its input's
+  # type; where an input was invariant (zeros made here, a replicated A_log) the cast's transpose
+  # sums its gradient over the devices.
+  q, k, v, g, beta, h0, A_log, dt_bias = vary_like((q, k, v, g, beta, h0, A_log, dt_bias), layout[:3])
   if backward == "autodiff":
     o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias)
     return o, final_state
@@ -234,14 +249,24 @@ def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
 # with no cotangent; the plan and the static sizes are hashable nondiff arguments.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias):
-  o, final_state, _ = pipeline.forward(plan, padding.Layout(*ints, *static), q, k, v, g, beta, h0, A_log,
-                                       dt_bias)
+  o, final_state, _ = _forward(plan, static, ints, (q, k, v, g, beta, h0, A_log, dt_bias), record=False)
   return o, final_state
 
 
 def _staged_fwd(plan, static, ints, *args):
-  o, final_state, records = pipeline.forward(plan, padding.Layout(*ints, *static), *args, record=True)
-  return (o, final_state), (ints, args, pipeline.saved(records))
+  o, final_state, saved = _forward(plan, static, ints, args, record=True)
+  return (o, final_state), (ints, args, saved)
+
+
+def _forward(plan, static, ints, args, *, record):
+  """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp), so
+  interpreted kernels may run where vma is not checked (kda._vma.unchecked)."""
+  def run(ints, args):
+    o, final_state, records = pipeline.forward(plan, padding.Layout(*ints, *static), *args, record=record)
+    return o, final_state, pipeline.saved(records) if record else None
+  if plan.interpret and any(plan.impl(n) != "reference" for n in pipeline.FORWARD_STAGES):
+    return unchecked(run, ints, args)
+  return run(ints, args)
 
 
 def _staged_bwd(plan, static, res, cts):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kda._vma import vary_like
 from kda.shapes import check_fits_int32
 
 HI = lax.Precision.HIGHEST
@@ -82,8 +83,9 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     final = final.at[n].set(jnp.where(is_last, S, final[n]))
     return (S, final), jnp.where(is_owned, o, 0)
 
-  init = (jnp.zeros((HV, K, V), dt), h0)
-  (_, final), o = lax.scan(step, init, (q, k, v, g, beta, seq, first, last, owned))
+  xs = (q, k, v, g, beta, seq, first, last, owned)
+  init = vary_like((jnp.zeros((HV, K, V), dt), h0), xs)
+  (_, final), o = lax.scan(step, init, xs)
   o = o.reshape((B, T, HV, V)).astype(out_dtype)
   if not output_final_state:
     return o, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from kda._vma import vary_like
 from kda.padding import chunk_table
 from kda.stages.bwd_dh import Out
 from kda.stages.intra import from_chunks, to_chunks
@@ -36,7 +37,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     dh0 = dh0.at[n].set(jnp.where(first, dS_in, dh0[n]))
     return (dS_in, dh0), (du, dqg, dkg, dw, dgc_last)
 
-  init = (jnp.zeros(dht.shape[1:], f32), dht)          # empty sequences pass dht straight to dh0
   xs = (qg, kg, w, h[0].astype(f32), v_new, do, dv, decay, table.seq, table.first, table.last)
+  init = vary_like((jnp.zeros(dht.shape[1:], f32), dht), xs)   # empty sequences pass dht straight to dh0
   (_, dh0), (du, dqg, dkg, dw, dgc_last) = lax.scan(step, init, xs, reverse=True)
   return Out(dh0, *(from_chunks(x) for x in (du, dqg, dkg, dw)), dgc_last[None])

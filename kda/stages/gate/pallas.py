@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kda import _pallas
+from kda._vma import out_struct
 from kda.stages.gate import NAME, Out, floor, split
 
 
@@ -75,7 +76,7 @@ def apply(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
     in_specs.append(head)
   kernel = functools.partial(_kernel, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                              has_a=has_a, has_bias=has_bias)
-  shape = jax.ShapeDtypeStruct((1, Ta, HV, Kp), f32)
+  shape = out_struct((1, Ta, HV, Kp), f32, args)
   outs = pl.pallas_call(
       kernel, grid=(Ta // BT, HV), in_specs=in_specs, out_specs=[tile] * 3, out_shape=[shape] * 3,
       compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),

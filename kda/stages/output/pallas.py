@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kda import _pallas
+from kda._vma import out_struct
 from kda.stages.output import NAME, Out
 
 
@@ -66,7 +67,7 @@ def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None)
                 pl.BlockSpec((None, BT, None, BT), lambda j, i_h, c: (0, c, i_h, 0)),
                 vals],
       out_specs=vals,
-      out_shape=jax.ShapeDtypeStruct((1, Ta, HV, Vp), jnp.float32),
+      out_shape=out_struct((1, Ta, HV, Vp), jnp.float32, qg, h, Aqk, v_new),
       compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret, name=f"kda_{NAME}")(qg, h, Aqk, v_new)
   return Out(o[..., :V] if Vp != V else o)

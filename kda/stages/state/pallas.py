@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kda import _pallas
+from kda._vma import out_struct
 from kda.stages.gate import exponent
 from kda.stages.state import NAME, Out
 
@@ -108,15 +109,15 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
   states = pl.BlockSpec((N, None, Kp, BV), lambda j, h, r: (0, h, 0, j))
   kernel = functools.partial(_kernel, chunk_size=BT,
                              precision=_pallas.dot_precision(config.precision, interpret))
+  ins = (order, aligned_cu, kg, w, u, gi, gf, h0)
   h, v_new, ht = pl.pallas_call(
       kernel, grid=(Vp // BV, HV, N),
       in_specs=[seqs(N), seqs(N + 1), keys, keys, vals, keys, keys, states],
       out_specs=[pl.BlockSpec((None, NTa, None, Kp, BV), lambda j, h, r: (0, 0, h, 0, j)), vals, states],
-      out_shape=[jax.ShapeDtypeStruct((1, NTa, HV, Kp, Vp), f32),
-                 jax.ShapeDtypeStruct((1, Ta, HV, Vp), f32),
-                 jax.ShapeDtypeStruct((N, HV, Kp, Vp), f32)],
+      out_shape=[out_struct((1, NTa, HV, Kp, Vp), f32, ins), out_struct((1, Ta, HV, Vp), f32, ins),
+                 out_struct((N, HV, Kp, Vp), f32, ins)],
       compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
-      interpret=interpret, name=f"kda_{NAME}")(order, aligned_cu, kg, w, u, gi, gf, h0)
+      interpret=interpret, name=f"kda_{NAME}")(*ins)
   if (Kp, Vp) != (K, V):
     h, v_new, ht = h[..., :K, :V], v_new[..., :V], ht[..., :K, :V]
   return Out(h, v_new, ht)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from kda._vma import vary_like
 from kda.padding import chunk_table
 from kda.stages.intra import from_chunks, to_chunks
 from kda.stages.state import Out, chunk_decay
@@ -30,7 +31,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size):
     final = final.at[n].set(jnp.where(last, S_next, final[n]))
     return (S_next, final), (S, v_new)
 
-  init = (jnp.zeros(h0.shape[1:], f32), h0)          # empty sequences keep initial_state
   xs = (kg, w, u, decay, table.seq, table.first, table.last)
+  init = vary_like((jnp.zeros(h0.shape[1:], f32), h0), xs)   # empty sequences keep initial_state
   (_, final), (h, v_new) = lax.scan(step, init, xs)
   return Out(h[None], from_chunks(v_new), final)

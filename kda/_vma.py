@@ -1,0 +1,63 @@
+"""Varying manual axes (vma) inside `jax.shard_map`: scan carries must vary like their body.
+
+Under shard_map with check_vma=True every value records the mesh axes it varies over. A scan's
+carry-out varies over every axis its inputs do, so a carry initialised from an invariant value
+(zeros made in place, or a replicated initial state) would change type across one step. `vary_like`
+casts it up front. Outside shard_map every vma is empty and it returns its argument unchanged.
+"""
+from __future__ import annotations
+
+import jax
+
+
+def _vma(x) -> frozenset:
+  """The mesh axes x varies over (jax 0.11 spells it `jax.typeof(x).mat.varying`)."""
+  if not hasattr(x, "dtype"):
+    return frozenset()
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def vary_like(tree, *refs):
+  """Every array of `tree` cast to vary over each mesh axis some array of `refs` (or of `tree`)
+  varies over."""
+  leaves = jax.tree.leaves((tree, refs))
+  want = frozenset().union(*(_vma(r) for r in leaves))
+
+  def cast(x):
+    missing = tuple(sorted(want - _vma(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """A kernel's output type: under shard_map a kernel's outputs vary over every mesh axis its
+  inputs do (pallas_call and plgpu.kernel need it said), elsewhere a plain ShapeDtypeStruct."""
+  want = frozenset().union(*(_vma(x) for x in jax.tree.leaves(inputs)))
+  if not want:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=want))
+
+
+def unchecked(fn, *args):
+  """fn(*args) with vma checks off, its results cast to vary like `args`.
+
+  Pallas' interpreter (interpret mode on a CPU) evaluates a kernel body on the varying blocks it
+  slices next to the body's invariant constants, which check_vma rejects (jax 0.11.2). So under
+  shard_map `fn` runs in a nested shard_map over no new axes with check_vma=False: per device as
+  before, unchecked. Its inputs would keep their varying types in there, while everything computed
+  from them would not (scan and loop carries then differ in type), so they enter through a no-op
+  bitcast, which an unchecked region types invariant like any other op. The results come back
+  invariant and are cast up again; that cast transposes to a sum, so `fn` must never be
+  differentiated (it is the primal or the fwd rule of a custom_vjp). Outside shard_map it is fn(*args).
+  """
+  if not frozenset().union(*(_vma(x) for x in jax.tree.leaves(args))):
+    return fn(*args)
+  P = jax.sharding.PartitionSpec
+  strip = lambda x: jax.lax.bitcast_convert_type(x, x.dtype)
+  body = lambda *a: fn(*jax.tree.map(strip, a))
+  out = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(),) * len(args),
+                      out_specs=P(), axis_names=frozenset(), check_vma=False)(*args)
+  return vary_like(out, args)
