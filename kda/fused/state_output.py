@@ -1,0 +1,346 @@
+"""state -> output fused: the state recurrence and the output in one kernel (the math is in
+kda.stages.state and kda.stages.output). The forward needs neither h nor v_new (the backward
+recomputes them), so S never leaves the chip and v_new never reaches HBM.
+
+`mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size)`
+-> (o [1, Ta, HV, V] float32 (or bf16: Config.out_dtype), final_state [N, HV, K, V] float32); o is
+0 at padding tokens (qg = Aqk = 0 there) and on the chunks past aligned_cu[-1].
+
+Kernel (Pallas Mosaic GPU, Hopper): one program per (sequence rank r, value head h, V tile of
+BV = 64 columns), grid (N, HV, V // BV) longest sequence first, as the state kernel
+(kda.stages.state.mosaic_gpu, whose grid, tail and ordering notes hold here too). It walks its
+sequence's chunks carrying S [K, BV] float32 in registers; per chunk c, with the next chunk's
+tiles in flight (two SMEM slots per input, TMA):
+
+    v_new = u_c - w_c @ bf16(S)                              wgmma [64, K] @ [K, BV]
+    o_c   = scale * qg_c @ bf16(S) + Aqk_c @ bf16(v_new)     wgmmas [64, K] @ [K, BV], [64, 64] @ [64, BV]
+    S     = decay_c[:, None] * S + kg_c^T @ bf16(v_new)      wgmma [K, 64] @ [64, BV] (kg_s.T view)
+    o_c   -> SMEM stage -> TMA store
+
+Two variants (Config.warp_specialized):
+- serial: one warpgroup does all four wgmmas per chunk, in two pairs issued together: w @ S and
+  qg @ S (one bf16(S) copy feeds both), then Aqk @ v_new and kg^T @ v_new; o is formed and stored
+  while the second of these still runs (wgmma_accumulator_load with wait_n=1).
+- warp-specialised: two warpgroups. Warpgroup 0 carries S (v_new, the S update) and publishes
+  bf16(S) and bf16(v_new) of chunk c in SMEM slot c % 2 (barrier `ready`); warpgroup 1 loads qg
+  and Aqk itself, computes and stores o_c from that slot and hands it back (barrier `free`). With
+  two slots warpgroup 0 runs up to two chunks ahead, so the output's wgmmas and stores leave the
+  serial chain. Both warpgroups finish on a common barrier (one exiting while the other still
+  issues wgmmas faults).
+
+What is bf16: kg, w, u, qg, Aqk (cast in the launcher if they come in float32; the predicate
+`takes` refuses float32 ones, as the stages' predicates do), and the wgmma operand copies bf16(S),
+bf16(v_new). S, the decay (formed in the launcher from each chunk's last gate row, [NTa, HV, K]),
+the accumulators and final_state are float32. The roundings are those of the state kernel feeding
+the output kernel with bf16 h and v_new, so o agrees with that composition to float32 summation
+order.
+
+Tail: the chunks past aligned_cu[-1] get o = 0 from the kernel (the N programs of each (head,
+V tile) take them round-robin with TMA stores of one zeroed SMEM tile, as the state kernel does for
+h), so o is defined everywhere without a pass over it in the launcher.
+
+SMEM per program (bytes, BT = 64, BV = 64), as lowered for CUDA (limit 232448), with the f32 o
+stage (a bf16 o saves 8192):
+    serial:            K = 128: 173072, K = 64: 115728
+    warp-specialised:  K = 128: 197704, K = 64: 132168
+  kg, w, qg, u, Aqk, decay in two slots: 2 x (384 K + 16384 + 4 K); bf16(S) and bf16(v_new): one
+  slot (serial) or two (warp-specialised) x (128 K + 8192); o stage 16384.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda.stages.state import chunk_decay
+from kda.stages.state import mosaic_gpu as state_mgpu
+from kda.stages.state.mosaic_gpu import MAX_GRID_YZ, ROW, WG, _load, _mm, _swz
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Switches of the fused state -> output kernel; they depend on K, V, BT and dtype only."""
+  block_v: int = 64               # BV: state columns per program (one wgmma N tile)
+  warp_specialized: bool = False  # warpgroup 0 carries S, warpgroup 1 computes o (module docstring)
+  out_dtype: str = "float32"      # o as stored: "float32" or "bfloat16"
+  longest_first: bool = True      # rank r of the grid takes the r-th longest sequence
+  lane_semantics: bool = False    # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+
+  def __post_init__(self):
+    if self.block_v != 64:
+      raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
+    if self.out_dtype not in OUT_DTYPES:
+      raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {self.out_dtype!r}")
+
+
+def supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size,
+             **_) -> Optional[str]:
+  """None if `mosaic_gpu` takes this call (shapes, dtypes bf16 or float32), else the reason."""
+  reason = state_mgpu.supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  if reason is not None:
+    return reason
+  if qg.shape != kg.shape:
+    return f"qg must have kg's shape {kg.shape}, got {qg.shape}"
+  if Aqk.shape != kg.shape[:3] + (chunk_size,):
+    return f"Aqk must have shape {kg.shape[:3] + (chunk_size,)}, got {Aqk.shape}"
+  for name, x in (("qg", qg), ("Aqk", Aqk)):
+    if jnp.dtype(x.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
+      return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
+  return None
+
+
+def takes(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size,
+          **_) -> Optional[str]:
+  """The group's predicate: `supports`, and bf16 kg, w, u, qg, Aqk (the dtype policy's bf16
+  intermediates); float32 ones would be rounded to bf16, below the float32 accuracy promised for
+  float32 inputs."""
+  reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  if reason is None:
+    named = (("kg", kg), ("w", w), ("u", u), ("qg", qg), ("Aqk", Aqk))
+    if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for _, x in named):
+      reason = (f"mosaic_gpu state_output takes bfloat16 kg, w, u, qg, Aqk (float32 would be rounded "
+                f"to bfloat16), got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in named)}")
+  return reason
+
+
+def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
+          kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars, BT, BV, scale, split):
+  # GMEM: order [N], cu [N+1] int32; kg, w, qg [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16;
+  # dec [NTa, HV, K], h0, ht [N, HV, K, V] f32; o [Ta, HV, V] f32 or bf16.
+  N = order_g.shape[0]
+  NTa, K = o_g.shape[0] // BT, kg_g.shape[-1]
+  r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
+  i_n = order_g[r]
+  bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  nch = (eos - bos) // BT
+  cols = pl.ds(i_v * BV, BV)
+  rows_of = lambda i: pl.ds(pl.multiple_of(bos + i * BT, BT), BT)
+
+  def fetch_state(i, slot, bar):
+    start = pl.multiple_of(bos + i * BT, BT)
+    rows = pl.ds(start, BT)
+    plgpu.copy_gmem_to_smem(w_g.at[rows, i_h, :], w_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(kg_g.at[rows, i_h, :], kg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(u_g.at[rows, i_h, cols], u_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dec_g.at[start // BT, i_h, :], dec_s.at[slot], bar)
+
+  def fetch_out(i, slot, bar):
+    rows = rows_of(i)
+    plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(A_g.at[rows, i_h, :], A_s.at[slot], bar)
+
+  def store_o(o, i):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's store has read o_s
+    o_s[...] = o.astype(o_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[rows_of(i), i_h, cols])
+
+  def update(S, slot, vb):
+    decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of S
+    return S * lax.broadcast_in_dim(decay, (K, BV), [0]) + _mm(kg_s.at[slot].T, vb, (K, BV))
+
+  def zero_tail():
+    # chunks past aligned_cu[-1] round-robin over the N programs of this (head, V tile)
+    first = cu_g[N] // BT + (N - 1 - r)
+    count = jnp.maximum(NTa - first + N - 1, 0) // N
+
+    @pl.when(count > 0)
+    def _():
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_s[...] = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG).astype(o_s.dtype)
+      plgpu.commit_smem()
+
+      def zero(j, carry):
+        rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, i_h, cols])
+        return carry
+
+      lax.fori_loop(0, count, zero, 0)
+
+  S0 = lambda: _load(h0_g.at[i_n, i_h, :, cols])
+
+  if not split:
+    (in_bar,) = bars
+    sb, vb = sb_s.at[0], vb_s.at[0]
+
+    def fetch(i, slot):
+      fetch_state(i, slot, in_bar.at[slot])
+      fetch_out(i, slot, in_bar.at[slot])
+
+    @pl.when(nch > 0)
+    def _():
+      fetch(0, 0)
+
+    def step(i, S):
+      slot = lax.rem(i, 2)
+
+      @pl.when(i + 1 < nch)
+      def _():
+        fetch(i + 1, 1 - slot)   # that slot's last readers, step i-1's wgmmas, have completed
+
+      sb[...] = S.astype(BF16)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(in_bar.at[slot])
+
+      def recall(acc_v, acc_q):
+        plgpu.wgmma(acc_v, w_s.at[slot], sb)
+        plgpu.wgmma(acc_q, qg_s.at[slot], sb)
+        return acc_v[...], acc_q[...]
+
+      wS, qS = pl.run_scoped(recall, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, BV), F32))
+      vb[...] = (_load(u_s.at[slot]).astype(F32) - wS).astype(BF16)
+      plgpu.commit_smem()
+
+      def finish(acc_a, acc_s):
+        plgpu.wgmma(acc_a, A_s.at[slot], vb)
+        plgpu.wgmma(acc_s, kg_s.at[slot].T, vb)
+        store_o(scale * qS + plgpu.wgmma_accumulator_load(acc_a, wait_n=1), i)   # kg^T v_new runs on
+        decay = _load(dec_s.at[slot], ROW)               # [K], one per row of S
+        return S * lax.broadcast_in_dim(decay, (K, BV), [0]) + acc_s[...]
+
+      S = pl.run_scoped(finish, plgpu.ACC((BT, BV), F32), plgpu.ACC((K, BV), F32))
+      plgpu.wgmma_wait(0)        # no wgmma may stay in flight across the loop's back-edge
+      return S
+
+    ht_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, S0())
+    zero_tail()
+    plgpu.wait_smem_to_gmem(0)   # every TMA store has landed before the program exits
+    return
+
+  in_s, in_o, ready, free, done = bars
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 0)
+  def _():                       # the state: v_new and S, publishing bf16(S), bf16(v_new)
+    @pl.when(nch > 0)
+    def _():
+      fetch_state(0, 0, in_s.at[0])
+
+    def step(i, S):
+      slot = lax.rem(i, 2)
+
+      @pl.when(i + 1 < nch)
+      def _():
+        fetch_state(i + 1, 1 - slot, in_s.at[1 - slot])
+
+      @pl.when(i >= 2)
+      def _():
+        plgpu.barrier_wait(free.at[slot])   # warpgroup 1 is done with chunk i-2's slot
+
+      sb, vb = sb_s.at[slot], vb_s.at[slot]
+      sb[...] = S.astype(BF16)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(in_s.at[slot])
+      vb[...] = (_load(u_s.at[slot]).astype(F32) - _mm(w_s.at[slot], sb, (BT, BV))).astype(BF16)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ready.at[slot])
+      S = update(S, slot, vb)
+      plgpu.wgmma_wait(0)
+      return S
+
+    ht_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, S0())
+    for back in (1, 2):          # observe the hand-backs of the last two chunks too
+      pl.when(nch >= back)(lambda back=back: plgpu.barrier_wait(free.at[lax.rem(nch - back, 2)]))
+
+  @pl.when(wg == 1)
+  def _():                       # the output, from the published slot
+    @pl.when(nch > 0)
+    def _():
+      fetch_out(0, 0, in_o.at[0])
+
+    def step(i, carry):
+      slot = lax.rem(i, 2)
+
+      @pl.when(i + 1 < nch)
+      def _():
+        fetch_out(i + 1, 1 - slot, in_o.at[1 - slot])
+
+      plgpu.barrier_wait(in_o.at[slot])
+      plgpu.barrier_wait(ready.at[slot])
+
+      def output(acc_q, acc_a):
+        plgpu.wgmma(acc_q, qg_s.at[slot], sb_s.at[slot])
+        plgpu.wgmma(acc_a, A_s.at[slot], vb_s.at[slot])
+        return scale * acc_q[...] + acc_a[...]
+
+      o = pl.run_scoped(output, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, BV), F32))
+      plgpu.barrier_arrive(free.at[slot])
+      store_o(o, i)
+      plgpu.wgmma_wait(0)
+      return carry
+
+    lax.fori_loop(0, nch, step, 0)
+    zero_tail()
+    plgpu.wait_smem_to_gmem(0)
+
+  plgpu.barrier_arrive(done)     # neither warpgroup exits while the other still works
+  plgpu.barrier_wait(done)
+
+
+def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,
+               interpret=False, config=None):
+  """(o [1, Ta, HV, V], final_state [N, HV, K, V] float32); see the module docstring."""
+  config = config or Config()
+  reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu state_output kernel: {reason}")
+  BT, BV = chunk_size, config.block_v
+  _, Ta, HV, K = kg.shape
+  V = u.shape[-1]
+  N = aligned_cu.shape[0] - 1
+  odt = OUT_DTYPES[config.out_dtype]
+  if N == 0:                                  # no program to launch; every chunk is tail
+    return jnp.zeros((1, Ta, HV, V), odt), jnp.zeros((0, HV, K, V), F32)
+  aligned_cu = aligned_cu.astype(jnp.int32)
+  if config.longest_first:
+    order = jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
+  else:
+    order = jnp.arange(N, dtype=jnp.int32)
+  decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
+  kg, w, u, qg, Aqk = (x[0].astype(BF16) for x in (kg, w, u, qg, Aqk))
+
+  if N <= MAX_GRID_YZ:
+    grid, names = (N, HV, V // BV), ("r", "h", "v")
+  else:
+    grid, names = (V // BV, HV, N), ("v", "h", "r")
+  split = config.warp_specialized
+  pub = 2 if split else 1                    # slots of the published bf16(S), bf16(v_new)
+  if split:
+    bars = [plgpu.Barrier(num_arrivals=4, num_barriers=2),          # w, kg, u, decay
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),          # qg, Aqk
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),          # ready: slot published
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),          # free: slot consumed
+            plgpu.Barrier(num_arrivals=2)]                          # done
+    extra = dict(num_threads=2, thread_name="wg")
+  else:
+    bars = [plgpu.Barrier(num_arrivals=6, num_barriers=2)]
+    extra = {}
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split)
+  f = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((Ta, HV, V), odt),
+                jax.ShapeDtypeStruct((N, HV, K, V), F32)),
+      grid=grid, grid_names=names,
+      scratch_types=[
+          _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, BV)),    # kg, w, u: two slots each
+          plgpu.SMEM((2, K), F32),                                  # decay rows
+          _swz((2, BT, K)), _swz((2, BT, BT)),                      # qg, Aqk
+          _swz((pub, K, BV)), _swz((pub, BT, BV)),                  # bf16(S), bf16(v_new)
+          _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32),   # o stage
+          *bars,
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      **extra,
+  )
+  o, final = f(order, aligned_cu, kg, w, u, decay, qg, Aqk, initial_state.astype(F32))
+  return o[None], final

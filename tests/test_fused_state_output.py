@@ -1,0 +1,199 @@
+"""The fused state -> output Mosaic GPU kernel against the composition of the members' references
+(state.reference -> output.reference): simulator runs on CPU and CUDA lowering, both variants.
+
+Inputs are rounded to bf16 and the references get the same values in float32, so what is left is
+the kernel's bf16 rounding of S and v_new where they enter the wgmmas, as in test_state_mosaic.py:
+measured max|d| / max|ref| <= 2.3e-3 for o (2.4e-3 with a bf16 o) and 1.6e-3 for final_state,
+||d|| / ||ref|| <= 1.7e-3 (2.4e-3 with a bf16 o), against TOL below. Against the Mosaic state and output kernels composed (bf16 h and v_new in between:
+the same roundings) the fused kernel agrees to float32 summation order: measured 0 in the simulator.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda.fused import state_output as so
+from kda.stages import output, state
+from tests.stages.test_output_mosaic import lowered_smem_bytes
+
+BT = 64
+TOL = {"max": 5e-3, "norm": 4e-3}    # bf16 operands of the dots; see the module docstring
+SERIAL, SPLIT = so.Config(), so.Config(warp_specialized=True)
+VARIANTS = {"serial": SERIAL, "warp-specialized": SPLIT}
+
+
+def fused_case(lens, K, V, HV=1, tail_chunks=2, seed=0):
+  """Aligned inputs in numpy (jax.random would compile per shape, which costs more than the
+  kernels here): sequence n at [acu[n], acu[n] + len_n), zeros up to acu[n+1] (align's output),
+  then tail_chunks chunks nobody owns, poisoned with NaN. Delta-rule-like state inputs as in
+  test_state_mosaic.make_case (unit-norm k, beta < 1/4, slow gates with 5% strong channels),
+  qg and a causal Aqk zero at padding tokens, as intra makes them. Returns (args with bf16
+  kg, w, u, qg, Aqk; the same values in float32; owned token mask)."""
+  alens = [-(-L // BT) * BT for L in lens]
+  acu = np.concatenate([[0], np.cumsum(alens)]).astype(np.int32)
+  Ta = int(acu[-1]) + tail_chunks * BT
+  valid = np.zeros(Ta, bool)
+  for n, L in enumerate(lens):
+    valid[acu[n]:acu[n] + L] = True
+  tail = np.arange(Ta) >= acu[-1]
+  r = [np.random.default_rng(x) for x in np.random.SeedSequence(seed).spawn(8)]
+  m = valid[None, :, None, None]
+  k = r[0].standard_normal((1, Ta, HV, K))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  beta = r[1].uniform(0, 0.25, (1, Ta, HV, 1))
+  g = -np.log1p(np.exp(-r[2].standard_normal((1, Ta, HV, K))))             # log_sigmoid
+  g = np.where(m, np.where(r[3].uniform(size=(1, 1, HV, K)) < 0.05, g, g / 64), 0.0)
+  gc = np.cumsum(g.reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(1, Ta, HV, K)
+  last = np.repeat(gc[:, BT - 1::BT], BT, axis=1)
+  kg = np.where(m, k * np.exp(last - gc), 0.0)
+  w = np.where(m, beta * k * np.exp(gc), 0.0)
+  u = np.where(m, r[4].standard_normal((1, Ta, HV, V)), 0.0)
+  qg = np.where(m, r[5].standard_normal((1, Ta, HV, K)) / np.sqrt(K), 0.0)
+  causal = (np.arange(Ta) % BT)[:, None] >= np.arange(BT)[None, :]
+  col_valid = valid.reshape(-1, BT).repeat(BT, 0)                         # [Ta, BT]
+  Aqk = np.where(m & (causal & col_valid)[None, :, None, :], r[6].standard_normal((1, Ta, HV, BT)) / 8, 0.0)
+  h0 = r[7].standard_normal((len(lens), HV, K, V))
+  gi = np.floor(gc)
+  pt = tail[None, :, None, None]
+  kg, w, u, qg, Aqk, gi, gf = (np.where(pt, np.nan, x) for x in (kg, w, u, qg, Aqk, gi, gc - gi))
+  bf = tuple(jnp.asarray(x, jnp.bfloat16) for x in (kg, w, u, qg, Aqk))
+  rest = tuple(jnp.asarray(x, jnp.float32) for x in (gi, gf, h0)) + (jnp.asarray(acu),)
+  return bf + rest, tuple(x.astype(jnp.float32) for x in bf) + rest, ~tail
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(scale):
+  def composed(kg, w, u, qg, Aqk, gi, gf, h0, acu):
+    st = state.reference.apply(kg, w, u, gi, gf, h0, acu, chunk_size=BT)
+    return output.reference.apply(qg, st.h, Aqk, st.v_new, scale=scale, chunk_size=BT).o, st.final_state
+  return jax.jit(composed)
+
+
+def composed_reference(*args, scale):
+  return _composed(scale)(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused(scale, config):
+  return jax.jit(functools.partial(so.mosaic_gpu, scale=scale, chunk_size=BT, interpret=True, config=config))
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return (np.abs(a - b).max() / max(np.abs(b).max(), 1e-30),
+          np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check(lens, K, V, config, HV=1, tail_chunks=2, seed=0):
+  bf, f32, owned = fused_case(lens, K, V, HV=HV, tail_chunks=tail_chunks, seed=seed)
+  scale = K ** -0.5
+  t0 = time.time()
+  o, final = jax.block_until_ready(_fused(scale, config)(*bf))
+  secs = time.time() - t0
+  ref_o, ref_final = composed_reference(*f32, scale=scale)
+  assert o.shape == ref_o.shape and o.dtype == so.OUT_DTYPES[config.out_dtype]
+  assert final.shape == ref_final.shape and final.dtype == jnp.float32
+  eo, ef = rel(np.asarray(o)[:, owned], np.asarray(ref_o)[:, owned]), rel(final, ref_final)
+  print(f"\n  lens={lens} K={K} V={V} {config}: simulator {secs:.2f}s; o max {eo[0]:.2e} norm {eo[1]:.2e}, "
+        f"final max {ef[0]:.2e} norm {ef[1]:.2e}")
+  for e in (eo, ef):
+    assert np.isfinite(e[0]) and e[0] <= TOL["max"] and e[1] <= TOL["norm"], (eo, ef)
+  # padding tokens and the NaN-poisoned tail: exactly 0
+  assert np.all(np.asarray(o)[:, ~owned] == 0)
+  for n, L in enumerate(lens):
+    if L == 0:
+      np.testing.assert_array_equal(np.asarray(final[n]), np.asarray(f32[7][n]))
+  return bf, o, final
+
+
+KV = [(64, 64), (128, 128), (64, 128), (128, 64)]
+
+
+@pytest.mark.parametrize("K,V", KV, ids=[f"K{k}-V{v}" for k, v in KV])
+def test_fused_matches_composed_references_serial(K, V):
+  check([1, 63, 64, 0, 65, 130], K, V, SERIAL)
+
+
+@pytest.mark.parametrize("K,V,HV", [(64, 64, 2), (128, 128, 1)], ids=["K64-V64-HV2", "K128-V128"])
+def test_fused_matches_composed_references_warp_specialized(K, V, HV):
+  check([1, 63, 64, 0, 65, 130], K, V, SPLIT, HV=HV)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+def test_fused_single_sequence(variant):
+  check([300], 64, 64, VARIANTS[variant], seed=1)
+
+
+def test_fused_equals_composed_mosaic_kernels():
+  """The state kernel (bf16 h, v_new) then the output kernel: the same roundings, so the fused
+  variants match the composition up to float32 summation order."""
+  bf, _, owned = fused_case([130, 0, 65, 1], 64, 64, HV=2, seed=2)
+  kg, w, u, qg, Aqk, gi, gf, h0, acu = bf
+  st = state.mosaic_gpu.apply(kg, w, u, gi, gf, h0, acu, chunk_size=BT, interpret=True)
+  assert st.h.dtype == st.v_new.dtype == jnp.bfloat16
+  o_ref = output.mosaic_gpu.apply(qg, st.h, Aqk, st.v_new, scale=0.125, chunk_size=BT, interpret=True).o
+  for config in VARIANTS.values():
+    o, final = _fused(0.125, config)(*bf)
+    eo, ef = rel(np.asarray(o)[:, owned], np.asarray(o_ref)[:, owned]), rel(final, st.final_state)
+    assert eo[0] <= 1e-5 and ef[0] <= 1e-5, (config, eo, ef)
+
+
+def test_fused_bf16_output_no_tail_and_no_sequences():
+  bf, o, final = check([65, 3], 64, 64, so.Config(out_dtype="bfloat16"), tail_chunks=0)
+  o32, final32 = _fused(0.125, SERIAL)(*bf)
+  np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)),
+                                np.asarray(o32.astype(jnp.bfloat16).astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(final), np.asarray(final32))
+  empty = bf[:7] + (bf[7][:0], jnp.zeros((1,), jnp.int32))
+  o, final = so.mosaic_gpu(*empty, scale=0.125, chunk_size=BT, interpret=True)
+  assert np.all(np.asarray(o) == 0) and final.shape == (0, 1, 64, 64)
+
+
+def test_fused_takes_and_supports():
+  bf, f32, _ = fused_case([5], 64, 64, tail_chunks=0)
+  assert so.takes(*bf, scale=0.125, chunk_size=BT) is None
+  assert "bfloat16" in so.takes(*f32, scale=0.125, chunk_size=BT)
+  assert "chunk_size" in so.supports(*bf, chunk_size=32)
+  kg, w, u, qg, Aqk, gi, gf, h0, acu = bf
+  assert "qg" in so.supports(kg, w, u, qg[..., :32], Aqk, gi, gf, h0, acu, chunk_size=BT)
+  assert "Aqk" in so.supports(kg, w, u, qg, Aqk[..., :32], gi, gf, h0, acu, chunk_size=BT)
+  assert "V must" in so.supports(kg, w, u[..., :48], qg, Aqk, gi, gf, h0[..., :48], acu, chunk_size=BT)
+  with pytest.raises(ValueError, match="chunk_size"):
+    so.mosaic_gpu(*bf, scale=0.125, chunk_size=32, interpret=True)
+  with pytest.raises(ValueError, match="out_dtype"):
+    so.Config(out_dtype="float16")
+
+
+def _abstract(Ta, HV, K, V, N):
+  S, b, f = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+  return (S((1, Ta, HV, K), b), S((1, Ta, HV, K), b), S((1, Ta, HV, V), b), S((1, Ta, HV, K), b),
+          S((1, Ta, HV, BT), b), S((1, Ta, HV, K), f), S((1, Ta, HV, K), f), S((N, HV, K, V), f),
+          S((N + 1,), jnp.int32))
+
+
+CONFIGS = [SERIAL, SPLIT, so.Config(out_dtype="bfloat16"), so.Config(warp_specialized=True, out_dtype="bfloat16"),
+           so.Config(lane_semantics=True), so.Config(warp_specialized=True, lane_semantics=True)]
+CONFIG_IDS = ["serial", "warp-specialized", "serial-bf16-o", "warp-specialized-bf16-o", "serial-lane",
+              "warp-specialized-lane"]
+
+
+@pytest.mark.parametrize("K,V", KV, ids=[f"K{k}-V{v}" for k, v in KV])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_fused_lowers_for_cuda(K, V, config):
+  args = _abstract(32768 + 489 * BT, 16, K, V, 489)
+  f = lambda *a: so.mosaic_gpu(*a, scale=K ** -0.5, chunk_size=BT, config=config)
+  smem = lowered_smem_bytes(f, *args)
+  print(f"\n  K={K} V={V} {config}: SMEM {smem} bytes as lowered")
+  assert smem <= 232448
+
+
+def test_fused_lowers_for_cuda_many_sequences():
+  # N > 65535 would break CUDA's grid z limit: the launcher moves the sequences to grid x
+  args = _abstract(70000 * BT, 1, 64, 64, 70000)
+  jax.jit(lambda *a: so.mosaic_gpu(*a, scale=0.125, chunk_size=BT, config=SPLIT)).trace(*args).lower(
+      lowering_platforms=("cuda",))
