@@ -29,6 +29,7 @@ Out (bf16, the dtype policy for bf16 inputs): Akk, Aqk, Ainv, w, u, qg, kg. The 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -45,10 +46,10 @@ WG = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
 COL = plgpu.Layout.WGMMA.reduce(0)
 BT = 64
-SLAB = 64                 # gc / operand columns handled at once (register pressure)
 HEAD_DIMS = (64, 128)
 BOUNDED_SPAN = 80.0       # exp(+-80) is a normal float32 / bf16 number
 MAX_GRID_YZ = 65535
+SLAB = 64                 # gc / operand columns handled at once (register pressure)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,12 @@ class Config:
   """Switches of the intra kernel."""
   bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   two_part: str = "auto"    # "auto": gc_frac alone while gc_int == 0 everywhere; "always": both parts
+  probe: str = ""           # profiling only: "scores" stops after Akk, Aqk; "bounded-only" drops the
+                            # exact path (wrong wherever a chunk is not bounded)
 
   def __post_init__(self):
+    if self.probe not in ("", "scores", "bounded-only"):
+      raise ValueError(f"probe must be '', 'scores' or 'bounded-only', got {self.probe!r}")
     if self.bounded not in ("auto", "never"):
       raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
     if self.two_part not in ("auto", "always"):
@@ -111,9 +116,10 @@ def bounded_chunks(gc_int, gc_frac):
   return ok.T.reshape(-1).astype(jnp.int32)
 
 
-def _swz(shape, dtype=BF16):
+def _swz(shape, dtype=BF16, cols=None):
+  """SMEM tiled + swizzled along its minor dim; `cols` caps the tile width (slab views stay tiles)."""
   item = jnp.dtype(dtype).itemsize
-  sw = plgpu.find_swizzle(shape[-1] * item * 8)
+  sw = plgpu.find_swizzle(min(shape[-1], cols or shape[-1]) * item * 8)
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // item)),
                                               plgpu.SwizzleTransform(sw)))
 
@@ -144,14 +150,14 @@ def _log2(n):
   return n.bit_length() - 1
 
 
-def _body(flag_g, q_g, k_g, v_g, b_g, *rest, scale, two_part, bounded):
+def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
+  """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
+  kd = beta k exp(gc), all bf16."""
   if two_part:
     gi_g, gf_g, *rest = rest
   else:
     gf_g, *rest = rest
-    gi_g = None
-  (akk_g, aqk_g, ainv_g, w_g, u_g, qg_g, kg_g,
-   q_s, k_s, v_s, b_s, *rest) = rest
+  akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, q_s, k_s, b_s, *rest = rest
   if two_part:
     gi_s, gf_s, *rest = rest
   else:
@@ -159,15 +165,13 @@ def _body(flag_g, q_g, k_g, v_g, b_g, *rest, scale, two_part, bounded):
     gi_s = None
   lk_s, lq_s, rk_s, bar = rest
   NTa = q_g.shape[0] // BT
-  K, V = q_g.shape[2], v_g.shape[2]
+  K = q_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
-  start = pl.multiple_of(c * BT, BT)
-  rows = pl.ds(start, BT)
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slabs = [pl.ds(s * SLAB, SLAB) for s in range(K // SLAB)]
 
   plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
   plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
-  plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
   plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
   plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
   if two_part:
@@ -202,7 +206,7 @@ def _body(flag_g, q_g, k_g, v_g, b_g, *rest, scale, two_part, bounded):
     blk = row >> ls
     half = 1 << (ls - 1)
     qk = None
-    for cols in slabs:
+    for i, cols in enumerate(slabs):
       G = g_tile(cols)
 
       def pick(b, R, cols=cols):
@@ -219,9 +223,9 @@ def _body(flag_g, q_g, k_g, v_g, b_g, *rest, scale, two_part, bounded):
         lk = jnp.where(second, kx * e, 0.0)
         lq = jnp.where(second, qx * e, 0.0)
         rk = jnp.where(second, 0.0, kx * e)
-      lk_s.at[:, cols][...] = lk.astype(BF16)
-      lq_s.at[:, cols][...] = lq.astype(BF16)
-      rk_s.at[:, cols][...] = rk.astype(BF16)
+      lk_s.at[i][...] = lk.astype(BF16)
+      lq_s.at[i][...] = lq.astype(BF16)
+      rk_s.at[i][...] = rk.astype(BF16)
       if diag:
         part = jnp.sum(qx * kx, axis=1)
         qk = part if qk is None else qk + part
@@ -229,14 +233,23 @@ def _body(flag_g, q_g, k_g, v_g, b_g, *rest, scale, two_part, bounded):
     return qk
 
   def products():
-    return _acc([(lk_s, rk_s.T)], (BT, BT)), _acc([(lq_s, rk_s.T)], (BT, BT))
+    n = range(len(slabs))
+    return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
+            _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
 
   row, col = _iota(0), _iota(1)
+  beta = _load(b_s, ROW)
   qk_diag = operands(6, both_sides=False, diag=True)   # level 64: no mask (its operands are zero elsewhere)
   p_kk, p_qk = products()
 
-  def exact(akk_s, aqk_s):
-    a_kk = p_kk
+  def store_scores(a_kk, a_qk):
+    # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
+    hi, lo = _split(a_kk * lax.broadcast_in_dim(beta, (BT, BT), [0]))
+    lk_s.at[0][...] = hi
+    lk_s.at[1][...] = lo
+    lq_s.at[0][...] = (a_qk * scale).astype(BF16)
+
+  def exact():
     a_qk = p_qk + jnp.where(row == col, lax.broadcast_in_dim(qk_diag, (BT, BT), [0]), 0.0)
 
     def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
@@ -245,107 +258,129 @@ def _body(flag_g, q_g, k_g, v_g, b_g, *rest, scale, two_part, bounded):
       kk, qk = products()
       same = (row >> ls) == (col >> ls)
       return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
-    a_kk, a_qk = lax.fori_loop(0, 5, level, (a_kk, a_qk))
-    akk_s[...] = a_kk
-    aqk_s[...] = a_qk
+    store_scores(*lax.fori_loop(0, 5, level, (p_kk, a_qk)))
 
-  def two_levels(akk_s, aqk_s):
+  def two_levels():
     operands(5, both_sides=True)
     kk, qk = products()
     same = (row >> 5) == (col >> 5)
-    akk_s[...] = p_kk + jnp.where(same & (col < row), kk, 0.0)
-    aqk_s[...] = p_qk + jnp.where(same & (col <= row), qk, 0.0)
+    store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
+                 p_qk + jnp.where(same & (col <= row), qk, 0.0))
 
-  def scores(akk_s, aqk_s):
-    # either path leaves its result in SMEM (branches cannot return registers)
-    if bounded:
-      flag = flag_g[i_h * NTa + c]
-      pl.when(flag != 0)(lambda: two_levels(akk_s, aqk_s))
-      pl.when(flag == 0)(lambda: exact(akk_s, aqk_s))
-    else:
-      exact(akk_s, aqk_s)
-    return _load(akk_s), _load(aqk_s)
+  if probe == "bounded-only":
+    two_levels()
+  elif bounded:
+    flag = flag_g[i_h * NTa + c]
+    pl.when(flag != 0)(two_levels)
+    pl.when(flag == 0)(exact)
+  else:
+    exact()
 
-  a_kk, a_qk = pl.run_scoped(scores, plgpu.SMEM((BT, BT), F32), plgpu.SMEM((BT, BT), F32))
-  beta = _load(b_s, ROW)
-  a_kk = a_kk * lax.broadcast_in_dim(beta, (BT, BT), [0])
-  a_qk = a_qk * scale
-  def finish(xh_s, xl_s, th_s, tl_s):
-    # (I + Akk)^-1 by block doubling, products on hi + lo splits
-    def split_mm(a, a_store, b, b_store):
-      if a_store is not None:
-        a_store[0][...], a_store[1][...] = _split(a)
-      b_store[0][...], b_store[1][...] = _split(b)
-      plgpu.commit_smem()
-      (ah, al), (bh, bl) = a_store or (xh_s, xl_s), b_store
-      return _acc([(ah, bh), (ah, bl), (al, bh)], (BT, BT))
+  # qg, kg and kd in place of q, k and their level operands' buffers
+  for i, cols in enumerate(slabs):
+    G = g_tile(cols)
+    last = g_row(BT - 1, cols, (BT, SLAB))
+    qx = _load(q_s.at[:, cols]).astype(F32)
+    kx = _load(k_s.at[:, cols]).astype(F32)
+    e = jnp.exp(whole(G))
+    q_s.at[:, cols][...] = (qx * e).astype(BF16)
+    k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
+    rk_s.at[i][...] = (lax.broadcast_in_dim(beta, (BT, SLAB), [0]) * kx * e).astype(BF16)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(lk_s.at[0], akh_g.at[rows, i_h, :])
+  plgpu.copy_smem_to_gmem(lk_s.at[1], akl_g.at[rows, i_h, :])
+  plgpu.copy_smem_to_gmem(lq_s.at[0], aqk_g.at[rows, i_h, :])
+  plgpu.copy_smem_to_gmem(q_s, qg_g.at[rows, i_h, :])
+  plgpu.copy_smem_to_gmem(k_s, kg_g.at[rows, i_h, :])
+  for i, cols in enumerate(slabs):
+    plgpu.copy_smem_to_gmem(rk_s.at[i], kd_g.at[rows, i_h, cols])
+  plgpu.wait_smem_to_gmem(0)
 
-    eye = jnp.where(row == col, 1.0, 0.0).astype(F32)
-    X = eye - jnp.where((row >> 1) == (col >> 1), a_kk, 0.0)
-    for s in (2, 4, 8, 16, 32):
-      half = _log2(s)
-      L = jnp.where(((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
-                    & (((col >> half) & 1) == 0), a_kk, 0.0)
-      T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
-      X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
-    xh_s[...], xl_s[...] = _split(X)
 
-    # right-hand sides of w and u; qg and kg in place of q and k once nothing reads them
-    b_rows = lambda shape: lax.broadcast_in_dim(beta, shape, [0])
-    for cols in slabs:
-      G = g_tile(cols)
-      kx = _load(k_s.at[:, cols]).astype(F32)
-      lk_s.at[:, cols][...] = (b_rows((BT, SLAB)) * kx * jnp.exp(whole(G))).astype(BF16)
-    for cols in [pl.ds(s * SLAB, SLAB) for s in range(V // SLAB)]:
-      vx = _load(v_s.at[:, cols]).astype(F32)
-      v_s.at[:, cols][...] = (b_rows((BT, SLAB)) * vx).astype(BF16)
+def _solve_body(akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
+                ah_s, al_s, kd_s, v_s, b_s, xh_s, xl_s, th_s, tl_s, bar):
+  """Kernel 2, per (head, chunk): X = (I + Akk)^-1 by block doubling, w = X kd, u = X (beta v)."""
+  K, V = kd_g.shape[2], v_g.shape[2]
+  i_h, c = lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  plgpu.copy_gmem_to_smem(akh_g.at[rows, i_h, :], ah_s, bar)
+  plgpu.copy_gmem_to_smem(akl_g.at[rows, i_h, :], al_s, bar)
+  plgpu.copy_gmem_to_smem(kd_g.at[rows, i_h, :], kd_s, bar)
+  plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
+  plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
+  plgpu.barrier_wait(bar)
+  row, col = _iota(0), _iota(1)
+  a_kk = _load(ah_s).astype(F32) + _load(al_s).astype(F32)
+
+  def split_mm(a, a_store, b, b_store):
+    if a_store is not None:
+      a_store[0][...], a_store[1][...] = _split(a)
+    b_store[0][...], b_store[1][...] = _split(b)
     plgpu.commit_smem()
-    w = _acc([(xh_s, lk_s), (xl_s, lk_s)], (BT, K))
-    u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
-    lq_s[...] = w.astype(BF16)
-    v_s[...] = u.astype(BF16)
-    for cols in slabs:
-      G = g_tile(cols)
-      last = g_row(BT - 1, cols, (BT, SLAB))
-      qx = _load(q_s.at[:, cols]).astype(F32)
-      kx = _load(k_s.at[:, cols]).astype(F32)
-      q_s.at[:, cols][...] = (qx * jnp.exp(whole(G))).astype(BF16)
-      k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
-    th_s[...] = a_kk.astype(BF16)
-    tl_s[...] = a_qk.astype(BF16)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(th_s, akk_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(tl_s, aqk_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(xh_s, ainv_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(lq_s, w_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(q_s, qg_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(k_s, kg_g.at[rows, i_h, :])
-    plgpu.wait_smem_to_gmem(0)
+    (ah, al), (bh, bl) = a_store or (xh_s, xl_s), b_store
+    return _acc([(ah, bh), (ah, bl), (al, bh)], (BT, BT))
 
-  pl.run_scoped(finish, *[_swz((BT, BT)) for _ in range(4)])   # X and T splits, then outputs
+  eye = jnp.where(row == col, 1.0, 0.0).astype(F32)
+  X = eye - jnp.where((row >> 1) == (col >> 1), a_kk, 0.0)
+  for s in (2, 4, 8, 16, 32):
+    half = _log2(s)
+    L = jnp.where(((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
+                  & (((col >> half) & 1) == 0), a_kk, 0.0)
+    T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
+    X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
+  xh_s[...], xl_s[...] = _split(X)
+  beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
+  v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
+  plgpu.commit_smem()
+  w = _acc([(xh_s, kd_s), (xl_s, kd_s)], (BT, K))
+  u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
+  kd_s[...] = w.astype(BF16)
+  v_s[...] = u.astype(BF16)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(xh_s, ainv_g.at[rows, i_h, :])
+  plgpu.copy_smem_to_gmem(kd_s, w_g.at[rows, i_h, :])
+  plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, i_h, :])
+  plgpu.wait_smem_to_gmem(0)
 
 
-def _call(q, k, v, beta_t, gis, flag, *, scale, bounded, interpret):
-  """One launch; gis = (gc_int, gc_frac) or (gc_frac,)."""
+def _scores(q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
+  """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,)."""
   Ta, HV, K = k.shape
-  V = v.shape[-1]
   two_part = len(gis) == 2
-  body = lambda *refs: _body(*refs, scale=scale, two_part=two_part, bounded=bounded)
+  body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded,
+                           probe=config.probe)
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
-  g_smem = [plgpu.SMEM((BT, K), F32) for _ in gis]
+  ops = (max(K // SLAB, 2), BT, SLAB)   # [64, 64] slabs; two at K = 64 too (Akk's split)
   f = plgpu.kernel(
       body,
-      out_type=(shape(BT), shape(BT), shape(BT), shape(K), shape(V), shape(K), shape(K)),
+      out_type=(shape(BT), shape(BT), shape(BT), shape(K), shape(K), shape(K)),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
-          _swz((BT, K)), _swz((BT, K)), _swz((BT, V)), plgpu.SMEM((BT,), F32), *g_smem,
-          _swz((BT, K)), _swz((BT, K)), _swz((BT, K)),        # level operands lk, lq, rk
-          plgpu.Barrier(num_arrivals=5 + two_part),
+          _swz((BT, K)), _swz((BT, K)), plgpu.SMEM((BT,), F32), *[plgpu.SMEM((BT, K), F32) for _ in gis],
+          _swz(ops), _swz(ops), _swz(ops),                 # level operands lk, lq, rk
+          plgpu.Barrier(num_arrivals=3 + len(gis)),
       ],
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(flag, q, k, v, beta_t, *gis)
+  return f(flag, q, k, beta_t, *gis)
+
+
+def _solve(akh, akl, kd, v, beta_t, *, interpret):
+  Ta, HV, K = kd.shape
+  V = v.shape[-1]
+  shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
+  f = plgpu.kernel(
+      _solve_body,
+      out_type=(shape(BT), shape(K), shape(V)),
+      grid=(HV, Ta // BT), grid_names=("h", "c"),
+      scratch_types=[
+          _swz((BT, BT)), _swz((BT, BT)), _swz((BT, K)), _swz((BT, V)), plgpu.SMEM((BT,), F32),
+          _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)),   # X, T splits
+          plgpu.Barrier(num_arrivals=5),
+      ],
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  return f(akh, akl, kd, v, beta_t)
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
@@ -359,10 +394,15 @@ def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False,
   gi, gf = gc_int[0].astype(F32), gc_frac[0].astype(F32)
   bounded = config.bounded == "auto"
   flag = bounded_chunks(gc_int, gc_frac) if bounded else jnp.zeros((HV * (k.shape[0] // BT),), jnp.int32)
-  run = lambda *gis: _call(q, k, v, beta_t, gis, flag, scale=float(scale), bounded=bounded,
-                           interpret=interpret)
+  run = lambda *gis: _scores(q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
+                             interpret=interpret, config=config)
   if config.two_part == "always":
-    outs = run(gi, gf)
+    akh, akl, aqk, qg, kg, kd = run(gi, gf)
   else:   # gc_int == 0 everywhere (every gate > -1): gc is gc_frac, the same decays bit for bit
-    outs = lax.cond(jnp.any(gi != 0), lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
-  return Out(*(x[None] for x in outs))
+    akh, akl, aqk, qg, kg, kd = lax.cond(jnp.any(gi != 0), lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
+  if config.probe == "scores":
+    z = jnp.zeros_like(kd)
+    return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros(v.shape, BF16)[None],
+               qg[None], kg[None])
+  ainv, w, u = _solve(akh, akl, kd, v, beta_t, interpret=interpret)
+  return Out(akh[None], aqk[None], ainv[None], w[None], u[None], qg[None], kg[None])
