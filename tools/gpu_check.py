@@ -6,7 +6,8 @@ On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths
      reference on the same recorded inputs (tools.stages.compare_stages, compiled, not interpreted);
   2. the whole forward (impl="pallas") against the token-by-token recurrence in float32, next to
      the XLA-compiled reference pipeline's error on the same inputs;
-  3. per-stage times (kernel vs XLA reference on the recorded inputs) and the whole forward's time
+  3. per-stage times (kernel vs XLA reference on the recorded inputs; mosaic_gpu kernels also with
+     the inputs they take in bf16 cast, "mosaic_gpu_bf16_inputs") and the whole forward's time
      (median after warm-up) against the reference pipeline compiled by XLA.
 Writes everything to --out as JSON; exit status 1 if a check fails.
 """
@@ -34,6 +35,12 @@ def _rel(got, want):
   return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
+# The inputs a stage's mosaic_gpu kernel takes in bf16 under the dtype policy (positions): timed
+# also with those cast, since the recorded inputs are the float32 reference's and the launchers
+# would otherwise time their own casts.
+MOSAIC_BF16_ARGS = {"state": (0, 1, 2), "output": (0, 1, 2, 3)}
+
+
 def stage_times(lens, gate, reps):
   """Per forward stage: median ms of the kernel and of the XLA reference on the same inputs."""
   plan, rec, _ = record_reference(lens, head_dim=K, heads=H, dtype="bfloat16", gate=gate, interpret=False)
@@ -46,6 +53,9 @@ def stage_times(lens, gate, reps):
     for impl in st.implementations():
       fn = jax.jit(lambda *a, st=st, impl=impl: st(impl, *a, interpret=False, **kw))
       row[impl] = bench.timeit(fn, *args, reps=reps)
+      if impl == "mosaic_gpu" and name in MOSAIC_BF16_ARGS:
+        bf = tuple(x.astype(jnp.bfloat16) if i in MOSAIC_BF16_ARGS[name] else x for i, x in enumerate(args))
+        row["mosaic_gpu_bf16_inputs"] = bench.timeit(fn, *bf, reps=reps)
     out[name] = row
   return out
 
