@@ -129,6 +129,17 @@ def test_fused_single_sequence(variant):
   check([300], 64, 64, VARIANTS[variant], seed=1)
 
 
+@pytest.mark.parametrize("config", [so.Config(input_slots=1), so.Config(input_slots=1, stage_o=False),
+                                    so.Config(warp_specialized=True, stage_o=False)],
+                         ids=["one-slot", "one-slot-direct-o", "warp-specialized-direct-o"])
+def test_fused_variants_same_bits(config):
+  """Loads without prefetch and o stored from registers change nothing in the arithmetic."""
+  bf, _, _ = fused_case([130, 0, 65, 1], 64, 128, seed=4)
+  want = _fused(0.125, SERIAL)(*bf)
+  for a, b in zip(_fused(0.125, config)(*bf), want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_fused_equals_composed_mosaic_kernels():
   """The state kernel (bf16 h, v_new) then the output kernel: the same roundings, so the fused
   variants match the composition up to float32 summation order."""
@@ -167,6 +178,8 @@ def test_fused_takes_and_supports():
     so.mosaic_gpu(*bf, scale=0.125, chunk_size=32, interpret=True)
   with pytest.raises(ValueError, match="out_dtype"):
     so.Config(out_dtype="float16")
+  with pytest.raises(ValueError, match="input_slots"):
+    so.Config(warp_specialized=True, input_slots=1)
 
 
 def _abstract(Ta, HV, K, V, N):
@@ -177,9 +190,11 @@ def _abstract(Ta, HV, K, V, N):
 
 
 CONFIGS = [SERIAL, SPLIT, so.Config(out_dtype="bfloat16"), so.Config(warp_specialized=True, out_dtype="bfloat16"),
-           so.Config(lane_semantics=True), so.Config(warp_specialized=True, lane_semantics=True)]
+           so.Config(lane_semantics=True), so.Config(warp_specialized=True, lane_semantics=True),
+           so.Config(input_slots=1), so.Config(input_slots=1, stage_o=False),
+           so.Config(warp_specialized=True, stage_o=False)]
 CONFIG_IDS = ["serial", "warp-specialized", "serial-bf16-o", "warp-specialized-bf16-o", "serial-lane",
-              "warp-specialized-lane"]
+              "warp-specialized-lane", "one-slot", "one-slot-direct-o", "warp-specialized-direct-o"]
 
 
 @pytest.mark.parametrize("K,V", KV, ids=[f"K{k}-V{v}" for k, v in KV])

@@ -450,6 +450,10 @@ FUSED_VARIANTS = {
     "serial": fso.Config(), "warp-specialized": fso.Config(warp_specialized=True),
     "serial-bf16-o": fso.Config(out_dtype="bfloat16"),
     "warp-specialized-bf16-o": fso.Config(warp_specialized=True, out_dtype="bfloat16"),
+    "serial-one-slot": fso.Config(input_slots=1),
+    "serial-one-slot-direct-o": fso.Config(input_slots=1, stage_o=False),
+    "serial-direct-o": fso.Config(stage_o=False),
+    "warp-specialized-direct-o": fso.Config(warp_specialized=True, stage_o=False),
     "serial-lane": fso.Config(lane_semantics=True),
     "warp-specialized-lane": fso.Config(warp_specialized=True, lane_semantics=True),
     "input-order": fso.Config(longest_first=False)}
@@ -466,7 +470,8 @@ def main(argv=None):
                  help=f"Config variants of the Mosaic state kernel, of: {', '.join(STATE_VARIANTS)}")
   p.add_argument("--output-variants", default="default,one-chunk,bv128,bf16-o,direct-store",
                  help=f"Config variants of the Mosaic output kernel, of: {', '.join(OUTPUT_VARIANTS)}")
-  p.add_argument("--fused-variants", default="serial,warp-specialized,serial-bf16-o,warp-specialized-bf16-o",
+  p.add_argument("--fused-variants",
+                 default="serial,serial-one-slot,warp-specialized,serial-bf16-o,warp-specialized-bf16-o",
                  help=f"Config variants of the fused state -> output kernel, of: {', '.join(FUSED_VARIANTS)}")
   p.add_argument("--total", type=int, default=TOTAL, help="packed tokens (smaller for a smoke run)")
   p.add_argument("--interpret", action="store_true", help="CPU smoke run: simulator / interpret mode")

@@ -20,7 +20,9 @@ tiles in flight (two SMEM slots per input, TMA):
 Two variants (Config.warp_specialized):
 - serial: one warpgroup does all four wgmmas per chunk, in two pairs issued together: w @ S and
   qg @ S (one bf16(S) copy feeds both), then Aqk @ v_new and kg^T @ v_new; o is formed and stored
-  while the second of these still runs (wgmma_accumulator_load with wait_n=1).
+  while the second of these still runs (wgmma_accumulator_load with wait_n=1). With
+  Config(input_slots=1) it loads each chunk's tiles when it gets there instead of prefetching
+  them, so two programs can share an SM and hide each other's loads.
 - warp-specialised: two warpgroups. Warpgroup 0 carries S (v_new, the S update) and publishes
   bf16(S) and bf16(v_new) of chunk c in SMEM slot c % 2 (barrier `ready`); warpgroup 1 loads qg
   and Aqk itself, computes and stores o_c from that slot and hands it back (barrier `free`). With
@@ -39,12 +41,14 @@ Tail: the chunks past aligned_cu[-1] get o = 0 from the kernel (the N programs o
 V tile) take them round-robin with TMA stores of one zeroed SMEM tile, as the state kernel does for
 h), so o is defined everywhere without a pass over it in the launcher.
 
-SMEM per program (bytes, BT = 64, BV = 64), as lowered for CUDA (limit 232448), with the f32 o
-stage (a bf16 o saves 8192):
-    serial:            K = 128: 173072, K = 64: 115728
-    warp-specialised:  K = 128: 197704, K = 64: 132168
-  kg, w, qg, u, Aqk, decay in two slots: 2 x (384 K + 16384 + 4 K); bf16(S) and bf16(v_new): one
-  slot (serial) or two (warp-specialised) x (128 K + 8192); o stage 16384.
+SMEM per program (bytes, BT = 64, BV = 64), as lowered for CUDA (limit 232448; two programs fit
+an SM's 228 KiB up to ~115 KiB each), with the f32 o stage (a bf16 o saves 8192, stage_o=False
+14336):
+    serial:                   K = 128: 173072, K = 64: 115728
+    serial, input_slots=1:    K = 128: 107528, K = 64:  74760
+    warp-specialised:         K = 128: 197704, K = 64: 132168
+  kg, w, qg, u, Aqk, decay per input slot: 384 K + 16384 + 4 K; bf16(S) and bf16(v_new): one slot
+  (serial) or two (warp-specialised) x (128 K + 8192); o stage 16384.
 """
 from __future__ import annotations
 
@@ -73,10 +77,17 @@ class Config:
   out_dtype: str = "float32"      # o as stored: "float32" or "bfloat16"
   longest_first: bool = True      # rank r of the grid takes the r-th longest sequence
   lane_semantics: bool = False    # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+  # serial only: 1 input slot (no prefetch) so that two programs may share an SM instead
+  input_slots: int = 2
+  stage_o: bool = True            # o through SMEM + TMA (else registers -> GMEM stores)
 
   def __post_init__(self):
     if self.block_v != 64:
       raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
+    if self.input_slots not in (1, 2):
+      raise ValueError(f"input_slots must be 1 or 2, got {self.input_slots}")
+    if self.warp_specialized and self.input_slots != 2:
+      raise ValueError("the warp-specialised variant needs input_slots=2")
     if self.out_dtype not in OUT_DTYPES:
       raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {self.out_dtype!r}")
 
@@ -112,7 +123,7 @@ def takes(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chun
 
 
 def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
-          kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars, BT, BV, scale, split):
+          kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars, BT, BV, scale, split, stage_o):
   # GMEM: order [N], cu [N+1] int32; kg, w, qg [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16;
   # dec [NTa, HV, K], h0, ht [N, HV, K, V] f32; o [Ta, HV, V] f32 or bf16.
   N = order_g.shape[0]
@@ -138,6 +149,9 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
     plgpu.copy_gmem_to_smem(A_g.at[rows, i_h, :], A_s.at[slot], bar)
 
   def store_o(o, i):
+    if not stage_o:
+      o_g[rows_of(i), i_h, cols] = o.astype(o_g.dtype)
+      return
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's store has read o_s
     o_s[...] = o.astype(o_s.dtype)
     plgpu.commit_smem()
@@ -151,16 +165,21 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
     # chunks past aligned_cu[-1] round-robin over the N programs of this (head, V tile)
     first = cu_g[N] // BT + (N - 1 - r)
     count = jnp.maximum(NTa - first + N - 1, 0) // N
+    zeros = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG).astype(o_g.dtype)
 
     @pl.when(count > 0)
     def _():
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_s[...] = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG).astype(o_s.dtype)
-      plgpu.commit_smem()
+      if stage_o:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_s[...] = zeros
+        plgpu.commit_smem()
 
       def zero(j, carry):
         rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, i_h, cols])
+        if stage_o:
+          plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, i_h, cols])
+        else:
+          o_g[rows, i_h, cols] = zeros
         return carry
 
       lax.fori_loop(0, count, zero, 0)
@@ -170,6 +189,7 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
   if not split:
     (in_bar,) = bars
     sb, vb = sb_s.at[0], vb_s.at[0]
+    slots = kg_s.shape[0]
 
     def fetch(i, slot):
       fetch_state(i, slot, in_bar.at[slot])
@@ -180,11 +200,15 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
       fetch(0, 0)
 
     def step(i, S):
-      slot = lax.rem(i, 2)
-
-      @pl.when(i + 1 < nch)
-      def _():
-        fetch(i + 1, 1 - slot)   # that slot's last readers, step i-1's wgmmas, have completed
+      slot = lax.rem(i, 2) if slots == 2 else 0
+      if slots == 2:
+        @pl.when(i + 1 < nch)
+        def _():
+          fetch(i + 1, 1 - slot)   # that slot's last readers, step i-1's wgmmas, have completed
+      else:
+        @pl.when(i > 0)
+        def _():
+          fetch(i, 0)              # step i-1's wgmmas, the slot's last readers, have completed
 
       sb[...] = S.astype(BF16)
       plgpu.commit_smem()
@@ -311,7 +335,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
     grid, names = (N, HV, V // BV), ("r", "h", "v")
   else:
     grid, names = (V // BV, HV, N), ("v", "h", "r")
-  split = config.warp_specialized
+  split, ns = config.warp_specialized, config.input_slots
   pub = 2 if split else 1                    # slots of the published bf16(S), bf16(v_new)
   if split:
     bars = [plgpu.Barrier(num_arrivals=4, num_barriers=2),          # w, kg, u, decay
@@ -321,21 +345,25 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
             plgpu.Barrier(num_arrivals=2)]                          # done
     extra = dict(num_threads=2, thread_name="wg")
   else:
-    bars = [plgpu.Barrier(num_arrivals=6, num_barriers=2)]
+    bars = [plgpu.Barrier(num_arrivals=6, num_barriers=ns)]
     extra = {}
   sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
-  body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split)
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split, stage_o=config.stage_o)
+  if config.stage_o:
+    o_stage = _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32)
+  else:
+    o_stage = plgpu.SMEM((8, BV), odt)                               # unused placeholder
   f = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((Ta, HV, V), odt),
                 jax.ShapeDtypeStruct((N, HV, K, V), F32)),
       grid=grid, grid_names=names,
       scratch_types=[
-          _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, BV)),    # kg, w, u: two slots each
-          plgpu.SMEM((2, K), F32),                                  # decay rows
-          _swz((2, BT, K)), _swz((2, BT, BT)),                      # qg, Aqk
+          _swz((ns, BT, K)), _swz((ns, BT, K)), _swz((ns, BT, BV)),  # kg, w, u
+          plgpu.SMEM((ns, K), F32),                                 # decay rows
+          _swz((ns, BT, K)), _swz((ns, BT, BT)),                    # qg, Aqk
           _swz((pub, K, BV)), _swz((pub, BT, BV)),                  # bf16(S), bf16(v_new)
-          _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32),   # o stage
+          o_stage,
           *bars,
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
