@@ -157,13 +157,13 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
     gi_g, gf_g, *rest = rest
   else:
     gf_g, *rest = rest
-  akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, q_s, k_s, b_s, *rest = rest
+  # swizzled SMEM first, the plain buffers after it: no alignment gaps (two CTAs per SM at K = 128)
+  akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, q_s, k_s, lk_s, lq_s, rk_s, *rest = rest
   if two_part:
-    gi_s, gf_s, *rest = rest
+    gi_s, gf_s, bar = rest
   else:
-    gf_s, *rest = rest
+    gf_s, bar = rest
     gi_s = None
-  lk_s, lq_s, rk_s, bar = rest
   NTa = q_g.shape[0] // BT
   K = q_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
@@ -172,7 +172,6 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
 
   plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
   plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
-  plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
   plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
   if two_part:
     plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
@@ -196,16 +195,14 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
   diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
   whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
 
-  def operands(ls, both_sides, diag=False):
+  def operands(ls, both_sides):
     """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
     r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
-    second halves and rk outside first halves, the bounded level keeps every row. With `diag`
-    also returns q . k per row (ROW)."""
+    second halves and rk outside first halves, the bounded level keeps every row."""
     shape = (BT, SLAB)
     row = _iota(0, shape)
     blk = row >> ls
     half = 1 << (ls - 1)
-    qk = None
     for i, cols in enumerate(slabs):
       G = g_tile(cols)
 
@@ -226,11 +223,7 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
       lk_s.at[i][...] = lk.astype(BF16)
       lq_s.at[i][...] = lq.astype(BF16)
       rk_s.at[i][...] = rk.astype(BF16)
-      if diag:
-        part = jnp.sum(qx * kx, axis=1)
-        qk = part if qk is None else qk + part
     plgpu.commit_smem()
-    return qk
 
   def products():
     n = range(len(slabs))
@@ -238,8 +231,8 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
             _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
 
   row, col = _iota(0), _iota(1)
-  beta = _load(b_s, ROW)
-  qk_diag = operands(6, both_sides=False, diag=True)   # level 64: no mask (its operands are zero elsewhere)
+  beta = _load(b_g.at[i_h, rows], ROW)   # from GMEM: no SMEM for it
+  operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
   p_kk, p_qk = products()
 
   def store_scores(a_kk, a_qk):
@@ -250,7 +243,8 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
     lq_s.at[0][...] = (a_qk * scale).astype(BF16)
 
   def exact():
-    a_qk = p_qk + jnp.where(row == col, lax.broadcast_in_dim(qk_diag, (BT, BT), [0]), 0.0)
+    # Aqk's diagonal: the plain q . k of each row (a wgmma: a row sum would take SMEM scratch)
+    a_qk = p_qk + jnp.where(row == col, _acc([(q_s, k_s.T)], (BT, BT)), 0.0)
 
     def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
       ls = 5 - t
@@ -356,9 +350,10 @@ def _scores(q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
       out_type=(shape(BT), shape(BT), shape(BT), shape(K), shape(K), shape(K)),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
-          _swz((BT, K)), _swz((BT, K)), plgpu.SMEM((BT,), F32), *[plgpu.SMEM((BT, K), F32) for _ in gis],
+          _swz((BT, K)), _swz((BT, K)),
           _swz(ops), _swz(ops), _swz(ops),                 # level operands lk, lq, rk
-          plgpu.Barrier(num_arrivals=3 + len(gis)),
+          *[plgpu.SMEM((BT, K), F32) for _ in gis],
+          plgpu.Barrier(num_arrivals=2 + len(gis)),
       ],
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
