@@ -37,19 +37,22 @@ TOL = {
     # the same elementwise exp and product as the reference
     ("qg", "float32"): dict(atol=1e-6, rtol=1e-6),
     ("kg", "float32"): dict(atol=1e-6, rtol=1e-6),
-    # bf16 inputs: the A dots take bf16-rounded gated operands (2^-9 relative each), summed over K
-    # terms of size <= 1 with random signs: measured <= 4e-4 (Akk), 1e-4 (Aqk)
+    # bf16 inputs: every output is stored bf16 (dtype policy), one more rounding of <= 2^-8 relative
+    # on top of the bf16 dot operands. Measured as max|d| / max|ref| (abs in brackets) over the bf16
+    # cases below. A dots: bf16-rounded gated operands over K terms of size <= 1, then the store:
+    # <= 4.0e-3 (Akk, 4.9e-4), 3.6e-3 (Aqk, 1.4e-4)
     ("Akk", "bfloat16"): dict(atol=2e-3, rtol=1e-2),
     ("Aqk", "bfloat16"): dict(atol=2e-3, rtol=1e-2),
-    # float32 solve of the bf16-level Akk: inherits its error, measured <= 4e-4
+    # float32 solve of the bf16-level Akk, stored bf16 (|Ainv| <= 1 off a unit diagonal): <= 4.9e-4
     ("Ainv", "bfloat16"): dict(atol=2e-3, rtol=1e-2),
-    # Ainv and the right-hand side rounded to bf16 (2 x 2^-9) over <= 64 terms: measured <= 5e-4
-    # on w (|w| <= 0.2), <= 8e-3 on u (|u| <= ~2.6)
+    # Ainv and the right-hand side rounded to bf16 over <= 64 terms, then the store: <= 4.4e-3 on w
+    # (7.8e-4, |w| <= 0.2), <= 5.0e-3 on u (1.4e-2, |u| <= ~2.6)
     ("w", "bfloat16"): dict(atol=3e-3, rtol=1e-2),
     ("u", "bfloat16"): dict(atol=3e-2, rtol=1e-2),
-    # elementwise in float32 from the same bf16 inputs
-    ("qg", "bfloat16"): dict(atol=1e-6, rtol=1e-6),
-    ("kg", "bfloat16"): dict(atol=1e-6, rtol=1e-6),
+    # elementwise in float32 from the same bf16 inputs, then the store alone: <= 2^-8 = 3.9e-3 of
+    # each value (measured <= 2.5e-3 of the max)
+    ("qg", "bfloat16"): dict(atol=1e-6, rtol=4e-3),
+    ("kg", "bfloat16"): dict(atol=1e-6, rtol=4e-3),
 }
 
 
@@ -182,7 +185,7 @@ def test_kernel_matches_reference(lens, K, V, BT, dtype, gate_kind, gate_scale, 
   for name in intra.Out._fields:
     g, w = getattr(got, name), getattr(want, name)
     chex.assert_shape(g, w.shape)
-    assert g.dtype == jnp.float32, f"{name}: dtype {g.dtype}"
+    assert g.dtype == dtype, f"{name}: dtype {g.dtype}, want {jnp.dtype(dtype).name} (dtype policy)"
     assert bool(jnp.all(jnp.isfinite(g))), f"{name}: not finite"
     cases.report_close(name, g, w, **TOL[name, dt])
   check_padding(got, valid, BT)

@@ -19,6 +19,8 @@ the [1, Ta, HV, D] layout, in 16-token sub-blocks I, J (BT / 16 of them):
   call is above -1 (gc_int == 0 everywhere, the usual case), an XLA conditional launches the same
   kernel on gc_frac alone, which computes the same bits with fewer registers (the two-part kernel
   measured 1.5x slower on the H200); Config(two_part="always") turns that off.
+Stores (the dtype policy): with bf16 q and k (and Config.bf16_dots) every output, Akk, Aqk, Ainv,
+w, u, qg, kg, is stored bf16, rounded once from the float32 values; with float32 inputs, float32.
 K or V that are not powers of two are zero-padded in the launcher and cut off afterwards.
 """
 from __future__ import annotations
@@ -63,6 +65,7 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
   # refs (one chunk of one head): q, k, gc_int, gc_frac, w, qg, kg [BT, K]; v, u [BT, V]; beta [BT, 1];
   # Akk, Aqk, Ainv [BT, BT]. Dots: the solve is float32 at `precision`; A, w and u dots take
   # mm_dtype operands (bf16 for bf16 inputs: tensor cores, float32 accumulation), else `precision`.
+  # Everything is computed in float32 and rounded once, on the store, to the outputs' dtype.
   BT = k_ref.shape[0]
   NS = BT // SUB
   f32 = jnp.float32
@@ -77,6 +80,8 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
   col1 = lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
   zeros = jnp.zeros((SUB, SUB), f32)
   load = lambda ref, I: ref[blk(I), :].astype(f32)
+  def put(ref, idx, x):      # every output in its stored dtype (bf16 for bf16 inputs)
+    ref[idx] = x.astype(ref.dtype)
   row_at = lambda t: pl.ds(t, 1)
   if two_part:
     gc = lambda rows: (gi_ref[rows, :], gf_ref[rows, :])   # the two parts of gc at `rows`
@@ -97,7 +102,7 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
     for J in range(I):
       m_kr = load(k_ref, J) * jnp.exp(diff(r, gc(blk(J))))   # columns before r: <= 1
       akk[I, J] = m_beta * dot_nt(m_kl, m_kr)
-      aqk_ref[blk(I), blk(J)] = scale * dot_nt(m_ql, m_kr)
+      put(aqk_ref, (blk(I), blk(J)), scale * dot_nt(m_ql, m_kr))
 
     def pairwise(I=I, m_k=m_k, m_q=m_q, m_g=m_g):
       def column(s, carry):
@@ -128,13 +133,12 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
       a_kk, a_qk = lax.cond(jnp.max(jnp.max(half_range, axis=1), axis=0) <= DIAG_RANGE,
                             factored, pairwise)
     akk[I, I] = jnp.where(row > col, a_kk, 0.0) * m_beta
-    aqk_ref[blk(I), blk(I)] = jnp.where(row >= col, a_qk, 0.0) * scale
+    put(aqk_ref, (blk(I), blk(I)), jnp.where(row >= col, a_qk, 0.0) * scale)
     for J in range(I + 1):
-      akk_ref[blk(I), blk(J)] = akk[I, J]
+      put(akk_ref, (blk(I), blk(J)), akk[I, J])
     for J in range(I + 1, NS):
-      akk_ref[blk(I), blk(J)] = zeros
-      aqk_ref[blk(I), blk(J)] = zeros
-      ainv_ref[blk(I), blk(J)] = zeros
+      for ref in (akk_ref, aqk_ref, ainv_ref):
+        put(ref, (blk(I), blk(J)), zeros)
 
   def subst(i, xs):
     # row i of every (I + Akk[I, I])^-1 at once; rows >= i of x are still 0
@@ -155,7 +159,7 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
         acc = acc + dot(akk[I, P], ainv[P, J], precision)
       ainv[I, J] = -dot(diag_inv[I], acc, precision)
     for J in range(I + 1):
-      ainv_ref[blk(I), blk(J)] = ainv[I, J]
+      put(ainv_ref, (blk(I), blk(J)), ainv[I, J])
 
   for I in range(NS):
     # the right-hand sides are rebuilt per block row: a few exps more, far fewer live registers
@@ -168,12 +172,12 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
       m_u_j = dot(m_x, (m_beta * load(v_ref, J)).astype(mm_dtype), mm_prec)
       m_w = m_w_j if m_w is None else m_w + m_w_j
       m_u = m_u_j if m_u is None else m_u + m_u_j
-    w_ref[blk(I), :] = m_w
-    u_ref[blk(I), :] = m_u
+    put(w_ref, (blk(I), slice(None)), m_w)
+    put(u_ref, (blk(I), slice(None)), m_u)
 
   b_g = gc(pl.ds(0, BT))
-  qg_ref[...] = q_ref[...].astype(f32) * jnp.exp(whole(b_g))
-  kg_ref[...] = k_ref[...].astype(f32) * jnp.exp(diff(gc(row_at(BT - 1)), b_g))
+  put(qg_ref, ..., q_ref[...].astype(f32) * jnp.exp(whole(b_g)))
+  put(kg_ref, ..., k_ref[...].astype(f32) * jnp.exp(diff(gc(row_at(BT - 1)), b_g)))
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
@@ -192,7 +196,9 @@ def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False,
                              precision=_pallas.dot_precision(config.precision, interpret),
                              diag=config.diag)
   tile = lambda d: pl.BlockSpec((None, BT, None, d), lambda c, h: (0, c, h, 0))
-  shape = lambda d: out_struct((1, Ta, HV, d), f32, q, k, v, beta, gi, gf)
+  # dtype policy (DESIGN.md): bf16 inputs -> bf16 intermediates, float32 ones stay float32
+  out_dtype = jnp.bfloat16 if bf16 else f32
+  shape = lambda d: out_struct((1, Ta, HV, d), out_dtype, q, k, v, beta, gi, gf)
   call = lambda two_part: lambda *args: pl.pallas_call(
       functools.partial(kernel, two_part=two_part), grid=(Ta // BT, HV),
       in_specs=[tile(Kp), tile(Kp), tile(Vp), tile(1), tile(Kp), tile(Kp)],
