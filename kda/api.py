@@ -259,12 +259,14 @@ def _staged_fwd(plan, static, ints, *args):
 
 
 def _forward(plan, static, ints, args, *, record):
-  """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp), so
-  interpreted kernels may run where vma is not checked (kda._vma.unchecked)."""
+  """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp), so it
+  may run where shard_map's vma is not checked: Pallas' interpreter and plgpu.kernel (jax 0.11.2)
+  reject varying inputs, so with interpreted or Mosaic GPU kernels it does (kda._vma.unchecked)."""
   def run(ints, args):
     o, final_state, records = pipeline.forward(plan, padding.Layout(*ints, *static), *args, record=record)
     return o, final_state, pipeline.saved(records) if record else None
-  if plan.interpret and any(plan.impl(n) != "reference" for n in pipeline.FORWARD_STAGES):
+  kernels = {plan.impl(n) for n in pipeline.FORWARD_STAGES} - {"reference"}
+  if kernels and (plan.interpret or "mosaic_gpu" in kernels):
     return unchecked(run, ints, args)
   return run(ints, args)
 
