@@ -21,11 +21,15 @@ import jax
 import jax.numpy as jnp
 
 from kda import padding
+from kda.fused import state_output
 from kda.padding import Layout
 from kda import stages
 from kda.stages.base import resolve
 
 FORWARD_STAGES = ("gate", "intra", "state", "output")
+# Fused groups (DESIGN.md): consecutive stages -> {backend: (kernel, predicate)}. The composer calls
+# the fused kernel when every member selects that backend and the predicate takes the call.
+FUSED = {("state", "output"): {"mosaic_gpu": (state_output.mosaic_gpu, state_output.takes)}}
 BACKWARD_STAGES = ("bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate")
 
 
@@ -103,6 +107,19 @@ def choose(plan: Plan, name: str, *args, **kwargs) -> str:
   return "reference"
 
 
+def fused_kernel(plan: Plan, group: tuple[str, ...], first_args, *args, **kwargs):
+  """The fused kernel of `group` for this call, or None: every member must select the same backend
+  (the first member decided on `first_args`, the others by the plan: their inputs exist only
+  unfused) and the group's predicate must take `args`, `kwargs`. Record mode never fuses."""
+  first = choose(plan, group[0], *first_args, **forward_kwargs(plan, group[0]))
+  if any(plan.impl(n) != first for n in group[1:]):
+    return None
+  kernel, takes = FUSED.get(group, {}).get(first, (None, None))
+  if kernel is None or takes(*args, **kwargs) is not None:
+    return None
+  return kernel
+
+
 def l2norm(x):
   """x / sqrt(sum(x**2, -1) + 1e-6) in float32, back in x's dtype."""
   xf = x.astype(jnp.float32)
@@ -144,7 +161,7 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
 
   records maps each stage name to its output record (and "valid" to the [1, Ta] real-token mask,
   "inputs" to {stage: positional args}, the keywords being forward_kwargs) when `record` is set,
-  else it is empty.
+  else it holds "intra" alone (what saved() reads). Record mode runs every stage unfused.
   """
   q, k, v, g, beta, valid = prepare(plan, layout, q, k, v, g, beta)
   inputs = {}
@@ -155,13 +172,22 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
 
   gt = run("gate", g, valid, A_log, dt_bias)
   it = run("intra", q, k, v, beta, gt.gc_int, gt.gc_frac)
-  st = run("state", it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, initial_state, layout.aligned_cu)
-  ot = run("output", it.qg, st.h, it.Aqk, st.v_new)
-  o = padding.unalign_with(layout, ot.o).astype(v.dtype)
-  records: dict[str, Any] = {}
+  state_args = (it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, initial_state, layout.aligned_cu)
+  fused = None if record else fused_kernel(plan, ("state", "output"), state_args,
+                                           it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:],
+                                           chunk_size=plan.chunk_size)
+  if fused is not None:        # h and v_new never leave the kernel
+    o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:], scale=plan.scale,
+                           chunk_size=plan.chunk_size, interpret=plan.interpret)
+  else:
+    st = run("state", *state_args)
+    ot = run("output", it.qg, st.h, it.Aqk, st.v_new)
+    o, final_state = ot.o, st.final_state
+  o = padding.unalign_with(layout, o).astype(v.dtype)
+  records: dict[str, Any] = {"intra": it}          # what saved() reads
   if record:
     records = {"valid": valid, "gate": gt, "intra": it, "state": st, "output": ot, "inputs": inputs}
-  return o, st.final_state, records
+  return o, final_state, records
 
 
 class Saved(NamedTuple):
@@ -183,7 +209,7 @@ class Grads(NamedTuple):
 
 
 def saved(records) -> Saved:
-  """The residuals of a forward(..., record=True) call."""
+  """The residuals of a forward() call (its records, with or without record=True)."""
   return Saved(records["intra"].Aqk, records["intra"].Ainv)
 
 

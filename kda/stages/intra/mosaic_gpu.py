@@ -57,6 +57,7 @@ class Config:
   """Switches of the intra kernel."""
   bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   two_part: str = "auto"    # "auto": gc_frac alone while gc_int == 0 everywhere; "always": both parts
+  approx_math: bool = False  # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative, far below bf16 stores
   probe: str = ""           # profiling only: "scores" stops after Akk, Aqk; "bounded-only" drops the
                             # exact path (wrong wherever a chunk is not bounded)
 
@@ -337,6 +338,10 @@ def _solve_body(akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
   plgpu.wait_smem_to_gmem(0)
 
 
+def _params(config):
+  return plgpu.CompilerParams(approx_math=config.approx_math)
+
+
 def _scores(q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
   """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,)."""
   Ta, HV, K = k.shape
@@ -355,12 +360,13 @@ def _scores(q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
           *[plgpu.SMEM((BT, K), F32) for _ in gis],
           plgpu.Barrier(num_arrivals=2 + len(gis)),
       ],
+      compiler_params=_params(config),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return f(flag, q, k, beta_t, *gis)
 
 
-def _solve(akh, akl, kd, v, beta_t, *, interpret):
+def _solve(akh, akl, kd, v, beta_t, *, interpret, config):
   Ta, HV, K = kd.shape
   V = v.shape[-1]
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
@@ -373,6 +379,7 @@ def _solve(akh, akl, kd, v, beta_t, *, interpret):
           _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)),   # X, T splits
           plgpu.Barrier(num_arrivals=5),
       ],
+      compiler_params=_params(config),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return f(akh, akl, kd, v, beta_t)
@@ -399,5 +406,5 @@ def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False,
     z = jnp.zeros_like(kd)
     return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros(v.shape, BF16)[None],
                qg[None], kg[None])
-  ainv, w, u = _solve(akh, akl, kd, v, beta_t, interpret=interpret)
+  ainv, w, u = _solve(akh, akl, kd, v, beta_t, interpret=interpret, config=config)
   return Out(akh[None], aqk[None], ainv[None], w[None], u[None], qg[None], kg[None])
