@@ -41,17 +41,31 @@ def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=want))
 
 
+@jax.custom_jvp
+def _no_tangent(x):
+  return x
+
+
+@_no_tangent.defjvp
+def _no_tangent_jvp(primals, tangents):
+  raise TypeError("kda: kernels that run unchecked under shard_map (kda._vma.unchecked) have no derivative "
+                  "there: a second derivative of chunk_kda with these kernels is not supported; use "
+                  "impl='reference'")
+
+
 def unchecked(fn, *args):
   """fn(*args) with vma checks off, its results cast to vary like `args`.
 
   Pallas' interpreter (interpret mode on a CPU) evaluates a kernel body on the varying blocks it
-  slices next to the body's invariant constants, which check_vma rejects (jax 0.11.2). So under
-  shard_map `fn` runs in a nested shard_map over no new axes with check_vma=False: per device as
-  before, unchecked. Its inputs would keep their varying types in there, while everything computed
-  from them would not (scan and loop carries then differ in type), so they enter through a no-op
-  bitcast, which an unchecked region types invariant like any other op. The results come back
-  invariant and are cast up again; that cast transposes to a sum, so `fn` must never be
-  differentiated (it is the primal or the fwd rule of a custom_vjp). Outside shard_map it is fn(*args).
+  slices next to the body's invariant constants, and plgpu.kernel keeps its inputs' varying types on
+  the refs while the values computed from them have none; check_vma rejects both (jax 0.11.2). So
+  under shard_map `fn` runs in a nested shard_map over no new axes with check_vma=False: per device
+  as before, unchecked. Its inputs would keep their varying types in there, while everything
+  computed from them would not (scan and loop carries then differ in type), so they enter through a
+  no-op bitcast, which an unchecked region types invariant like any other op. The results come back
+  typed invariant and are cast up again. That cast would transpose to a sum, so `fn` must not be
+  differentiated: it is the primal, the fwd or the bwd rule of a custom_vjp, and a derivative
+  through it (a second derivative) raises. Outside shard_map it is fn(*args).
   """
   if not frozenset().union(*(_vma(x) for x in jax.tree.leaves(args))):
     return fn(*args)
@@ -60,4 +74,4 @@ def unchecked(fn, *args):
   body = lambda *a: fn(*jax.tree.map(strip, a))
   out = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(),) * len(args),
                       out_specs=P(), axis_names=frozenset(), check_vma=False)(*args)
-  return vary_like(out, args)
+  return vary_like(jax.tree.map(_no_tangent, out), args)

@@ -249,24 +249,22 @@ def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
 # with no cotangent; the plan and the static sizes are hashable nondiff arguments.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias):
-  o, final_state, _ = _forward(plan, static, ints, (q, k, v, g, beta, h0, A_log, dt_bias), record=False)
+  o, final_state, _ = _forward(plan, static, ints, (q, k, v, g, beta, h0, A_log, dt_bias), keep=False)
   return o, final_state
 
 
 def _staged_fwd(plan, static, ints, *args):
-  o, final_state, saved = _forward(plan, static, ints, args, record=True)
+  o, final_state, saved = _forward(plan, static, ints, args, keep=True)
   return (o, final_state), (ints, args, saved)
 
 
-def _forward(plan, static, ints, args, *, record):
-  """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp), so it
-  may run where shard_map's vma is not checked: Pallas' interpreter and plgpu.kernel (jax 0.11.2)
-  reject varying inputs, so with interpreted or Mosaic GPU kernels it does (kda._vma.unchecked)."""
+def _forward(plan, static, ints, args, *, keep):
+  """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp: it is the
+  primal or the fwd rule), so it may run unchecked where its kernels need it."""
   def run(ints, args):
-    o, final_state, records = pipeline.forward(plan, padding.Layout(*ints, *static), *args, record=record)
-    return o, final_state, pipeline.saved(records) if record else None
-  kernels = {plan.impl(n) for n in pipeline.FORWARD_STAGES} - {"reference"}
-  if kernels and (plan.interpret or "mosaic_gpu" in kernels):
+    o, final_state, records = pipeline.forward(plan, padding.Layout(*ints, *static), *args)
+    return o, final_state, pipeline.saved(records) if keep else None
+  if _unchecked_kernels(plan, pipeline.FORWARD_STAGES):
     return unchecked(run, ints, args)
   return run(ints, args)
 
@@ -274,8 +272,20 @@ def _forward(plan, static, ints, args, *, record):
 def _staged_bwd(plan, static, res, cts):
   ints, args, saved = res
   do, dht = cts
-  grads, _ = pipeline.backward(plan, padding.Layout(*ints, *static), *args, saved, do, dht)
+  run = lambda ints, args, saved, do, dht: pipeline.backward(plan, padding.Layout(*ints, *static), *args, saved,
+                                                             do, dht)[0]
+  if _unchecked_kernels(plan, pipeline.BACKWARD_STAGES):
+    grads = unchecked(run, ints, args, saved, do, dht)
+  else:
+    grads = run(ints, args, saved, do, dht)
   return ((None,) * len(ints), *grads)
+
+
+def _unchecked_kernels(plan, names) -> bool:
+  """Whether stages `names` run kernels that shard_map's vma checks reject: Pallas' interpreter and
+  plgpu.kernel (jax 0.11.2) do not take varying inputs (kda._vma.unchecked)."""
+  kernels = {plan.impl(n) for n in names} - {"reference"}
+  return bool(kernels) and (plan.interpret or "mosaic_gpu" in kernels)
 
 
 _staged.defvjp(_staged_fwd, _staged_bwd)
