@@ -120,6 +120,11 @@ def fused_kernel(plan: Plan, group: tuple[str, ...], first_args, *args, **kwargs
   return kernel
 
 
+def o_dtype(v):
+  """The dtype a fused kernel stores o in: v's where that is bf16 (o ends in it), else float32."""
+  return jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+
+
 def l2norm(x):
   """x / sqrt(sum(x**2, -1) + 1e-6) in float32, back in x's dtype."""
   xf = x.astype(jnp.float32)
@@ -171,14 +176,14 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
     return _run(plan, name, *args, **forward_kwargs(plan, name))
 
   gt = run("gate", g, valid, A_log, dt_bias)
-  it = run("intra", q, k, v, beta, gt.gc_int, gt.gc_frac)
+  it = run("intra", q, k, v, beta, gt.gc_int, gt.gc_frac, layout.aligned_cu)
   state_args = (it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, initial_state, layout.aligned_cu)
   fused = None if record else fused_kernel(plan, ("state", "output"), state_args,
                                            it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:],
                                            chunk_size=plan.chunk_size)
   if fused is not None:        # h and v_new never leave the kernel
     o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:], scale=plan.scale,
-                           chunk_size=plan.chunk_size, interpret=plan.interpret)
+                           chunk_size=plan.chunk_size, interpret=plan.interpret, out_dtype=o_dtype(v))
   else:
     st = run("state", *state_args)
     ot = run("output", it.qg, st.h, it.Aqk, st.v_new)

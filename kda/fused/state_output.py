@@ -310,9 +310,12 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
 
 
 def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,
-               interpret=False, config=None):
-  """(o [1, Ta, HV, V], final_state [N, HV, K, V] float32); see the module docstring."""
+               interpret=False, config=None, out_dtype=None):
+  """(o [1, Ta, HV, V], final_state [N, HV, K, V] float32); see the module docstring. `out_dtype`
+  (float32 or bfloat16) overrides config.out_dtype: the pipeline asks for v's dtype, as o ends in it."""
   config = config or Config()
+  if out_dtype is not None:
+    config = dataclasses.replace(config, out_dtype=jnp.dtype(out_dtype).name)
   reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu state_output kernel: {reason}")

@@ -8,9 +8,11 @@
 
 In:  q, k [1, Ta, HV, K] (q/k already mapped to value heads), v [1, Ta, HV, V], beta [1, Ta, HV],
      gc_int, gc_frac [1, Ta, HV, K] float32 (the gate stage's two parts of gc; every exponent below
-     is formed from them with gate.exponent).
+     is formed from them with gate.exponent), aligned_cu [N+1] int32 or None (chunks at or past
+     aligned_cu[-1] belong to no sequence: a kernel may only zero-fill them).
 Out: Akk, Aqk, Ainv [1, Ta, HV, BT] (row i of chunk c at token c*BT + i), w, qg, kg [1, Ta, HV, K],
-     u [1, Ta, HV, V]; all float32.
+     u [1, Ta, HV, V]; float32 from the reference, bf16 from the kernels when q/k/v are bf16 (the
+     dtype policy; the fields, not their dtypes, are the interface).
 Numerics: the exponent difference gc_i - gc_j is formed and masked (j <= i, so <= 0) before exp, so
 no factor overflows whatever the gates, and from the two parts of gc, so it keeps float32 accuracy
 however large they are. Padding: q = k = v = beta = 0 there, so padding rows and
@@ -30,13 +32,13 @@ NAME = "intra"
 
 
 class Out(NamedTuple):
-  Akk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower, beta_i folded in
-  Aqk: jax.Array   # [1, Ta, HV, BT] float32, lower with diagonal, scale folded in
-  Ainv: jax.Array  # [1, Ta, HV, BT] float32, (I + Akk)^-1
-  w: jax.Array     # [1, Ta, HV, K] float32
-  u: jax.Array     # [1, Ta, HV, V] float32
-  qg: jax.Array    # [1, Ta, HV, K] float32
-  kg: jax.Array    # [1, Ta, HV, K] float32
+  Akk: jax.Array   # [1, Ta, HV, BT] strictly lower, beta_i folded in
+  Aqk: jax.Array   # [1, Ta, HV, BT] lower with diagonal, scale folded in
+  Ainv: jax.Array  # [1, Ta, HV, BT] (I + Akk)^-1
+  w: jax.Array     # [1, Ta, HV, K]
+  u: jax.Array     # [1, Ta, HV, V]
+  qg: jax.Array    # [1, Ta, HV, K]
+  kg: jax.Array    # [1, Ta, HV, K]
 
 
 def to_chunks(x, chunk_size):

@@ -57,7 +57,7 @@ class Config:
   """Switches of the intra kernel."""
   bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   two_part: str = "auto"    # "auto": gc_frac alone while gc_int == 0 everywhere; "always": both parts
-  approx_math: bool = False  # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative, far below bf16 stores
+  approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative, far below bf16 stores
   probe: str = ""           # profiling only: "scores" stops after Akk, Aqk; "bounded-only" drops the
                             # exact path (wrong wherever a chunk is not bounded)
 
@@ -70,7 +70,7 @@ class Config:
       raise ValueError(f"two_part must be 'auto' or 'always', got {self.two_part!r}")
 
 
-def supports(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, **_) -> Optional[str]:
+def supports(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, **_) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
@@ -93,7 +93,7 @@ def supports(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, **_) -> Optio
   return None
 
 
-def takes(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, **_) -> Optional[str]:
+def takes(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, **_) -> Optional[str]:
   """The stage's predicate: `supports`, and bf16 q, k, v (the kernel's operands are bf16; float32
   inputs keep float32 accuracy on the pallas or reference stage)."""
   reason = supports(q, k, v, beta, gc_int, gc_frac, scale=scale, chunk_size=chunk_size)
@@ -151,7 +151,7 @@ def _log2(n):
   return n.bit_length() - 1
 
 
-def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
+def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
   """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
   kd = beta k exp(gc), all bf16."""
   if two_part:
@@ -171,116 +171,130 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slabs = [pl.ds(s * SLAB, SLAB) for s in range(K // SLAB)]
 
-  plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
-  plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
-  plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
-  if two_part:
-    plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
-  plgpu.barrier_wait(bar)
-
-  # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
-  def g_tile(cols):
+  def compute():
+    plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
+    plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
+    plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
     if two_part:
-      return _load(gi_s.at[:, cols]), _load(gf_s.at[:, cols])
-    return _load(gf_s.at[:, cols])
+      plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
+    plgpu.barrier_wait(bar)
 
-  def g_row(r, cols, shape):
-    vec = lambda s_: lax.broadcast_in_dim(_load(s_.at[r, cols], COL), shape, [1])
-    return (vec(gi_s), vec(gf_s)) if two_part else vec(gf_s)
+    # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
+    def g_tile(cols):
+      if two_part:
+        return _load(gi_s.at[:, cols]), _load(gf_s.at[:, cols])
+      return _load(gf_s.at[:, cols])
 
-  def where(m, a, b):
-    if two_part:
-      return tuple(jnp.where(m, x, y) for x, y in zip(a, b))
-    return jnp.where(m, a, b)
+    def g_row(r, cols, shape):
+      vec = lambda s_: lax.broadcast_in_dim(_load(s_.at[r, cols], COL), shape, [1])
+      return (vec(gi_s), vec(gf_s)) if two_part else vec(gf_s)
 
-  diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
-  whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
+    def where(m, a, b):
+      if two_part:
+        return tuple(jnp.where(m, x, y) for x, y in zip(a, b))
+      return jnp.where(m, a, b)
 
-  def operands(ls, both_sides):
-    """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
-    r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
-    second halves and rk outside first halves, the bounded level keeps every row."""
-    shape = (BT, SLAB)
-    row = _iota(0, shape)
-    blk = row >> ls
-    half = 1 << (ls - 1)
+    diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
+    whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
+
+    def operands(ls, both_sides):
+      """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
+      r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
+      second halves and rk outside first halves, the bounded level keeps every row."""
+      shape = (BT, SLAB)
+      row = _iota(0, shape)
+      blk = row >> ls
+      half = 1 << (ls - 1)
+      for i, cols in enumerate(slabs):
+        G = g_tile(cols)
+
+        def pick(b, R, cols=cols):
+          return where(blk == b, g_row((b << ls) + half, cols, shape), R)
+        R = lax.fori_loop(1, BT >> ls, pick, g_row(half, cols, shape))   # one select per block
+        kx = _load(k_s.at[:, cols]).astype(F32)
+        qx = _load(q_s.at[:, cols]).astype(F32)
+        if both_sides:
+          e_l, e_r = jnp.exp(diff(G, R)), jnp.exp(diff(R, G))
+          lk, lq, rk = kx * e_l, qx * e_l, kx * e_r
+        else:
+          second = (row & ((1 << ls) - 1)) >= half
+          e = jnp.exp(jnp.where(second, diff(G, R), diff(R, G)))
+          lk = jnp.where(second, kx * e, 0.0)
+          lq = jnp.where(second, qx * e, 0.0)
+          rk = jnp.where(second, 0.0, kx * e)
+        lk_s.at[i][...] = lk.astype(BF16)
+        lq_s.at[i][...] = lq.astype(BF16)
+        rk_s.at[i][...] = rk.astype(BF16)
+      plgpu.commit_smem()
+
+    def products():
+      n = range(len(slabs))
+      return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
+              _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
+
+    row, col = _iota(0), _iota(1)
+    beta = _load(b_g.at[i_h, rows], ROW)   # from GMEM: no SMEM for it
+    operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
+    p_kk, p_qk = products()
+
+    def store_scores(a_kk, a_qk):
+      # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
+      hi, lo = _split(a_kk * lax.broadcast_in_dim(beta, (BT, BT), [0]))
+      lk_s.at[0][...] = hi
+      lk_s.at[1][...] = lo
+      lq_s.at[0][...] = (a_qk * scale).astype(BF16)
+
+    def exact():
+      # Aqk's diagonal: the plain q . k of each row (a wgmma: a row sum would take SMEM scratch)
+      a_qk = p_qk + jnp.where(row == col, _acc([(q_s, k_s.T)], (BT, BT)), 0.0)
+
+      def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
+        ls = 5 - t
+        operands(ls, both_sides=False)
+        kk, qk = products()
+        same = (row >> ls) == (col >> ls)
+        return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
+      store_scores(*lax.fori_loop(0, 5, level, (p_kk, a_qk)))
+
+    def two_levels():
+      operands(5, both_sides=True)
+      kk, qk = products()
+      same = (row >> 5) == (col >> 5)
+      store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
+                   p_qk + jnp.where(same & (col <= row), qk, 0.0))
+
+    if probe == "bounded-only":
+      two_levels()
+    elif bounded:
+      flag = flag_g[i_h * NTa + c]
+      pl.when(flag != 0)(two_levels)
+      pl.when(flag == 0)(exact)
+    else:
+      exact()
+
+    # qg, kg and kd in place of q, k and their level operands' buffers
     for i, cols in enumerate(slabs):
       G = g_tile(cols)
-
-      def pick(b, R, cols=cols):
-        return where(blk == b, g_row((b << ls) + half, cols, shape), R)
-      R = lax.fori_loop(1, BT >> ls, pick, g_row(half, cols, shape))   # one select per block
-      kx = _load(k_s.at[:, cols]).astype(F32)
+      last = g_row(BT - 1, cols, (BT, SLAB))
       qx = _load(q_s.at[:, cols]).astype(F32)
-      if both_sides:
-        e_l, e_r = jnp.exp(diff(G, R)), jnp.exp(diff(R, G))
-        lk, lq, rk = kx * e_l, qx * e_l, kx * e_r
-      else:
-        second = (row & ((1 << ls) - 1)) >= half
-        e = jnp.exp(jnp.where(second, diff(G, R), diff(R, G)))
-        lk = jnp.where(second, kx * e, 0.0)
-        lq = jnp.where(second, qx * e, 0.0)
-        rk = jnp.where(second, 0.0, kx * e)
-      lk_s.at[i][...] = lk.astype(BF16)
-      lq_s.at[i][...] = lq.astype(BF16)
-      rk_s.at[i][...] = rk.astype(BF16)
-    plgpu.commit_smem()
+      kx = _load(k_s.at[:, cols]).astype(F32)
+      e = jnp.exp(whole(G))
+      q_s.at[:, cols][...] = (qx * e).astype(BF16)
+      k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
+      rk_s.at[i][...] = (lax.broadcast_in_dim(beta, (BT, SLAB), [0]) * kx * e).astype(BF16)
+  live = c < cu_g[cu_g.shape[0] - 1] // BT    # chunks past aligned_cu[-1] hold no token
+  pl.when(live)(compute)
 
-  def products():
-    n = range(len(slabs))
-    return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
-            _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
+  @pl.when(jnp.logical_not(live))
+  def _():                                      # tail: zeros (its inputs are zeros anyway)
+    zero = lambda shape: plgpu.layout_cast(jnp.zeros(shape, BF16), WG)
+    for buf in (lk_s.at[0], lk_s.at[1], lq_s.at[0]):
+      buf[...] = zero((BT, BT))
+    for i, cols in enumerate(slabs):
+      q_s.at[:, cols][...] = zero((BT, SLAB))
+      k_s.at[:, cols][...] = zero((BT, SLAB))
+      rk_s.at[i][...] = zero((BT, SLAB))
 
-  row, col = _iota(0), _iota(1)
-  beta = _load(b_g.at[i_h, rows], ROW)   # from GMEM: no SMEM for it
-  operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
-  p_kk, p_qk = products()
-
-  def store_scores(a_kk, a_qk):
-    # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
-    hi, lo = _split(a_kk * lax.broadcast_in_dim(beta, (BT, BT), [0]))
-    lk_s.at[0][...] = hi
-    lk_s.at[1][...] = lo
-    lq_s.at[0][...] = (a_qk * scale).astype(BF16)
-
-  def exact():
-    # Aqk's diagonal: the plain q . k of each row (a wgmma: a row sum would take SMEM scratch)
-    a_qk = p_qk + jnp.where(row == col, _acc([(q_s, k_s.T)], (BT, BT)), 0.0)
-
-    def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
-      ls = 5 - t
-      operands(ls, both_sides=False)
-      kk, qk = products()
-      same = (row >> ls) == (col >> ls)
-      return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
-    store_scores(*lax.fori_loop(0, 5, level, (p_kk, a_qk)))
-
-  def two_levels():
-    operands(5, both_sides=True)
-    kk, qk = products()
-    same = (row >> 5) == (col >> 5)
-    store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
-                 p_qk + jnp.where(same & (col <= row), qk, 0.0))
-
-  if probe == "bounded-only":
-    two_levels()
-  elif bounded:
-    flag = flag_g[i_h * NTa + c]
-    pl.when(flag != 0)(two_levels)
-    pl.when(flag == 0)(exact)
-  else:
-    exact()
-
-  # qg, kg and kd in place of q, k and their level operands' buffers
-  for i, cols in enumerate(slabs):
-    G = g_tile(cols)
-    last = g_row(BT - 1, cols, (BT, SLAB))
-    qx = _load(q_s.at[:, cols]).astype(F32)
-    kx = _load(k_s.at[:, cols]).astype(F32)
-    e = jnp.exp(whole(G))
-    q_s.at[:, cols][...] = (qx * e).astype(BF16)
-    k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
-    rk_s.at[i][...] = (lax.broadcast_in_dim(beta, (BT, SLAB), [0]) * kx * e).astype(BF16)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(lk_s.at[0], akh_g.at[rows, i_h, :])
   plgpu.copy_smem_to_gmem(lk_s.at[1], akl_g.at[rows, i_h, :])
@@ -292,46 +306,59 @@ def _scores_body(flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _solve_body(akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
+def _solve_body(cu_g, akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
                 ah_s, al_s, kd_s, v_s, b_s, xh_s, xl_s, th_s, tl_s, bar):
   """Kernel 2, per (head, chunk): X = (I + Akk)^-1 by block doubling, w = X kd, u = X (beta v)."""
   K, V = kd_g.shape[2], v_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
-  plgpu.copy_gmem_to_smem(akh_g.at[rows, i_h, :], ah_s, bar)
-  plgpu.copy_gmem_to_smem(akl_g.at[rows, i_h, :], al_s, bar)
-  plgpu.copy_gmem_to_smem(kd_g.at[rows, i_h, :], kd_s, bar)
-  plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
-  plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
-  plgpu.barrier_wait(bar)
-  row, col = _iota(0), _iota(1)
-  a_kk = _load(ah_s).astype(F32) + _load(al_s).astype(F32)
+  def compute():
+    plgpu.copy_gmem_to_smem(akh_g.at[rows, i_h, :], ah_s, bar)
+    plgpu.copy_gmem_to_smem(akl_g.at[rows, i_h, :], al_s, bar)
+    plgpu.copy_gmem_to_smem(kd_g.at[rows, i_h, :], kd_s, bar)
+    plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
+    plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
+    plgpu.barrier_wait(bar)
+    row, col = _iota(0), _iota(1)
+    a_kk = _load(ah_s).astype(F32) + _load(al_s).astype(F32)
 
-  def split_mm(a, a_store, b, b_store):
-    if a_store is not None:
-      a_store[0][...], a_store[1][...] = _split(a)
-    b_store[0][...], b_store[1][...] = _split(b)
+    def split_mm(a, a_store, b, b_store):
+      if a_store is not None:
+        a_store[0][...], a_store[1][...] = _split(a)
+      b_store[0][...], b_store[1][...] = _split(b)
+      plgpu.commit_smem()
+      (ah, al), (bh, bl) = a_store or (xh_s, xl_s), b_store
+      return _acc([(ah, bh), (ah, bl), (al, bh)], (BT, BT))
+
+    eye = jnp.where(row == col, 1.0, 0.0).astype(F32)
+    X = eye - jnp.where((row >> 1) == (col >> 1), a_kk, 0.0)
+    for s in (2, 4, 8, 16, 32):
+      half = _log2(s)
+      L = jnp.where(((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
+                    & (((col >> half) & 1) == 0), a_kk, 0.0)
+      T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
+      X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
+    xh_s[...], xl_s[...] = _split(X)
+    beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
+    v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
     plgpu.commit_smem()
-    (ah, al), (bh, bl) = a_store or (xh_s, xl_s), b_store
-    return _acc([(ah, bh), (ah, bl), (al, bh)], (BT, BT))
+    w = _acc([(xh_s, kd_s), (xl_s, kd_s)], (BT, K))
+    u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
+    kd_s[...] = w.astype(BF16)
+    v_s[...] = u.astype(BF16)
+    plgpu.commit_smem()
+  live = c < cu_g[cu_g.shape[0] - 1] // BT
+  pl.when(live)(compute)
 
-  eye = jnp.where(row == col, 1.0, 0.0).astype(F32)
-  X = eye - jnp.where((row >> 1) == (col >> 1), a_kk, 0.0)
-  for s in (2, 4, 8, 16, 32):
-    half = _log2(s)
-    L = jnp.where(((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
-                  & (((col >> half) & 1) == 0), a_kk, 0.0)
-    T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
-    X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
-  xh_s[...], xl_s[...] = _split(X)
-  beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
-  v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
-  plgpu.commit_smem()
-  w = _acc([(xh_s, kd_s), (xl_s, kd_s)], (BT, K))
-  u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
-  kd_s[...] = w.astype(BF16)
-  v_s[...] = u.astype(BF16)
-  plgpu.commit_smem()
+  @pl.when(jnp.logical_not(live))
+  def _():                                      # tail: Ainv = I, w = u = 0
+    row, col = _iota(0), _iota(1)
+    xh_s[...] = jnp.where(row == col, 1.0, 0.0).astype(BF16)
+    kd_s[...] = plgpu.layout_cast(jnp.zeros((BT, K), BF16), WG)
+    v_s[...] = plgpu.layout_cast(jnp.zeros((BT, V), BF16), WG)
+    plgpu.commit_smem()
+
+
   plgpu.copy_smem_to_gmem(xh_s, ainv_g.at[rows, i_h, :])
   plgpu.copy_smem_to_gmem(kd_s, w_g.at[rows, i_h, :])
   plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, i_h, :])
@@ -342,7 +369,7 @@ def _params(config):
   return plgpu.CompilerParams(approx_math=config.approx_math)
 
 
-def _scores(q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
+def _scores(cu, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
   """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,)."""
   Ta, HV, K = k.shape
   two_part = len(gis) == 2
@@ -363,10 +390,10 @@ def _scores(q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
       compiler_params=_params(config),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(flag, q, k, beta_t, *gis)
+  return f(cu, flag, q, k, beta_t, *gis)
 
 
-def _solve(akh, akl, kd, v, beta_t, *, interpret, config):
+def _solve(cu, akh, akl, kd, v, beta_t, *, interpret, config):
   Ta, HV, K = kd.shape
   V = v.shape[-1]
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
@@ -382,21 +409,24 @@ def _solve(akh, akl, kd, v, beta_t, *, interpret, config):
       compiler_params=_params(config),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(akh, akl, kd, v, beta_t)
+  return f(cu, akh, akl, kd, v, beta_t)
 
 
-def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
+def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
+          config=None):
   config = config or Config()
   reason = supports(q, k, v, beta, gc_int, gc_frac, scale=scale, chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu intra kernel: {reason}")
-  HV = k.shape[2]
+  HV, Ta = k.shape[2], k.shape[1]
+  # chunks at or past aligned_cu[-1] (the tail of a static-bound layout) are only zero-filled
+  cu = jnp.array([0, Ta], jnp.int32) if aligned_cu is None else aligned_cu.astype(jnp.int32)
   q, k, v = (x[0].astype(BF16) for x in (q, k, v))
   beta_t = beta[0].astype(F32).T                                  # [HV, Ta]: contiguous rows for TMA
   gi, gf = gc_int[0].astype(F32), gc_frac[0].astype(F32)
   bounded = config.bounded == "auto"
   flag = bounded_chunks(gc_int, gc_frac) if bounded else jnp.zeros((HV * (k.shape[0] // BT),), jnp.int32)
-  run = lambda *gis: _scores(q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
+  run = lambda *gis: _scores(cu, q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
                              interpret=interpret, config=config)
   if config.two_part == "always":
     akh, akl, aqk, qg, kg, kd = run(gi, gf)
@@ -406,5 +436,5 @@ def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False,
     z = jnp.zeros_like(kd)
     return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros(v.shape, BF16)[None],
                qg[None], kg[None])
-  ainv, w, u = _solve(akh, akl, kd, v, beta_t, interpret=interpret, config=config)
+  ainv, w, u = _solve(cu, akh, akl, kd, v, beta_t, interpret=interpret, config=config)
   return Out(akh[None], aqk[None], ainv[None], w[None], u[None], qg[None], kg[None])

@@ -180,7 +180,9 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
   put(kg_ref, ..., k_ref[...].astype(f32) * jnp.exp(diff(gc(row_at(BT - 1)), b_g)))
 
 
-def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size, interpret=False, config=None):
+def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
+          config=None):
+  del aligned_cu   # every chunk is computed
   config = config or Config()
   BT = chunk_size
   if BT < SUB or BT & (BT - 1):

@@ -25,7 +25,8 @@ def unit_lower_inverse(A):
                                            unit_diagonal=True)
 
 
-def apply(q, k, v, beta, gc_int, gc_frac, *, scale, chunk_size):
+def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size):
+  del aligned_cu   # every chunk is computed (its tail ones give zeros and a one-hot Ainv)
   f32 = jnp.float32
   q, k, v, beta, gi, gf = (to_chunks(x.astype(f32), chunk_size) for x in (q, k, v, beta, gc_int, gc_frac))
   Akk, Aqk = chunk_matrices(q, k, beta, gi, gf, scale)
