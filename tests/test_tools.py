@@ -191,3 +191,23 @@ def test_stages_tool_flags_first_disagreeing_stage(monkeypatch):
   out = io.StringIO()
   stages_tool.render(rep, out)
   assert "FIRST DISAGREEING STAGE: intra" in out.getvalue()
+
+
+def test_bench_smoke_table_and_pieces(tmp_path, capsys):
+  """tools.bench end to end on a tiny CPU run: the table against both peers' JSON and the pieces."""
+  from tools import bench
+  fla = tmp_path / "fla.json"
+  fla.write_text(json.dumps({"variants": {"B:plain": {"fwd_ms_median": 2.0, "fwdbwd_ms_median": 11.0}}}))
+  jla = tmp_path / "jla.json"
+  jla.write_text(json.dumps({"shapes": {"B": {"fwd": {"ms_median": 1.5}, "fwdbwd": {"ms_median": 6.0}}}}))
+  out = tmp_path / "bench.json"
+  assert bench.main(["--variants", "B:plain", "--impls", "auto", "--no-bwd", "--reps", "1", "--total", "96",
+                     "--stages", "--peer", str(fla), "--jla", str(jla), "--out", str(out)]) == 0
+  text = capsys.readouterr().out
+  res = json.loads(out.read_text())
+  row = res["rows"][0]
+  assert "error" not in row and row["fwd_ms"] > 0
+  assert res["jla"]["B:plain"]["fwd_ms_median"] == 1.5 and res["fla"]["B:plain"]["fwd_ms_median"] == 2.0
+  assert f"{row['fwd_ms'] / 1.5:7.2f}" in text            # x = kda / the faster peer
+  pieces = res["stages"]["B:plain"]
+  assert {"prepare", "unalign"} <= set(pieces) and any(p.startswith("intra (") for p in pieces)

@@ -36,18 +36,18 @@ def varlen_lens(total, lo, hi, seed=0):
   return lens
 
 
-def shape(name):
+def shape(name, total=TOTAL):
   if name == "A":
-    return 1, TOTAL, varlen_lens(TOTAL, 64, 4096)
+    return 1, total, varlen_lens(total, 64, 4096)
   if name == "B":
-    return 1, TOTAL, varlen_lens(TOTAL, 1, 128)
+    return 1, total, varlen_lens(total, 1, 128)
   if name == "C":
-    return 4, 8192, None
+    return 4, total // 4, None
   raise ValueError(f"shape must be A, B or C, got {name!r}")
 
 
-def make_inputs(name, gate, seed=0):
-  B, T, lens = shape(name)
+def make_inputs(name, gate, seed=0, total=TOTAL):
+  B, T, lens = shape(name, total)
   ks = jax.random.split(jax.random.PRNGKey(seed), 8)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   q = unit(jax.random.normal(ks[0], (B, T, H, K))).astype(jnp.bfloat16)
@@ -82,18 +82,72 @@ def timeit(fn, *args, reps=20, warmup=3):
 
 
 def memory_mb(fn, *args):
+  """XLA's compiled memory analysis in MiB: (arguments + outputs + temporaries, temporaries), or
+  (None, None) where the backend does not report it."""
   try:
     m = fn.lower(*args).compile().memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-    return total / 2**20
+    return total / 2**20, m.temp_size_in_bytes / 2**20
   except Exception:  # noqa: BLE001 - not every backend reports it
-    return None
+    return None, None
 
 
-def bench_one(name, gate, impl, reps, do_bwd=True):
+def stage_times(name, gate, reps, total=TOTAL):
+  """Median ms of each piece of the default (impl=None) forward, each jitted on its own on the
+  previous pieces' outputs, cu_seqlens traced: prepare (align, l2norm, GVA, gate neutralisation),
+  every forward stage with the implementation the pipeline chooses for it, the fused group where
+  the pipeline would fuse, and unalign. Pieces run apart, so their sum exceeds the whole call."""
+  from kda import padding, pipeline, stages
+  (q, k, v, g, beta), kw, _ = make_inputs(name, gate, total=total)
+  B, T = q.shape[:2]
+  cu = kw.get("cu_seqlens")
+  if cu is None:                                 # fixed-length rows, packed as chunk_kda does
+    q, k, v, g, beta = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta))
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    T = B * T
+  plan = pipeline.make_plan(scale=q.shape[-1] ** -0.5, chunk_size=64,
+                            use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
+                            lower_bound=kw.get("lower_bound"))
+  A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
+  lay = lambda cu: padding.layout_from_cu_seqlens(cu, T, plan.chunk_size)
+  h0 = jnp.zeros((cu.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
+  out = {}
+
+  def piece(label, fn, *args):
+    f = jax.jit(fn)
+    res = f(*args)
+    out[label] = timeit(f, *args, reps=reps)
+    return res
+
+  qa, ka, va, ga, ba, valid = piece("prepare", lambda cu, *x: pipeline.prepare(plan, lay(cu), *x),
+                                    cu, q, k, v, g, beta)
+  acu = jax.jit(lambda cu: lay(cu).aligned_cu)(cu)
+
+  def stage(name_, *args):
+    impl = pipeline.choose(plan, name_, *args, **pipeline.forward_kwargs(plan, name_))
+    return impl, piece(f"{name_} ({impl})", lambda *a: stages.get(name_)(
+        impl, *a, interpret=plan.interpret, **pipeline.forward_kwargs(plan, name_)), *args)
+
+  _, gt = stage("gate", ga, valid, A_log, dt_bias)
+  _, it = stage("intra", qa, ka, va, ba, gt.gc_int, gt.gc_frac, acu)
+  sargs = (it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, h0, acu)
+  fargs = (it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu)
+  fused = pipeline.fused_kernel(plan, ("state", "output"), sargs, *fargs, chunk_size=plan.chunk_size)
+  _, st = stage("state", *sargs)
+  _, ot = stage("output", it.qg, st.h, it.Aqk, st.v_new)
+  o = ot.o
+  if fused is not None:
+    o, _ = piece("state+output (fused mosaic_gpu)", lambda *a: fused(
+        *a, scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
+        out_dtype=pipeline.o_dtype(v)), *fargs)
+  piece("unalign", lambda cu, o: padding.unalign_with(lay(cu), o).astype(v.dtype), cu, o)
+  return out
+
+
+def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
   """impl: "auto" (chunk_kda's default: kernels where a stage has one), "pallas" or "reference"."""
   label, impl = impl, (None if impl == "auto" else impl)
-  args, kw, do = make_inputs(name, gate)
+  args, kw, do = make_inputs(name, gate, total=total)
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
   static_kw = {k: v for k, v in kw.items() if k not in diff_kw}
 
@@ -109,25 +163,56 @@ def bench_one(name, gate, impl, reps, do_bwd=True):
   jax.block_until_ready(f(*args, diff_kw))
   out = {"shape": name, "gate": gate, "impl": label, "compile_fwd_s": time.perf_counter() - t0}
   out["fwd_ms"] = timeit(f, *args, diff_kw, reps=reps)
-  out["fwd_mem_mb"] = memory_mb(f, *args, diff_kw)
+  out["fwd_mem_mb"], out["fwd_temp_mb"] = memory_mb(f, *args, diff_kw)
   if do_bwd:
     fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
     t0 = time.perf_counter()
     jax.block_until_ready(fb(*args, diff_kw))
     out["compile_fwdbwd_s"] = time.perf_counter() - t0
     out["fwdbwd_ms"] = timeit(fb, *args, diff_kw, reps=reps)
-    out["fwdbwd_mem_mb"] = memory_mb(fb, *args, diff_kw)
+    out["fwdbwd_mem_mb"], out["fwdbwd_temp_mb"] = memory_mb(fb, *args, diff_kw)
   return out
 
 
 def peer_figures(path):
+  """FLA's JSON (fla_bench.py --out): {"A:plain": {"fwd_ms_median", "fwdbwd_ms_median", ...}}."""
   with open(path) as fh:
     data = json.load(fh)
-  res = {}
-  for key, val in data.get("variants", {}).items():
+  return {key: val for key, val in data.get("variants", {}).items() if isinstance(val, dict)}
+
+
+def jla_figures(path):
+  """jax-linear-attention's JSON (jla_bench.py --out, plain gates): {"A:plain": {"fwd_ms_median", ...}}."""
+  with open(path) as fh:
+    data = json.load(fh)
+  out = {}
+  for name, val in data.get("shapes", {}).items():
     if isinstance(val, dict):
-      res[key] = val
-  return res
+      out[f"{name}:plain"] = {"fwd_ms_median": (val.get("fwd") or {}).get("ms_median"),
+                              "fwdbwd_ms_median": (val.get("fwdbwd") or {}).get("ms_median")}
+  return out
+
+
+def table(rows, fla, jla):
+  """kda against both peers; x = kda / the faster peer measured."""
+  nan = float("nan")
+  f = lambda x: f"{x:9.3f}" if x else f"{'-':>9s}"
+  lines = [f"{'variant':14s} {'impl':10s} {'kda fwd':>9s} {'FLA fwd':>9s} {'jla fwd':>9s} {'x fwd':>7s} "
+           f"{'kda f+b':>9s} {'FLA f+b':>9s} {'jla f+b':>9s} {'x f+b':>7s} {'compile s':>9s} {'temp MiB':>9s}"]
+  for r in rows:
+    key = f"{r['shape']}:{r['gate']}"
+    if "error" in r:
+      lines.append(f"{key:14s} {r['impl']:10s} ERROR {r['error'][:80]}")
+      continue
+    pf = [p.get(key, {}).get("fwd_ms_median") for p in (fla, jla)]
+    pb = [p.get(key, {}).get("fwdbwd_ms_median") for p in (fla, jla)]
+    best = lambda xs: min([x for x in xs if x] or [nan])
+    ratio = lambda a_, b_: f"{a_ / b_:7.2f}" if (a_ and b_ == b_) else f"{'-':>7s}"
+    fb = r.get("fwdbwd_ms")
+    lines.append(f"{key:14s} {r['impl']:10s} {f(r['fwd_ms'])} {f(pf[0])} {f(pf[1])} {ratio(r['fwd_ms'], best(pf))} "
+                 f"{f(fb)} {f(pb[0])} {f(pb[1])} {ratio(fb, best(pb))} {r['compile_fwd_s']:9.1f} "
+                 f"{f(r.get('fwd_temp_mb'))}")
+  return "\n".join(lines)
 
 
 def main(argv=None):
@@ -137,36 +222,40 @@ def main(argv=None):
                  help="auto = chunk_kda's default (forward kernels, backward stages without kernels in jnp)")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--no-bwd", action="store_true")
-  p.add_argument("--peer", help="JSON written by the peer harness (fla_bench.py --out) in the same run")
+  p.add_argument("--stages", action="store_true",
+                 help="also time each piece of the default forward apart (stage_times)")
+  p.add_argument("--total", type=int, default=TOTAL, help="packed tokens (smaller for a smoke run)")
+  p.add_argument("--peer", help="FLA's JSON (fla_bench.py --out, run_peer.sh's fla.json) from the same device run")
+  p.add_argument("--jla", help="jax-linear-attention's JSON (run_peer.sh's jla.json) from the same device run")
   p.add_argument("--out", help="write results as JSON")
   a = p.parse_args(argv)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  rows = []
+  rows, pieces = [], {}
   for var in a.variants.split(","):
     name, gate = var.split(":")
     for impl in a.impls.split(","):
       try:
-        r = bench_one(name, gate, impl, a.reps, do_bwd=not a.no_bwd)
+        r = bench_one(name, gate, impl, a.reps, do_bwd=not a.no_bwd, total=a.total)
       except Exception as e:  # noqa: BLE001 - report and go on with the other cases
         r = {"shape": name, "gate": gate, "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]}
       rows.append(r)
       print(json.dumps(r), flush=True)
-  peer = peer_figures(a.peer) if a.peer else {}
-  print(f"\n{'variant':14s} {'impl':10s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'peer fwd':>9s} {'peer f+b':>9s} {'x fwd':>7s} {'x f+b':>7s}")
-  for r in rows:
-    if "error" in r:
-      print(f"{r['shape']}:{r['gate']:10s} {r['impl']:10s} ERROR {r['error'][:80]}")
-      continue
-    pv = peer.get(f"{r['shape']}:{r['gate']}", {})
-    pf, pb = pv.get("fwd_ms_median"), pv.get("fwdbwd_ms_median")
-    fb = r.get("fwdbwd_ms")
-    ratio = lambda a_, b_: f"{a_ / b_:7.2f}" if (a_ and b_) else f"{'-':>7s}"
-    print(f"{r['shape'] + ':' + r['gate']:14s} {r['impl']:10s} {r['fwd_ms']:9.3f} "
-          f"{(fb or float('nan')):11.3f} {(pf or float('nan')):9.3f} {(pb or float('nan')):9.3f} "
-          f"{ratio(r['fwd_ms'], pf)} {ratio(fb, pb)}")
+    if a.stages:
+      try:
+        pieces[var] = stage_times(name, gate, a.reps, total=a.total)
+      except Exception as e:  # noqa: BLE001
+        pieces[var] = {"error": f"{type(e).__name__}: {e}"[:500]}
+      print(json.dumps({"stages": var, **pieces[var]}), flush=True)
+  fla = peer_figures(a.peer) if a.peer else {}
+  jla = jla_figures(a.jla) if a.jla else {}
+  print("\n" + table(rows, fla, jla))
+  for var, pc in pieces.items():
+    print(f"\n{var} pieces of the default forward (ms, each jitted apart):")
+    for label, ms in pc.items():
+      print(f"  {label:34s} {ms if isinstance(ms, str) else f'{ms:8.3f}'}")
   if a.out:
     with open(a.out, "w") as fh:
-      json.dump({"rows": rows, "peer": peer}, fh, indent=1)
+      json.dump({"rows": rows, "stages": pieces, "fla": fla, "jla": jla}, fh, indent=1)
   return 0
 
 
