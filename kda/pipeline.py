@@ -197,8 +197,8 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
 
 class Saved(NamedTuple):
   """What the custom VJP keeps of the forward besides its inputs: O(T * BT) per head, no state."""
-  Aqk: jax.Array   # [1, Ta, HV, BT] float32
-  Ainv: jax.Array  # [1, Ta, HV, BT] float32, (I + Akk)^-1
+  Aqk: jax.Array   # [1, Ta, HV, BT] intra's dtype (bf16 from kernels for bf16 inputs)
+  Ainv: jax.Array  # [1, Ta, HV, BT] (I + Akk)^-1, intra's dtype
 
 
 class Grads(NamedTuple):

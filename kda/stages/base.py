@@ -12,7 +12,7 @@ The implementations (IMPLS), each in the stage package's module of that name:
 `supports` maps a backend name to its predicate: called with the same arguments as that
 implementation (`interpret` included for kernels), it returns None if the implementation takes
 the call and a string saying why not otherwise (e.g. "mosaic_gpu needs bf16 q/k/v, got float32").
-A backend without a predicate takes every call. No stage sets one yet.
+A backend without a predicate takes every call (today the mosaic_gpu kernels set one).
 """
 from __future__ import annotations
 
