@@ -34,14 +34,18 @@ def test_supports_is_outside_equality_and_hash():
 
 
 def test_impl_mosaic_gpu_runs_the_references_where_no_kernel_takes_the_call():
-  """impl="mosaic_gpu": the state kernel where it takes the call (not here: chunk 16, float32), the
-  references everywhere else, so the results are the reference's bit for bit."""
+  """impl="mosaic_gpu": the forward stages' kernels where they take the call (not here: chunk 16,
+  float32), the references everywhere else (the backward stages have no mosaic_gpu kernel), so the
+  results are the reference's bit for bit; an impl dict naming a stage without the kernel raises."""
   plan = pipeline.make_plan(scale=1.0, chunk_size=16, impl="mosaic_gpu")
   want = {n: "mosaic_gpu" if "mosaic_gpu" in stages.get(n).implementations() else "reference"
           for n in stages.names()}
-  assert dict(plan.impls) == want and want["state"] == "mosaic_gpu"
-  with pytest.raises(ValueError, match="stage 'intra' has no 'mosaic_gpu' implementation"):
-    pipeline.make_plan(scale=1.0, chunk_size=16, impl={"intra": "mosaic_gpu"})
+  assert dict(plan.impls) == want
+  assert all(want[s.name] == "mosaic_gpu" for s in stages.FORWARD)
+  lacking = [n for n, i in want.items() if i == "reference"]
+  assert lacking and all(n.startswith("bwd_") for n in lacking), lacking
+  with pytest.raises(ValueError, match=f"stage '{lacking[0]}' has no 'mosaic_gpu' implementation"):
+    pipeline.make_plan(scale=1.0, chunk_size=16, impl={lacking[0]: "mosaic_gpu"})
   inp = cases.make_inputs(0, lens=[20, 13], H=1, K=16, V=16)
   run = lambda impl: kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, cu_seqlens=inp.cu_seqlens,
                                    initial_state=inp.initial_state, output_final_state=True,
@@ -64,9 +68,12 @@ def test_impl_none_picks_mosaic_gpu_on_hopper_and_falls_back_when_refused(monkey
   st = Stage("state", reference=_fake("reference"), pallas=_fake("pallas"), mosaic_gpu=_fake("mosaic_gpu"),
              supports=refuse)
   monkeypatch.setitem(stages.STAGES, "state", st)
+  # every real stage with a pallas kernel has a mosaic_gpu one too: a fake pallas-only stage
+  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", reference=_fake("reference"), pallas=_fake("pallas")))
   names = stages.names()
   assert pipeline.default_impls(names, backend="gpu", hopper=True)["state"] == "mosaic_gpu"
   assert pipeline.default_impls(names, backend="gpu", hopper=True)["intra"] == "pallas"
+  assert pipeline.default_impls(names, backend="gpu", hopper=True)["bwd_wy"] == "reference"   # neither kernel
   assert pipeline.default_impls(names, backend="gpu", hopper=False)["state"] == "pallas"
   assert pipeline.default_impls(names, backend="cpu", hopper=True)["state"] == "reference"
   auto = pipeline.Plan(1.0, 64, False, False, None, (("state", "mosaic_gpu"),), True)

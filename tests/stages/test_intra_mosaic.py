@@ -1,0 +1,450 @@
+"""The Mosaic GPU intra kernels (scores + gating; solve + WY) against the intra reference: simulator
+runs on CPU and CUDA lowering.
+
+q, k, v are bf16 and the reference gets the same bf16 values (upcast), so what is left is the
+kernel's own rounding: bf16 level operands (k or q times a decay factor, 2^-9 relative), Akk's
+hi + lo split (~2^-16), X's split in the solve, bf16 right-hand sides of w and u, and the bf16
+store of every output (up to 2^-8 of each value). The store alone, bf16(reference) against the
+reference, measures 2.2e-3 .. 3.4e-3 of the largest value per field on these cases; the kernel adds
+at most about as much again (measured with -s, printed per case; TOL's comments give the maxima).
+qg and kg are the reference's float32 values rounded once: bit for bit on the simulator.
+
+Inputs (make_case): bf16 q, k (l2-normalised, or |q|, |k| in [1, 3]), padding rows (q = k = v =
+beta = 0, gc flat) after every sequence and whole padding chunks, and gates from ordinary (all in
+(-1, 0): gc_int == 0, so the launcher runs the gc_frac-only scores kernel and every chunk is
+bounded) to strong (gc_int != 0: the two-part kernel; chunks with gates down to -1e30 and -inf,
+floored at -128 by the gate stage, take the exact six-level path, the others the bounded one).
+"""
+from __future__ import annotations
+
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import pipeline
+from kda.stages import gate, intra
+from kda.stages.intra import mosaic_gpu as mgi
+from tests.stages.test_gate import EXTREMES
+from tests.stages.test_intra import check_padding
+from tests.stages.test_output_mosaic import lowered_smem_bytes
+
+BT = 64
+F32, BF16 = jnp.float32, jnp.bfloat16
+SMEM_TWO_CTAS = 233472 // 2 - 1024   # 228 KiB per H100/H200 SM, 1 KiB reserved per CTA: 115712
+SMEM_ONE_CTA = 232448                # the opt-in maximum of one CTA (227 KiB)
+
+# Kernel vs reference, per field: (the worst (chunk, head) block's max|d| / max|ref|, ||d|| / ||ref||
+# over the whole array), about 1.6x the maxima measured over every case below (both configs, all
+# four head-dim pairs, large ones included). A wrong scale by 1% or one token's decay missing fails
+# them (test_tolerances_catch_wrong_formulas).
+TOL = {
+    "Akk": (8e-3, 5e-3),      # measured 4.95e-3, 2.95e-3 (the store alone: 3.4e-3, 1.7e-3)
+    "Aqk": (8e-3, 5e-3),      # measured 5.16e-3, 2.92e-3
+    "Ainv": (1.2e-3, 3.5e-4),  # unit-norm k (|Akk| < 1, entries of Ainv ~<= 1): 6.9e-4, 1.84e-4
+    "w": (7e-3, 4e-3),        # measured 4.44e-3, 2.39e-3
+    "u": (9e-3, 4e-3),        # measured 5.61e-3, 2.46e-3
+}
+# |k| up to 3: Akk's entries up to 9 beta, so Ainv's grow and carry Akk's rounding further:
+# measured 3.74e-3, 7.63e-4
+TOL_NONUNIT = {"Ainv": (6e-3, 1.5e-3)}
+EXACT = ("qg", "kg")          # bf16(reference) bit for bit: the same float32 exp and product
+
+POOL_T, POOL_HV, POOL_D = 192, 2, 128
+
+
+@functools.lru_cache(maxsize=None)
+def _pool():
+  """One draw at the largest shape, sliced by every case (jax.random compiles per shape)."""
+  ks = jax.random.split(jax.random.key(5), 9)
+  S = (1, POOL_T, POOL_HV, POOL_D)
+  draw = dict(
+      q=jax.random.normal(ks[0], S), k=jax.random.normal(ks[1], S), v=jax.random.normal(ks[2], S),
+      beta=jax.nn.sigmoid(jax.random.normal(ks[3], S[:3])),
+      z=jax.random.normal(ks[4], S),                                   # ordinary gates
+      strong=jax.random.uniform(ks[5], S, minval=-5.0, maxval=-1.0),
+      hit=jax.random.uniform(ks[6], S),
+      pick=jax.random.randint(ks[7], S, 0, len(EXTREMES)),
+      norm=jax.random.uniform(ks[8], S[:3] + (2,), minval=1.0, maxval=3.0),
+  )
+  return {n: np.asarray(x) for n, x in draw.items()}
+
+
+@jax.jit
+def _gc(g, valid):
+  out = gate.reference.apply(g, valid, None, None, chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
+  return out.gc_int, out.gc_frac
+
+
+def make_case(lens, Ta, HV, K, V, gates="ordinary", unit=True):
+  """Aligned intra inputs (q, k, v bf16; beta, gc_int, gc_frac float32) and the [Ta] real-token mask.
+
+  lens: sequence n starts at the chunk boundary after sequence n-1 (align's layout), zeros elsewhere
+  up to Ta (chunks past the last sequence are all padding). gates "ordinary": every gate in
+  (-1, 0); "strong": on top of that, one chunk per head (chunk 1 of head 0, chunk 0 of head 1)
+  gets 8% of its entries from test_gate.EXTREMES (-inf, -1e30, -1e4 ... -30) and one token at -30
+  in every channel (not bounded), the other of chunks 0, 1 gets 10% in [-5, -1] (bounded: no 16
+  tokens of a channel exceed 80), chunk 2 stays ordinary. The gate stage's reference (no activation)
+  turns them into gc: floored at -128, flat over padding.
+  unit: l2-normalised q, k (as use_qk_l2norm); else |q|, |k| in [1, 3].
+  """
+  p = _pool()
+  valid = np.zeros(Ta, bool)
+  start = 0
+  for L in lens:
+    valid[start:start + L] = True
+    start += -(-L // BT) * BT
+  assert start <= Ta
+  sl = lambda x, d: x[:, :Ta, :HV, :d]
+  q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (sl(p["q"], K), sl(p["k"], K)))
+  if not unit:
+    q, k = q * p["norm"][:, :Ta, :HV, :1], k * p["norm"][:, :Ta, :HV, 1:]
+  g = -0.99 / (1.0 + np.exp(1.0 - sl(p["z"], K)))
+  if gates == "strong":
+    chunk = (np.arange(Ta) // BT)[None, :, None, None]
+    head = np.arange(HV)[None, None, :, None]
+    hit = sl(p["hit"], K)
+    g = np.where((chunk == np.where(head == 0, 0, 1)) & (hit < 0.1), sl(p["strong"], K), g)
+    g = np.where((chunk == np.where(head == 0, 1, 0)) & (hit < 0.08),
+                 np.asarray(EXTREMES, np.float32)[sl(p["pick"], K)], g)
+    g[:, BT + 20, 0] = -30.0
+    if HV > 1:
+      g[:, 20, 1] = -30.0
+  elif gates != "ordinary":
+    raise ValueError(gates)
+  m = valid[None, :, None, None]
+  q, k, v = (jnp.asarray(np.where(m, x, 0.0), BF16) for x in (q, k, sl(p["v"], V)))
+  beta = jnp.asarray(np.where(valid[None, :, None], p["beta"][:, :Ta, :HV], 0.0), F32)
+  gi, gf = _gc(jnp.asarray(g, F32), jnp.asarray(valid)[None])
+  return (q, k, v, beta, gi, gf), valid
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(scale, config):
+  return jax.jit(functools.partial(mgi.apply, scale=scale, chunk_size=BT, interpret=True, config=config))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(scale):
+  return jax.jit(functools.partial(intra.reference.apply, scale=scale, chunk_size=BT))
+
+
+def errors(got, want):
+  """Per field (TOL's metrics): the worst (chunk, head) block's max|d| / max|ref| (a block whose
+  reference is all 0 must be exactly 0: ratio 0 or inf), and ||d|| / ||ref||; for EXACT fields
+  the number of elements that differ from bf16(reference)."""
+  out = {}
+  for name in intra.Out._fields:
+    a = np.asarray(jnp.asarray(getattr(got, name), F32), np.float64)
+    b = getattr(want, name)
+    if name in EXACT:
+      out[name] = int(np.sum(a != np.asarray(jnp.asarray(b, BF16).astype(F32), np.float64)))
+      continue
+    b = np.asarray(b, np.float64)
+    d = np.abs(a - b)
+    blocks = lambda x: x[0].reshape(-1, BT, *x.shape[2:]).swapaxes(1, 2).reshape(x.shape[1] // BT, x.shape[2], -1)
+    dm, bm = blocks(d).max(-1), blocks(np.abs(b)).max(-1)
+    ratio = np.where(bm > 0, dm / np.where(bm > 0, bm, 1.0), np.where(dm > 0, np.inf, 0.0))
+    out[name] = (float(ratio.max()), float(np.linalg.norm(d) / max(np.linalg.norm(b), 1e-30)))
+  return out
+
+
+def failures(errs, unit=True):
+  """The fields whose errors exceed TOL (EXACT fields: any element off)."""
+  tol = dict(TOL, **({} if unit else TOL_NONUNIT))
+  return [n for n, e in errs.items()
+          if (e != 0 if n in EXACT else (e[0] > tol[n][0] or e[1] > tol[n][1]))]
+
+
+def worst(got, want, name):
+  """Where field `name` is furthest off: token, head, column, both values."""
+  a = np.asarray(jnp.asarray(getattr(got, name), F32), np.float64)[0]
+  b = np.asarray(jnp.asarray(getattr(want, name), F32), np.float64)[0]
+  t, h, j = np.unravel_index(np.argmax(np.abs(a - b)), a.shape)
+  return (f"{name} worst at token {t} (chunk {t // BT}, row {t % BT}), head {h}, column {j}: "
+          f"got {a[t, h, j]:.7g}, want {b[t, h, j]:.7g}")
+
+
+def fmt(errs):
+  return ", ".join(f"{n} {e} off" if n in EXACT else f"{n} {e[0]:.2e}/{e[1]:.2e}" for n, e in errs.items())
+
+
+SHAPES = {
+    # id: lens, Ta, HV, K, V; Ta = 3 chunks, padding rows in each, a whole padding chunk in two
+    "K64-V64-HV2-100_20": ([100, 20], 192, 2, 64, 64),
+    "K128-V128-HV1-64_50": ([64, 50], 192, 1, 128, 128),
+    "K64-V128-HV2-130": ([130], 192, 2, 64, 128),
+    "K128-V64-HV1-40_64": ([40, 64], 192, 1, 128, 64),
+}
+
+
+def run_case(shape, gates, unit, bounded="auto", two_part="auto"):
+  """(args, valid, kernel Out, reference Out, kernel seconds); run once per case, compiled once per
+  shape and config."""
+  return _run_case(shape, gates, unit, bounded, two_part)
+
+
+@functools.lru_cache(maxsize=None)
+def _run_case(shape, gates, unit, bounded, two_part):
+  lens, Ta, HV, K, V = SHAPES[shape]
+  args, valid = make_case(lens, Ta, HV, K, V, gates, unit)
+  scale = K ** -0.5
+  f = _kernel(scale, mgi.Config(bounded=bounded, two_part=two_part))
+  t0 = time.time()
+  got = jax.block_until_ready(f(*args))
+  secs = time.time() - t0
+  return args, valid, got, _reference(scale)(*args), secs
+
+
+# (shape, gates, unit, bounded). The default run compiles 6 (shape, config) pairs: every scores
+# kernel variant (gc_frac-only or two-part, bounded="auto" or exact-only "never"; K = 64 and 128)
+# and every solve (K, V) runs at least once; the rest of the matrix is marked large.
+DEFAULT = {
+    ("K64-V64-HV2-100_20", "ordinary", True, "auto"), ("K64-V64-HV2-100_20", "strong", True, "auto"),
+    ("K64-V64-HV2-100_20", "ordinary", True, "never"), ("K64-V64-HV2-100_20", "strong", True, "never"),
+    ("K128-V128-HV1-64_50", "ordinary", False, "auto"), ("K128-V128-HV1-64_50", "strong", True, "auto"),
+    ("K128-V128-HV1-64_50", "ordinary", True, "never"), ("K128-V128-HV1-64_50", "strong", True, "never"),
+    ("K64-V128-HV2-130", "strong", True, "auto"),
+    ("K128-V64-HV1-40_64", "ordinary", True, "auto"), ("K128-V64-HV1-40_64", "strong", False, "auto"),
+}
+MATRIX = [(s, g, u, b) for s in SHAPES for g in ("ordinary", "strong") for u in (True, False)
+          for b in ("auto", "never")]
+
+
+@pytest.mark.parametrize(
+    "shape,gates,unit,bounded",
+    [pytest.param(*c, marks=() if c in DEFAULT else pytest.mark.large) for c in MATRIX],
+    ids=[f"{s}-{g}-{'unit' if u else 'nonunit'}-{b}" for s, g, u, b in MATRIX])
+def test_kernel_matches_reference(shape, gates, unit, bounded):
+  args, valid, got, want, secs = run_case(shape, gates, unit, bounded)
+  gi = np.asarray(args[4])
+  flags = np.asarray(mgi.bounded_chunks(args[4], args[5]))
+  errs = errors(got, want)
+  print(f"\n  {shape} {gates} unit={unit} bounded={bounded} ({secs:.2f}s) flags={flags.tolist()}\n    {fmt(errs)}")
+  # the inputs exercise what their names say
+  assert np.any(gi != 0) == (gates == "strong")
+  assert flags.all() if gates == "ordinary" else (0 < flags.sum() < flags.size)
+  for name in intra.Out._fields:
+    x, w = getattr(got, name), getattr(want, name)
+    assert x.dtype == BF16 and x.shape == w.shape, (name, x.dtype, x.shape)
+    assert bool(jnp.all(jnp.isfinite(x))), f"{name}: not finite"
+  bad = failures(errs, unit)
+  assert not bad, f"{bad} beyond TOL: {fmt(errs)}; " + "; ".join(worst(got, want, n) for n in bad)
+  check_padding(got, valid, BT)
+
+
+def test_whole_padding_chunks_are_exact():
+  """A chunk no sequence reaches: Akk, Aqk, w, u, qg, kg exactly 0, Ainv exactly the identity."""
+  for shape, unit in (("K128-V128-HV1-64_50", False), ("K128-V64-HV1-40_64", True)):
+    _, valid, got, _, _ = run_case(shape, "ordinary", unit)
+    assert not valid[2 * BT:].any()
+    for name in intra.Out._fields:
+      x = np.asarray(getattr(got, name)[0, 2 * BT:], np.float32)
+      want = np.eye(BT)[:, None, :] if name == "Ainv" else 0.0
+      np.testing.assert_array_equal(x, np.broadcast_to(want, x.shape), name)
+
+
+def test_chunks_past_aligned_cu_are_only_zero_filled():
+  """aligned_cu: chunks at or past aligned_cu[-1] (the tail of a static-bound layout) are written as
+  zeros and an identity Ainv without reading their inputs (NaN here); every other chunk keeps the
+  bits of the call without aligned_cu."""
+  (q, k, v, beta, gi, gf), valid, plain, _, _ = run_case("K128-V128-HV1-64_50", "strong", True)
+  tail = jnp.arange(q.shape[1]) >= 2 * BT
+  assert not valid[2 * BT:].any()
+  poison = lambda x: jnp.where(tail.reshape((1, -1) + (1,) * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)
+  aligned_cu = jnp.asarray([0, BT, 2 * BT], jnp.int32)
+  f = _kernel(128 ** -0.5, mgi.Config())
+  got = jax.block_until_ready(f(*map(poison, (q, k, v, beta, gi, gf)), aligned_cu))
+  for name in intra.Out._fields:
+    x, y = (np.asarray(getattr(o, name)[0], np.float32) for o in (got, plain))
+    np.testing.assert_array_equal(x[:2 * BT], y[:2 * BT], name)
+    want = np.eye(BT)[:, None, :] if name == "Ainv" else 0.0
+    np.testing.assert_array_equal(x[2 * BT:], np.broadcast_to(want, x[2 * BT:].shape), name)
+
+
+def test_bounded_path_runs_where_flagged():
+  """Per (head, chunk): with bounded="auto" a flagged chunk takes the two-level path (Akk, Aqk differ
+  from the exact path's bits), an unflagged one the exact path (the same bits as bounded="never").
+  HV = 2 with different flags per head: the kernel reads the flags in bounded_chunks' order."""
+  args, _, auto, _, _ = run_case("K64-V64-HV2-100_20", "strong", True, "auto")
+  _, _, never, _, _ = run_case("K64-V64-HV2-100_20", "strong", True, "never")
+  flags = np.asarray(mgi.bounded_chunks(args[4], args[5])).reshape(2, -1)     # [HV, NTa]
+  assert flags.tolist() == [[1, 0, 1], [0, 1, 1]]
+  for name in ("Akk", "Aqk"):
+    a, b = (np.asarray(getattr(o, name)[0], np.float32).reshape(-1, BT, 2, BT) for o in (auto, never))
+    for h in range(2):
+      for c in range(flags.shape[1]):
+        same = np.array_equal(a[c, :, h], b[c, :, h])
+        assert same == (flags[h, c] == 0), (name, h, c, flags[h, c])
+
+
+@pytest.mark.large
+def test_gc_frac_kernel_computes_the_same_bits():
+  """Ordinary gates (gc_int == 0): the launcher's gc_frac-only scores kernel equals the two-part one
+  (two_part="always") bit for bit, as the module docstring says."""
+  _, _, auto, _, _ = run_case("K64-V64-HV2-100_20", "ordinary", True)
+  _, _, always, _, _ = run_case("K64-V64-HV2-100_20", "ordinary", True, two_part="always")
+  for name in intra.Out._fields:
+    np.testing.assert_array_equal(np.asarray(getattr(auto, name), np.float32),
+                                  np.asarray(getattr(always, name), np.float32), name)
+
+
+def test_tolerances_catch_wrong_formulas():
+  """TOL is tight enough: the kernel's outputs fail against the reference of a subtly wrong
+  formula (a 1% scale, one token's decay missing or 10% off, one token's beta missing)."""
+  (q, k, v, beta, gi, gf), _, got, want, _ = run_case("K64-V64-HV2-100_20", "ordinary", True)
+  assert not failures(errors(got, want))
+  scale = 64 ** -0.5
+
+  def ref(scale=scale, **changed):
+    args = dict(dict(q=q, k=k, v=v, beta=beta, gi=gi, gf=gf), **changed)
+    return _reference(scale)(*args.values())
+
+  t = 10                                        # a token of chunk 0: its gate is gc[t] - gc[t - 1]
+  g_t = gf[:, t] - gf[:, t - 1]
+  after = (jnp.arange(gf.shape[1]) >= t) & (jnp.arange(gf.shape[1]) < BT)
+  shifted = lambda x: gf - jnp.where(after[None, :, None, None], x[:, None], 0.0)
+  wrong = {
+      "scale x 1.01": (ref(scale=scale * 1.01), {"Aqk"}),
+      "decay of one token missing": (ref(gf=shifted(g_t)), {"Akk", "Aqk", "w", "qg", "kg"}),
+      "one token's gate 10% off": (ref(gf=shifted(0.1 * g_t)), {"Akk", "Aqk", "qg", "kg"}),
+      "beta of one token missing": (ref(beta=beta.at[0, 30, 0].set(1.0)), {"Akk", "u"}),
+  }
+  for label, (bad, must_fail) in wrong.items():
+    errs = errors(got, bad)
+    print(f"\n  vs {label}: {fmt(errs)}")
+    assert must_fail <= set(failures(errs)), (label, failures(errs))
+
+
+def test_bounded_chunks_flags_crafted_spans():
+  """1 where every 16-token half of both 32-token blocks spans <= 80 of gc in every channel.
+
+  [HV = 2, NTa = 4] chunks, one gate pattern each. The halves of tokens 0 ... 31 span gc_0 - gc_16
+  (gates 1 ... 16) and gc_16 - gc_31 (gates 17 ... 31), likewise from token 32, so the gate of a
+  32-token block's first token is in no span."""
+  HV, NTa, K = 2, 4, 64
+  g = np.full((1, NTa * BT, HV, K), -0.01, np.float32)
+  at = lambda h, c, rows, ch, val: g.__setitem__((0, c * BT + np.asarray(rows), h, ch), val)
+  at(0, 1, np.arange(33, 49), 3, -81 / 16)      # a 16-token span of 81 in the second block  -> 0
+  at(0, 2, np.arange(33, 49), 3, -79 / 16)      # 79                                           -> 1
+  g[0, 3 * BT:4 * BT, 0, :] = -5.0              # safe_gate's worst case everywhere: spans of 80 -> 1
+  at(1, 0, [0, 32], 5, -81.0)                   # -81 at both blocks' first tokens (gc_int -81, -162) -> 1
+  at(1, 1, [16], 5, -81.0)                      # -81 at the first half's last gate (gc_15 - gc_16)   -> 0
+  at(1, 2, [20], 0, np.nan)                     # a NaN gate                                   -> 0
+  at(1, 3, np.arange(9, 25), 7, -81 / 16)       # 81 over 16 tokens split by the middle: 40.5 each -> 1
+  gi, gf = _gc(jnp.asarray(g), jnp.ones((1, NTa * BT), bool))
+  assert float(jnp.min(gi)) <= -162
+  flags = np.asarray(mgi.bounded_chunks(gi, gf))
+  assert flags.dtype == np.int32 and flags.shape == (HV * NTa,)
+  assert flags.reshape(HV, NTa).tolist() == [[1, 0, 1, 1], [1, 0, 0, 1]]
+
+
+def _abstract(Ta, HV, K, V, dtype=BF16):
+  S = jax.ShapeDtypeStruct
+  return (S((1, Ta, HV, K), dtype), S((1, Ta, HV, K), dtype), S((1, Ta, HV, V), dtype), S((1, Ta, HV), F32),
+          S((1, Ta, HV, K), F32), S((1, Ta, HV, K), F32))
+
+
+def test_takes_and_supports():
+  kw = dict(scale=0.125, chunk_size=BT)
+  good = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 64, 128)]
+  q, k, v, beta, gi, gf = good
+  assert mgi.takes(*good, **kw) is None and mgi.supports(*good, **kw) is None
+  assert intra.STAGE.supports["mosaic_gpu"] is mgi.takes and intra.STAGE.mosaic_gpu is mgi.apply
+  f32 = [x.astype(F32) for x in (q, k, v)]
+  why = mgi.takes(*f32, beta, gi, gf, **kw)
+  assert "bfloat16" in why and all(f"{n} float32" in why for n in ("q", "k", "v")), why
+  why = mgi.takes(q, f32[1], v, beta, gi, gf, **kw)
+  assert "k float32" in why and "q " not in why and "v " not in why, why
+  assert "v float16" in mgi.takes(q, k, v.astype(jnp.float16), beta, gi, gf, **kw)
+  zeros = lambda *shape: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*shape)]
+  refused = {
+      "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
+      "K must be one of (64, 128), got 96": (zeros(128, 2, 96, 64), kw),
+      "K must be one of (64, 128), got 256": (zeros(64, 1, 256, 64), kw),
+      "v must be [1, Ta, HV, V] with V in": ([q, k, v[..., :96], beta, gi, gf], kw),
+      "Ta must be a multiple of 64, got 100": ([x[:, :100] for x in good], kw),
+      "k must be [1, Ta, HV, K]": ([jnp.concatenate([x, x]) for x in good], kw),
+      "q must have shape": ([q[:, :64], k, v, beta, gi, gf], kw),
+      "gc_frac must have shape": ([q, k, v, beta, gi, gf[..., :1, :]], kw),
+      "beta must have shape": ([q, k, v, beta[..., :1], gi, gf], kw),
+  }
+  for reason, (args, kwargs) in refused.items():
+    assert reason in (mgi.supports(*args, **kwargs) or ""), (reason, mgi.supports(*args, **kwargs))
+    assert reason in (mgi.takes(*args, **kwargs) or ""), reason
+    with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu intra kernel: {reason}")):
+      mgi.apply(*args, interpret=True, **kwargs)
+  # the pipeline: an impl dict naming intra raises the predicate's reason, impl=None falls back
+  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"intra": "mosaic_gpu"})
+  with pytest.raises(ValueError, match=r"impl\['intra'\] = 'mosaic_gpu': mosaic_gpu intra takes bfloat16"):
+    pipeline.choose(strict, "intra", *f32, beta, gi, gf, **kw)
+  assert pipeline.choose(strict, "intra", *good, **kw) == "mosaic_gpu"
+  auto = pipeline.Plan(0.125, BT, False, False, None, (("intra", "mosaic_gpu"),), True)
+  assert pipeline.choose(auto, "intra", *f32, beta, gi, gf, **kw) == "pallas"
+
+
+def test_config_rejects_bad_values():
+  for field, value in (("bounded", "always"), ("two_part", "never"), ("probe", "solve")):
+    with pytest.raises(ValueError, match=field):
+      mgi.Config(**{field: value})
+
+
+LOWER = [(K, V, two_part, bounded, approx) for K in (64, 128) for V in (64, 128) for two_part in ("auto", "always")
+         for bounded, approx in (("auto", True), ("never", True), ("auto", False))]
+# ~2 s per scores kernel lowered: by default (approx_math=True, the default) the gc_frac-only and
+# two-part ones at K = 128 and the two-part one at K = 64, the solves (128, 64) and (64, 128); the
+# rest large
+LOWER_DEFAULT = {(128, 64, "auto", "auto", True), (64, 128, "always", "auto", True)}
+
+
+@pytest.mark.parametrize(
+    "K,V,two_part,bounded,approx",
+    [pytest.param(*c, marks=() if c in LOWER_DEFAULT else pytest.mark.large) for c in LOWER],
+    ids=[f"K{K}-V{V}-{t}-bounded_{b}{'' if a else '-exact_exp'}" for K, V, t, b, a in LOWER])
+def test_kernels_lower_for_cuda(K, V, two_part, bounded, approx):
+  """Both kernels lower for CUDA from the CPU: under two_part="auto" the gc_frac-only and the
+  two-part scores kernels (the launcher's cond) and the solve, under "always" two kernels; 70000
+  chunks (grid x takes the chunks, y the heads) and aligned_cu, as the pipeline calls it."""
+  config = mgi.Config(bounded=bounded, two_part=two_part, approx_math=approx)
+  f = functools.partial(mgi.apply, scale=K ** -0.5, chunk_size=BT, config=config)
+  args = _abstract(70000 * BT, 2, K, V) + (jax.ShapeDtypeStruct((5,), jnp.int32),)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [l for l in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in l]
+  assert len(calls) == (3 if two_part == "auto" else 2), len(calls)
+
+
+S_TA, S_HV = 4096, 16
+S_CU = jax.ShapeDtypeStruct((3,), jnp.int32)   # aligned_cu, the kernels' first operand
+
+
+def _scores_smem(K, parts, bounded=True):
+  S, Ta, HV = jax.ShapeDtypeStruct, S_TA, S_HV
+  f = lambda cu, q, k, beta_t, flag, *gis: mgi._scores(cu, q, k, beta_t, gis, flag, scale=K ** -0.5,
+                                                       bounded=bounded, interpret=False, config=mgi.Config())
+  return lowered_smem_bytes(f, S_CU, S((Ta, HV, K), BF16), S((Ta, HV, K), BF16), S((HV, Ta), F32),
+                            S((HV * Ta // BT,), jnp.int32), *[S((Ta, HV, K), F32)] * parts)
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_scores_kernel_smem(K):
+  """The gc_frac-only scores kernel fits two CTAs per SM up to K = 128 (114696 bytes there as
+  lowered); the two-part one (a second float32 gc tile, strong gates) fits one CTA at K = 128
+  (147464 bytes)."""
+  one, two = _scores_smem(K, 1), _scores_smem(K, 2)
+  print(f"\n  scores K={K}: SMEM {one} bytes (gc_frac only), {two} bytes (two parts)")
+  assert one <= SMEM_TWO_CTAS and _scores_smem(K, 1, bounded=False) == one
+  assert two <= SMEM_ONE_CTA
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
+def test_solve_kernel_smem(K, V):
+  S, Ta, HV = jax.ShapeDtypeStruct, S_TA, S_HV
+  f = lambda *a: mgi._solve(*a, interpret=False, config=mgi.Config())
+  smem = lowered_smem_bytes(f, S_CU, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16), S((Ta, HV, K), BF16),
+                            S((Ta, HV, V), BF16), S((HV, Ta), F32))
+  print(f"\n  solve K={K} V={V}: SMEM {smem} bytes")
+  assert smem <= SMEM_TWO_CTAS
