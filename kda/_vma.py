@@ -1,9 +1,13 @@
-"""Varying manual axes (vma) inside `jax.shard_map`: scan carries must vary like their body.
+"""Varying manual axes (vma) inside `jax.shard_map`, with its default checks (check_vma=True).
 
-Under shard_map with check_vma=True every value records the mesh axes it varies over. A scan's
-carry-out varies over every axis its inputs do, so a carry initialised from an invariant value
-(zeros made in place, or a replicated initial state) would change type across one step. `vary_like`
-casts it up front. Outside shard_map every vma is empty and it returns its argument unchanged.
+Under shard_map every value records the mesh axes it varies over, and JAX checks that types agree:
+- a scan's carry-out varies over every axis its inputs do, so a carry initialised from an invariant
+  value (zeros made in place, a replicated initial state) would change type across one step:
+  `vary_like` casts it up front;
+- a kernel's outputs (pallas_call, plgpu.kernel) have the type their launcher declares: `out_struct`;
+- Pallas' interpreter and plgpu.kernel cannot take varying inputs at all (jax 0.11.2): `unchecked`
+  runs them where the checks are off.
+Outside shard_map every vma is empty and all three do nothing.
 """
 from __future__ import annotations
 

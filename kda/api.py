@@ -196,11 +196,13 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   if initial_state is not None:
     check_rank("initial_state", initial_state, 4, "[N, HV, K, V]")
     check_float("initial_state", initial_state)
-  layout = _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_state)
+  mesh = sharding.explicit_mesh(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, segment_ids)
+  # the whole call's layout: its checks and N (on an explicit mesh, only those: each device then
+  # lays out its own part, and the integer arrays are read whole here)
+  layout = _layout(B, T, chunk_size, *sharding.whole(mesh, cu_seqlens, segment_ids), num_segments, initial_state)
   N = layout.N
   if initial_state is not None:
     check_shape("initial_state", initial_state, (N, HV, K, V), f"[N={N}, HV, K, V]")
-  mesh = sharding.explicit_mesh(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, segment_ids)
   if mesh is not None:         # sharded over an explicit mesh: one shard_map over it (kda.sharding)
     call = functools.partial(
         chunk_kda_with, backward=backward, scale=scale, output_final_state=output_final_state,
@@ -236,7 +238,8 @@ def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
   # Inside shard_map every input varies over the same mesh axes, so each gradient has its input's
   # type; where an input was invariant (zeros made here, a replicated A_log) the cast's transpose
   # sums its gradient over the devices.
-  q, k, v, g, beta, h0, A_log, dt_bias = vary_like((q, k, v, g, beta, h0, A_log, dt_bias), layout[:3])
+  q, k, v, g, beta, h0, A_log, dt_bias = vary_like((q, k, v, g, beta, h0, A_log, dt_bias),
+                                                   (layout.starts, layout.lens, layout.aligned_cu))
   if backward == "autodiff":
     o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias)
     return o, final_state
@@ -272,8 +275,8 @@ def _forward(plan, static, ints, args, *, keep):
 def _staged_bwd(plan, static, res, cts):
   ints, args, saved = res
   do, dht = cts
-  run = lambda ints, args, saved, do, dht: pipeline.backward(plan, padding.Layout(*ints, *static), *args, saved,
-                                                             do, dht)[0]
+  def run(ints, args, saved, do, dht):
+    return pipeline.backward(plan, padding.Layout(*ints, *static), *args, saved, do, dht)[0]
   if _unchecked_kernels(plan, pipeline.BACKWARD_STAGES):
     grads = unchecked(run, ints, args, saved, do, dht)
   else:

@@ -29,15 +29,25 @@ from kda import shapes
 
 
 def explicit_mesh(*arrays):
-  """The mesh of the first array sharded over Explicit mesh axes, else None."""
+  """The mesh of the first array sharded over Explicit mesh axes, else None: the abstract mesh of
+  its type while tracing, the concrete one of an array (an eager call places arrays on it)."""
   for x in arrays:
     if not isinstance(x, jax.Array):
       continue
     sh = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sh, "mesh", None)
     if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
-      return mesh
+      return x.sharding.mesh if shapes.is_concrete(x) else mesh
   return None
+
+
+def whole(mesh, *arrays):
+  """The arrays, traced ones sharded over `mesh` resharded to replicated (None: unchanged)."""
+  if mesh is None:
+    return arrays
+  return tuple(jax.sharding.reshard(x, NamedSharding(mesh, P())) if isinstance(x, jax.Array)
+               and not shapes.is_concrete(x) and any(_axes(_spec(x), d) for d in range(x.ndim)) else x
+               for x in arrays)
 
 
 def _axes(spec, dim):
@@ -115,4 +125,4 @@ def chunk_kda(call, mesh, arrays, *, N, num_segments, output_final_state):
   return out if output_final_state else (out, None)
 
 
-__all__ = ["explicit_mesh", "layout_axes", "chunk_kda"]
+__all__ = ["explicit_mesh", "whole", "layout_axes", "chunk_kda"]

@@ -241,6 +241,23 @@ def plain_jit_varlen(impl):
                                        "o_spec": str(sharded[0][0].sharding.spec)}
 
 
+def plain_jit_segments(impl):
+  """Plain jax.jit, explicit axes, traced segment_ids: rows over "data" (no state in or out, so rows
+  are independent), heads over "model"; forward only."""
+  mesh = jax.make_mesh((2, 2), ("data", "model"))
+  x = inputs(17, R=2, T=40, H=2, HV=2)
+  seg = np.zeros((2, 40), np.int32)
+  seg[0, :20], seg[0, 22:], seg[1, 5:] = 1, 2, 3
+  names = ("q", "k", "v", "g", "beta")
+  bs = P("data", None, "model")
+  fn = lambda *a, seg: kda.chunk_kda(*a, segment_ids=seg, num_segments=3, chunk_size=16, impl=impl)[0]
+  xs, seg_s = [put(mesh, x[n], bs) for n in names], put(mesh, jnp.asarray(seg), P("data"))
+  compiled = jax.jit(fn).lower(*xs, seg=seg_s).compile()
+  o = compiled(*xs, seg=seg_s)
+  return {"o": rel(o, jax.jit(fn)(*(x[n] for n in names), seg=jnp.asarray(seg)))}, {
+      "collectives": collectives(compiled.as_text()), "o_spec": str(o.sharding.spec)}
+
+
 def plain_jit_auto(impl):
   """Plain jax.jit with Auto mesh axes: no sharding is part of a type while tracing, so chunk_kda
   cannot partition itself and XLA places the call; kernels, opaque to XLA, are gathered (forward)."""
@@ -284,6 +301,7 @@ CASES = {
     "shard_map-heads-recurrence": recurrence,
     "jit-explicit-pallas": lambda: plain_jit("pallas"),
     "jit-explicit-varlen-reference": lambda: plain_jit_varlen("reference"),
+    "jit-explicit-segment_ids-pallas": lambda: plain_jit_segments("pallas"),
     "jit-auto-pallas": lambda: plain_jit_auto("pallas"),
     "shard_map-heads-mosaic_gpu": heads_mosaic_gpu,
 }

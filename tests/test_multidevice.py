@@ -82,18 +82,20 @@ def test_inside_shard_map_equals_unsharded(results, name):
   assert "o" in r["diffs"] and any(k.startswith("d") for k in r["diffs"])   # forward and gradients
 
 
-@pytest.mark.parametrize("name", ["jit-explicit-pallas", "jit-explicit-varlen-reference"])
+@pytest.mark.parametrize("name", ["jit-explicit-pallas", "jit-explicit-varlen-reference",
+                                  "jit-explicit-segment_ids-pallas"])
 def test_plain_jit_explicit_axes_partitions_without_gathering(results, name):
   r = _case(results, name)
   _assert_equal_to_unsharded(r)
   c = r["checks"]
   assert c["collectives"]["all-gather"] == 0 and c["collectives"]["all-to-all"] == 0, c
-  if name == "jit-explicit-pallas":       # rows over data, heads over model: outputs stay sharded so
+  if name == "jit-explicit-varlen-reference":    # one packed row: heads over model only
+    assert c["o_spec"] == "P(None, None, 'model', None)", c
+  else:                                          # rows over data, heads over model
     assert c["o_spec"] == "P('data', None, 'model', None)", c
+  if name == "jit-explicit-pallas":
     assert c["final_state_spec"] == "P('data', 'model', None, None)", c
     assert c["dq_spec"] == "P('data', None, 'model', None)", c
-  else:
-    assert c["o_spec"] == "P(None, None, 'model', None)", c
 
 
 def test_plain_jit_auto_axes_gathers_kernels(results):
