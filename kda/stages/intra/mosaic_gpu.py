@@ -38,17 +38,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, WG
+from kda._mosaic_gpu import acc as _acc
+from kda._mosaic_gpu import load as _load
+from kda._mosaic_gpu import split as _split
+from kda._mosaic_gpu import iota as _iota
+from kda._mosaic_gpu import swz as _swz
 from kda.stages.gate import exponent
 from kda.stages.intra import Out, to_chunks
 
-F32, BF16 = jnp.float32, jnp.bfloat16
-WG = plgpu.Layout.WGMMA
-ROW = plgpu.Layout.WGMMA.reduce(1)
-COL = plgpu.Layout.WGMMA.reduce(0)
 BT = 64
-HEAD_DIMS = (64, 128)
 BOUNDED_SPAN = 80.0       # exp(+-80) is a normal float32 / bf16 number
-MAX_GRID_YZ = 65535
 SLAB = 64                 # gc / operand columns handled at once (register pressure)
 
 
@@ -115,36 +115,6 @@ def bounded_chunks(gc_int, gc_frac):
     span = jnp.maximum(span, jnp.maximum(exponent(*at(a), *at(m)), exponent(*at(m), *at(e))))
   ok = jnp.all(span <= BOUNDED_SPAN, axis=-1)                           # [NTa, HV]; NaN -> False
   return ok.T.reshape(-1).astype(jnp.int32)
-
-
-def _swz(shape, dtype=BF16, cols=None):
-  """SMEM tiled + swizzled along its minor dim; `cols` caps the tile width (slab views stay tiles)."""
-  item = jnp.dtype(dtype).itemsize
-  sw = plgpu.find_swizzle(min(shape[-1], cols or shape[-1]) * item * 8)
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // item)),
-                                              plgpu.SwizzleTransform(sw)))
-
-
-def _load(ref, layout=WG):
-  return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _iota(dim, shape=(BT, BT)):
-  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
-
-
-def _acc(pairs, shape):
-  """sum(a @ b for a, b in pairs) on the tensor cores, float32 result in registers."""
-  def scoped(acc):
-    for a, b in pairs:
-      plgpu.wgmma(acc, a, b)
-    return acc[...]
-  return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
-
-
-def _split(x):
-  hi = x.astype(BF16)
-  return hi, (x - hi.astype(F32)).astype(BF16)
 
 
 def _log2(n):
@@ -232,7 +202,7 @@ def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, p
       return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
               _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
 
-    row, col = _iota(0), _iota(1)
+    row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
     beta = _load(b_g.at[i_h, rows], ROW)   # from GMEM: no SMEM for it
     operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
     p_kk, p_qk = products()
@@ -319,7 +289,7 @@ def _solve_body(cu_g, akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
     plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
     plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
     plgpu.barrier_wait(bar)
-    row, col = _iota(0), _iota(1)
+    row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
     a_kk = _load(ah_s).astype(F32) + _load(al_s).astype(F32)
 
     def split_mm(a, a_store, b, b_store):
@@ -352,7 +322,7 @@ def _solve_body(cu_g, akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
 
   @pl.when(jnp.logical_not(live))
   def _():                                      # tail: Ainv = I, w = u = 0
-    row, col = _iota(0), _iota(1)
+    row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
     xh_s[...] = jnp.where(row == col, 1.0, 0.0).astype(BF16)
     kd_s[...] = plgpu.layout_cast(jnp.zeros((BT, K), BF16), WG)
     v_s[...] = plgpu.layout_cast(jnp.zeros((BT, V), BF16), WG)

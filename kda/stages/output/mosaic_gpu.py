@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.output import Out
-from kda.stages.state.mosaic_gpu import HEAD_DIMS, MAX_GRID_YZ, _swz
+from kda._mosaic_gpu import HEAD_DIMS, MAX_GRID_YZ
+from kda._mosaic_gpu import swz as _swz
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}

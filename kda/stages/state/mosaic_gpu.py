@@ -56,13 +56,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, WG
+from kda._mosaic_gpu import load as _load
+from kda._mosaic_gpu import mm as _mm
+from kda._mosaic_gpu import swz as _swz
 from kda.stages.state import Out, chunk_decay
 
-F32, BF16 = jnp.float32, jnp.bfloat16
-WG = plgpu.Layout.WGMMA
-ROW = plgpu.Layout.WGMMA.reduce(1)   # [M] vector, one value per row of a WGMMA [M, N] tile
-MAX_GRID_YZ = 65535
-HEAD_DIMS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,26 +131,6 @@ def takes(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, *
       reason = (f"mosaic_gpu state takes bfloat16 kg, w, u (float32 would be rounded to bfloat16), "
                 f"got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in (('kg', kg), ('w', w), ('u', u)))}")
   return reason
-
-
-def _swz(shape, dtype=BF16):
-  """SMEM tiled + swizzled along its minor dim, as TMA and wgmma operands want it."""
-  item = jnp.dtype(dtype).itemsize
-  sw = plgpu.find_swizzle(shape[-1] * item * 8)
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // item)),
-                                              plgpu.SwizzleTransform(sw)))
-
-
-def _load(ref, layout=WG):
-  return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _mm(a, b, shape):
-  """a @ b on the tensor cores (SMEM operands, .T views allowed), f32 result in registers."""
-  def scoped(acc):
-    plgpu.wgmma(acc, a, b)
-    return acc[...]          # reading the accumulator waits for the wgmma
-  return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
 
 
 def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,

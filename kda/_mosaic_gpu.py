@@ -1,0 +1,58 @@
+"""What the Pallas Mosaic GPU (Hopper) kernels share: layouts, SMEM tiles, wgmma helpers, limits.
+
+Idioms verified for jax 0.11.2 (MOSAIC_GPU.md of the project's notes): register arrays in the WGMMA
+layout, SMEM tiled and swizzled along its minor dim for TMA and wgmma operands, accumulators read
+back in registers (which waits for the wgmma).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+WG = plgpu.Layout.WGMMA              # register layout of a [M, N] wgmma tile (M % 64 == 0)
+ROW = plgpu.Layout.WGMMA.reduce(1)   # [M] vector, one value per row of a WGMMA [M, N] tile
+COL = plgpu.Layout.WGMMA.reduce(0)   # [N] vector, one value per column
+HEAD_DIMS = (64, 128)                # K and V the kernels take
+MAX_GRID_YZ = 65535                  # CUDA's limit on grid y and z (Mosaic GPU's g0, g1)
+
+
+def swz(shape, dtype=BF16, cols=None):
+  """SMEM tiled + swizzled along its minor dim, as TMA and wgmma operands want it; `cols` caps the
+  tile width (so column-slab views stay whole tiles)."""
+  item = jnp.dtype(dtype).itemsize
+  sw = plgpu.find_swizzle(min(shape[-1], cols or shape[-1]) * item * 8)
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, sw // item)),
+                                              plgpu.SwizzleTransform(sw)))
+
+
+def load(ref, layout=WG):
+  """SMEM or GMEM ref -> registers in `layout`."""
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def acc(pairs, shape):
+  """sum(a @ b for a, b in pairs) on the tensor cores (SMEM operands, .T views allowed), float32
+  result in registers."""
+  def scoped(acc_ref):
+    for a, b in pairs:
+      plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]          # reading the accumulator waits for the wgmmas
+  return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+
+
+def mm(a, b, shape):
+  """a @ b on the tensor cores, float32 result in registers."""
+  return acc([(a, b)], shape)
+
+
+def iota(dim, shape):
+  """int32 index along `dim` of a WGMMA-layout [M, N] array."""
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
+
+
+def split(x):
+  """float32 x -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative: operands of exact-ish wgmmas."""
+  hi = x.astype(BF16)
+  return hi, (x - hi.astype(F32)).astype(BF16)
