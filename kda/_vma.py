@@ -12,6 +12,7 @@ Outside shard_map every vma is empty and all three do nothing.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def _vma(x) -> frozenset:
@@ -67,15 +68,17 @@ def unchecked(fn, *args):
   as before, unchecked. Its inputs would keep their varying types in there, while everything
   computed from them would not (scan and loop carries then differ in type), so they enter through a
   no-op bitcast, which an unchecked region types invariant like any other op. The results come back
-  typed invariant and are cast up again. That cast would transpose to a sum, so `fn` must not be
-  differentiated: it is the primal, the fwd or the bwd rule of a custom_vjp, and a derivative
-  through it (a second derivative) raises. Outside shard_map it is fn(*args).
+  typed invariant and are cast up again. Neither the bitcast (no tangent) nor that cast (it
+  transposes to a sum) differentiates right, so `fn` must not be differentiated: it is the primal,
+  the fwd or the bwd rule of a custom_vjp, and a derivative through it (a second derivative) raises.
+  Outside shard_map it is fn(*args).
   """
   if not frozenset().union(*(_vma(x) for x in jax.tree.leaves(args))):
     return fn(*args)
   P = jax.sharding.PartitionSpec
+  guard = lambda x: _no_tangent(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x
   strip = lambda x: jax.lax.bitcast_convert_type(x, x.dtype)
   body = lambda *a: fn(*jax.tree.map(strip, a))
   out = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(),) * len(args),
-                      out_specs=P(), axis_names=frozenset(), check_vma=False)(*args)
-  return vary_like(jax.tree.map(_no_tangent, out), args)
+                      out_specs=P(), axis_names=frozenset(), check_vma=False)(*jax.tree.map(guard, args))
+  return vary_like(out, args)

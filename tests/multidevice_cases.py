@@ -200,6 +200,24 @@ def recurrence():
   return compare(sharded, unsharded), {}
 
 
+def unchecked_region():
+  """kda._vma.unchecked inside shard_map: what it runs equals the checked call, its results vary
+  like its inputs, and differentiating through it raises (its cast back would sum over devices)."""
+  from kda._vma import _vma, unchecked
+  mesh = jax.make_mesh((2, 2), ("data", "model"))
+  x = put(mesh, jax.random.normal(jax.random.PRNGKey(19), (4, 8)), P("data", "model"))
+  fn = lambda x: jnp.cumsum(x, axis=1) * 2.0
+  run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data", "model")))
+  types = []
+  got = run(lambda x: (types.append(sorted(_vma(y := unchecked(fn, x)))), y)[1])(x)
+  raised = ""
+  try:
+    jax.jit(jax.grad(lambda x: run(lambda x: unchecked(fn, x))(x).sum()))(x)
+  except TypeError as e:
+    raised = str(e)
+  return {"o": rel(got, run(fn)(x))}, {"vma": types[0], "grad_raised": raised}
+
+
 def plain_jit(impl):
   """Plain jax.jit on inputs sharded over explicit mesh axes (jax.make_mesh's default): rows over
   "data", heads over "model", initial/final states [B, HV, K, V] alike. chunk_kda partitions itself:
@@ -299,6 +317,7 @@ CASES = {
     "shard_map-seqs+heads-pallas": lambda: sequences("pallas", "model"),
     "shard_map-segment_ids-pallas": lambda: segments("pallas"),
     "shard_map-heads-recurrence": recurrence,
+    "unchecked-region": unchecked_region,
     "jit-explicit-pallas": lambda: plain_jit("pallas"),
     "jit-explicit-varlen-reference": lambda: plain_jit_varlen("reference"),
     "jit-explicit-segment_ids-pallas": lambda: plain_jit_segments("pallas"),

@@ -82,6 +82,16 @@ def test_inside_shard_map_equals_unsharded(results, name):
   assert "o" in r["diffs"] and any(k.startswith("d") for k in r["diffs"])   # forward and gradients
 
 
+def test_unchecked_region_runs_per_device_and_refuses_derivatives(results):
+  """kda._vma.unchecked (interpreted and Mosaic GPU kernels under shard_map): the same values as
+  the checked computation, results varying like the inputs, and a derivative through it raises
+  (it would be wrong: the cast back to varying transposes to a sum over devices)."""
+  r = _case(results, "unchecked-region")
+  assert r["diffs"]["o"] == 0.0, r
+  assert r["checks"]["vma"] == ["data", "model"], r
+  assert "no derivative" in r["checks"]["grad_raised"], r
+
+
 @pytest.mark.parametrize("name", ["jit-explicit-pallas", "jit-explicit-varlen-reference",
                                   "jit-explicit-segment_ids-pallas"])
 def test_plain_jit_explicit_axes_partitions_without_gathering(results, name):
