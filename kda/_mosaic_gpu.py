@@ -56,3 +56,21 @@ def split(x):
   """float32 x -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative: operands of exact-ish wgmmas."""
   hi = x.astype(BF16)
   return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def head_dims_reason(K, V):
+  """None if the kernels take head dims K, V, else the reason."""
+  if K not in HEAD_DIMS:
+    return f"K must be one of {HEAD_DIMS}, got {K}"
+  if V not in HEAD_DIMS:
+    return f"V must be one of {HEAD_DIMS}, got {V}"
+  return None
+
+
+def sequence_order(aligned_cu, longest_first=True):
+  """[N] int32: the sequence each grid rank takes, the longest first (stable), so the programs of
+  the longest sequence start first and the short ones fill in behind them."""
+  N = aligned_cu.shape[0] - 1
+  if not longest_first:
+    return jnp.arange(N, dtype=jnp.int32)
+  return jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)

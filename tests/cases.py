@@ -111,3 +111,16 @@ def rel_err(got, want):
   got = np.asarray(jnp.asarray(got, jnp.float32))
   want = np.asarray(jnp.asarray(want, jnp.float32))
   return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def aligned_layout(lens, chunk_size, tail_chunks=0):
+  """The aligned layout of `lens` in numpy, as align makes it: sequence n at [acu[n], acu[n] + len_n),
+  zeros up to acu[n+1], then `tail_chunks` chunks nobody owns -> (acu [N+1] int32, Ta, valid [Ta],
+  tail [Ta] bool)."""
+  alens = [-(-L // chunk_size) * chunk_size for L in lens]
+  acu = np.concatenate([[0], np.cumsum(alens)]).astype(np.int32)
+  Ta = int(acu[-1]) + tail_chunks * chunk_size
+  valid = np.zeros(Ta, bool)
+  for n, L in enumerate(lens):
+    valid[acu[n]:acu[n] + L] = True
+  return acu, Ta, valid, np.arange(Ta) >= acu[-1]

@@ -19,6 +19,7 @@ import pytest
 
 from kda.fused import state_output as so
 from kda.stages import output, state
+from tests import cases
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
 BT = 64
@@ -34,13 +35,7 @@ def fused_case(lens, K, V, HV=1, tail_chunks=2, seed=0):
   test_state_mosaic.make_case (unit-norm k, beta < 1/4, slow gates with 5% strong channels),
   qg and a causal Aqk zero at padding tokens, as intra makes them. Returns (args with bf16
   kg, w, u, qg, Aqk; the same values in float32; owned token mask)."""
-  alens = [-(-L // BT) * BT for L in lens]
-  acu = np.concatenate([[0], np.cumsum(alens)]).astype(np.int32)
-  Ta = int(acu[-1]) + tail_chunks * BT
-  valid = np.zeros(Ta, bool)
-  for n, L in enumerate(lens):
-    valid[acu[n]:acu[n] + L] = True
-  tail = np.arange(Ta) >= acu[-1]
+  acu, Ta, valid, tail = cases.aligned_layout(lens, BT, tail_chunks)
   r = [np.random.default_rng(x) for x in np.random.SeedSequence(seed).spawn(8)]
   m = valid[None, :, None, None]
   k = r[0].standard_normal((1, Ta, HV, K))

@@ -63,7 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
-from kda._mosaic_gpu import MAX_GRID_YZ, ROW, WG
+from kda._mosaic_gpu import MAX_GRID_YZ, ROW, WG, sequence_order
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -330,10 +330,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   if N == 0:                                  # no program to launch; every chunk is tail
     return jnp.zeros((1, Ta, HV, V), odt), jnp.zeros((0, HV, K, V), F32)
   aligned_cu = aligned_cu.astype(jnp.int32)
-  if config.longest_first:
-    order = jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
-  else:
-    order = jnp.arange(N, dtype=jnp.int32)
+  order = sequence_order(aligned_cu, config.longest_first)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u, qg, Aqk = (x[0].astype(BF16) for x in (kg, w, u, qg, Aqk))
 

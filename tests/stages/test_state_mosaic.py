@@ -21,6 +21,7 @@ import pytest
 
 from kda.stages import state
 from kda.stages.state import mosaic_gpu as mgs
+from tests import cases
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
 BT = 64
@@ -37,13 +38,7 @@ def reference(*args, chunk_size):
 def make_case(lens, K, V, HV=2, tail_chunks=2, seed=0, poison=True):
   """Aligned inputs: sequence n at [acu[n], acu[n] + len_n), zeros up to acu[n+1] (align's output),
   then tail_chunks chunks nobody owns, poisoned with NaN (the kernel must never read them)."""
-  alens = [-(-L // BT) * BT for L in lens]
-  acu = np.concatenate([[0], np.cumsum(alens)]).astype(np.int32)
-  Ta = int(acu[-1]) + tail_chunks * BT
-  valid = np.zeros(Ta, bool)
-  for n, L in enumerate(lens):
-    valid[acu[n]:acu[n] + L] = True
-  tail = np.arange(Ta) >= acu[-1]
+  acu, Ta, valid, tail = cases.aligned_layout(lens, BT, tail_chunks)
   ks = jax.random.split(jax.random.key(seed), 7)
   m = jnp.asarray(valid)[None, :, None, None]
   rnd = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)   # the kernel's operand rounding

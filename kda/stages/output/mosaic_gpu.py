@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.output import Out
-from kda._mosaic_gpu import HEAD_DIMS, MAX_GRID_YZ
+from kda._mosaic_gpu import MAX_GRID_YZ, head_dims_reason
 from kda._mosaic_gpu import swz as _swz
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -77,10 +77,9 @@ def supports(qg, h, Aqk, v_new, *, scale=None, chunk_size, config=None) -> Optio
   if v_new.ndim != 4 or v_new.shape[:3] != (1, Ta, HV):
     return f"v_new must be [1, Ta, HV, V] with qg's Ta, HV, got {v_new.shape}"
   V = v_new.shape[-1]
-  if K not in HEAD_DIMS:
-    return f"K must be one of {HEAD_DIMS}, got {K}"
-  if V not in HEAD_DIMS:
-    return f"V must be one of {HEAD_DIMS}, got {V}"
+  reason = head_dims_reason(K, V)
+  if reason is not None:
+    return reason
   if config.block_v > V:
     return f"block_v {config.block_v} exceeds V {V}"
   if Ta % chunk_size:

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, WG
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, head_dims_reason, sequence_order
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -98,10 +98,9 @@ def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size
   if u.ndim != 4 or u.shape[:3] != (1, Ta, HV):
     return f"u must be [1, Ta, HV, V] with kg's Ta, HV, got {u.shape}"
   V = u.shape[-1]
-  if K not in HEAD_DIMS:
-    return f"K must be one of {HEAD_DIMS}, got {K}"
-  if V not in HEAD_DIMS:
-    return f"V must be one of {HEAD_DIMS}, got {V}"
+  reason = head_dims_reason(K, V)
+  if reason is not None:
+    return reason
   if Ta % chunk_size:
     return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
   for name, x, shape in (("w", w, kg.shape), ("gc_int", gc_int, kg.shape), ("gc_frac", gc_frac, kg.shape)):
@@ -247,10 +246,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     return Out(jnp.zeros((1, NTa, HV, K, V), sdt), jnp.zeros((1, Ta, HV, V), sdt),
                jnp.zeros((0, HV, K, V), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
-  if config.longest_first:
-    order = jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
-  else:
-    order = jnp.arange(N, dtype=jnp.int32)
+  order = sequence_order(aligned_cu, config.longest_first)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u = (x[0].astype(BF16) for x in (kg, w, u))
 
