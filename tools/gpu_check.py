@@ -4,8 +4,9 @@ On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths
 [64, 4096] ("long") and in [1, 128] ("short")):
   1. every forward stage's kernel (pallas, and mosaic_gpu where a stage has one) against its jnp
      reference on the same recorded inputs (tools.stages.compare_stages, compiled, not interpreted);
-  2. the whole forward (impl="pallas") against the token-by-token recurrence in float32, next to
-     the XLA-compiled reference pipeline's error on the same inputs;
+  2. the whole forward (impl=None, the default: Mosaic GPU on Hopper; and impl="pallas") against
+     the token-by-token recurrence in float32, next to the XLA-compiled reference pipeline's error
+     on the same inputs;
   3. per-stage times (kernel vs XLA reference on the recorded inputs; mosaic_gpu kernels also with
      the inputs they take in bf16 cast, "mosaic_gpu_bf16_inputs") and the whole forward's time
      (median after warm-up) against the reference pipeline compiled by XLA.
@@ -61,7 +62,7 @@ def stage_times(lens, gate, reps):
 
 
 def forward_errors(lens, gate):
-  """Whole forward (pallas and XLA reference) vs the recurrence, on the same bf16 inputs."""
+  """Whole forward (impl=None, pallas, XLA reference) vs the recurrence, on the same bf16 inputs."""
   inp = make_inputs(1, lens, H=H, K=K, V=K, gate=gate, dtype=jnp.bfloat16)
   kw = {}
   g_rec = inp.g
@@ -72,12 +73,12 @@ def forward_errors(lens, gate):
                                                      output_final_state=True, cu_seqlens=i.cu_seqlens))
   o_r, s_r = rec(inp, g_rec)
   res = {}
-  for impl in ("pallas", "reference"):
+  for label, impl in (("auto", None), ("pallas", "pallas"), ("reference", "reference")):
     f = jax.jit(lambda i, impl=impl: __import__("kda").chunk_kda(
         i.q, i.k, i.v, i.g, i.beta, initial_state=i.initial_state, output_final_state=True,
         cu_seqlens=i.cu_seqlens, impl=impl, **kw))
     o, s = f(inp)
-    res[impl] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
+    res[label] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
   return res
 
 
@@ -112,7 +113,8 @@ def main(argv=None):
               f.field: [f.max_abs, f.max_rel] for f in s.fields}, "message": s.message} for s in rep.stages}
           ok &= rep.ok
         r["forward"] = forward_errors(lens, gate)
-        ok &= r["forward"]["pallas"]["finite"] and r["forward"]["pallas"]["o_rel"] < a.tol_o
+        for impl in ("auto", "pallas"):
+          ok &= r["forward"][impl]["finite"] and r["forward"][impl]["o_rel"] < a.tol_o
         r["stage_ms"] = stage_times(lens, gate, a.reps)
       except Exception as e:  # noqa: BLE001 - report, go on with the other cases
         r["error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -121,9 +123,9 @@ def main(argv=None):
   timing = {}
   for var in filter(None, a.timing.split(",")):
     name, gate = var.split(":")
-    for impl in ("pallas", "reference"):
+    for impl in ("auto", "pallas", "reference"):
       try:
-        timing[f"{var}:{impl}"] = bench.bench_one(name, gate, impl, a.reps, do_bwd=False)
+        timing[f"{var}:{impl}"] = bench.bench_one(name, gate, impl, a.reps, do_bwd=False, total=a.total)
       except Exception as e:  # noqa: BLE001
         timing[f"{var}:{impl}"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
         ok = False
