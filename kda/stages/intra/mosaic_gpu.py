@@ -1,7 +1,14 @@
 """intra: the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.intra.
 
-One program per (value head, chunk): TMA loads of q, k [64, K], v [64, V] (bf16), beta [64] and the
-gate cumsum gc [64, K] (float32, one or two parts), everything on the tensor cores after that.
+Two kernels, each one program per (value head, chunk), grid (HV, NTa):
+- scores: TMA loads of q, k [64, K] (bf16) and the gate cumsum gc [64, K] (float32, one or two
+  parts); Akk (as a hi + lo bf16 split, for the solve), Aqk, qg, kg and w's right-hand side
+  kd = beta k exp(gc), all bf16. 114696 bytes of SMEM at K = 128 with gc in one part (two CTAs per
+  SM), 147464 with two parts.
+- solve: Akk's split, kd, v, beta -> Ainv, w, u (82952 bytes at K = V = 128).
+Split in two so that each fits two CTAs per SM: as one kernel (1 CTA per SM) it took 4.3 ms on the
+H200 at T = 32768, H = 16, K = V = 128, against 1.7-2.0 ms split. Chunks at or past aligned_cu[-1]
+(the tail of a static-bound layout) are only zero-filled (Ainv = I there).
 
 Decays by levels. Every pair (i, j), j < i, of a chunk lies in exactly one level s in 64, 32, ..., 2:
 the one whose s-token block holds both, i in its second half and j in its first. With r the gc row
@@ -88,6 +95,8 @@ def supports(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_si
       return f"{name} must have shape {k.shape}, got {x.shape}"
   if beta.shape != (1, Ta, HV):
     return f"beta must have shape {(1, Ta, HV)}, got {beta.shape}"
+  if aligned_cu is not None and (aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer)):
+    return f"aligned_cu must be None or a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
   return None
@@ -96,7 +105,7 @@ def supports(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_si
 def takes(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, **_) -> Optional[str]:
   """The stage's predicate: `supports`, and bf16 q, k, v (the kernel's operands are bf16; float32
   inputs keep float32 accuracy on the pallas or reference stage)."""
-  reason = supports(q, k, v, beta, gc_int, gc_frac, scale=scale, chunk_size=chunk_size)
+  reason = supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, scale=scale, chunk_size=chunk_size)
   if reason is None:
     bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v))
            if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
@@ -385,7 +394,7 @@ def _solve(cu, akh, akl, kd, v, beta_t, *, interpret, config):
 def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
           config=None):
   config = config or Config()
-  reason = supports(q, k, v, beta, gc_int, gc_frac, scale=scale, chunk_size=chunk_size)
+  reason = supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, scale=scale, chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu intra kernel: {reason}")
   HV, Ta = k.shape[2], k.shape[1]
