@@ -65,12 +65,11 @@ class Config:
   bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   two_part: str = "auto"    # "auto": gc_frac alone while gc_int == 0 everywhere; "always": both parts
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative, far below bf16 stores
-  probe: str = ""           # profiling only: "scores" stops after Akk, Aqk; "bounded-only" drops the
-                            # exact path (wrong wherever a chunk is not bounded)
+  probe: str = ""           # profiling only: "scores" runs the first kernel alone (Ainv, w, u zero)
 
   def __post_init__(self):
-    if self.probe not in ("", "scores", "bounded-only"):
-      raise ValueError(f"probe must be '', 'scores' or 'bounded-only', got {self.probe!r}")
+    if self.probe not in ("", "scores"):
+      raise ValueError(f"probe must be '' or 'scores', got {self.probe!r}")
     if self.bounded not in ("auto", "never"):
       raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
     if self.two_part not in ("auto", "always"):
@@ -130,7 +129,7 @@ def _log2(n):
   return n.bit_length() - 1
 
 
-def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, probe):
+def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded):
   """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
   kd = beta k exp(gc), all bf16."""
   if two_part:
@@ -242,9 +241,7 @@ def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded, p
       store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
                    p_qk + jnp.where(same & (col <= row), qk, 0.0))
 
-    if probe == "bounded-only":
-      two_levels()
-    elif bounded:
+    if bounded:
       flag = flag_g[i_h * NTa + c]
       pl.when(flag != 0)(two_levels)
       pl.when(flag == 0)(exact)
@@ -352,8 +349,7 @@ def _scores(cu, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
   """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,)."""
   Ta, HV, K = k.shape
   two_part = len(gis) == 2
-  body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded,
-                           probe=config.probe)
+  body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded)
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   ops = (max(K // SLAB, 2), BT, SLAB)   # [64, 64] slabs; two at K = 64 too (Akk's split)
   f = plgpu.kernel(
