@@ -63,12 +63,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
-from kda._mosaic_gpu import MAX_GRID_YZ, ROW, WG, sequence_order
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 
-F32, BF16 = jnp.float32, jnp.bfloat16
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
 
 

@@ -38,9 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.stages.gate import GATE_FLOOR, Out
-
-F32, BF16 = jnp.float32, jnp.bfloat16
+from kda._mosaic_gpu import BF16, F32
+from kda._pallas import pad_dim
+from kda.stages.gate import Out, floor
 COLS = 128                       # columns per program: one per thread of the warpgroup
 LINE = plgpu.Layout.WG_STRIDED((COLS,), vec_size=1)
 MAX_GRID_Y = 65535
@@ -95,11 +95,6 @@ def takes(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   return reason
 
 
-def _pad_last(x, size):
-  extra = size - x.shape[-1]
-  return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
-
-
 def _ceil(x):
   r = lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
   return jnp.where(r < x, r + 1.0, r)
@@ -150,7 +145,7 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll):
         x = -a * _softplus(x)
       else:
         x = lower_bound * jax.nn.sigmoid(x if a is None else a * x)
-    x = jnp.where(x < GATE_FLOOR, GATE_FLOOR, x)
+    x = floor(x)
     # a select, not a product: padding gates may be NaN. Broadcast explicitly: Warpgroup semantics
     # has no implicit scalar broadcast.
     x = jnp.where(lax.broadcast(valid_s[r], (COLS,)) > 0.0, x, 0.0)
@@ -186,7 +181,7 @@ def apply(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   Cp = -(-C // COLS) * COLS                   # columns padded with zeros, cut off afterwards
   has_a = use_gate_in_kernel and A_log is not None
   has_bias = use_gate_in_kernel and dt_bias is not None
-  pad = lambda x: _pad_last(x, Cp)
+  pad = lambda x: pad_dim(x, x.ndim - 1, Cp)
   args = [pad(g.reshape(Ta, C)), valid[0].astype(F32)]
   if has_a:
     args.append(pad(jnp.repeat(jnp.exp(A_log.astype(F32)), K)))

@@ -46,11 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, WG
-from kda._mosaic_gpu import acc as _acc
-from kda._mosaic_gpu import load as _load
-from kda._mosaic_gpu import split as _split
-from kda._mosaic_gpu import iota as _iota
-from kda._mosaic_gpu import swz as _swz
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.gate import exponent
 from kda.stages.intra import Out, to_chunks
 
@@ -258,6 +254,7 @@ def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded):
       q_s.at[:, cols][...] = (qx * e).astype(BF16)
       k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
       rk_s.at[i][...] = (lax.broadcast_in_dim(beta, (BT, SLAB), [0]) * kx * e).astype(BF16)
+
   live = c < cu_g[cu_g.shape[0] - 1] // BT    # chunks past aligned_cu[-1] hold no token
   pl.when(live)(compute)
 
@@ -288,6 +285,7 @@ def _solve_body(cu_g, akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
   K, V = kd_g.shape[2], v_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+
   def compute():
     plgpu.copy_gmem_to_smem(akh_g.at[rows, i_h, :], ah_s, bar)
     plgpu.copy_gmem_to_smem(akl_g.at[rows, i_h, :], al_s, bar)

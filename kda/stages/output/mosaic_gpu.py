@@ -41,10 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.output import Out
-from kda._mosaic_gpu import MAX_GRID_YZ, head_dims_reason
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, head_dims_reason
 from kda._mosaic_gpu import swz as _swz
 
-F32, BF16 = jnp.float32, jnp.bfloat16
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
 
 
