@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import os
-import statistics
 import sys
 import time
 import traceback
@@ -53,6 +51,7 @@ import numpy as np
 from kda.fused import state_output as fso
 from kda.stages.output import mosaic_gpu as mgo
 from kda.stages.state import mosaic_gpu as mgs
+from tools import bench
 from tools.bench import varlen_lens
 
 BT, H, K, V, TOTAL = 64, 16, 128, 128, 32768
@@ -153,14 +152,7 @@ def emulate(args):
 
 
 def timeit(fn, args, reps):
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts) * 1e3
+  return bench.timeit(fn, *args, reps=reps)
 
 
 def compile_timed(f, args):
