@@ -30,15 +30,26 @@ from kda import shapes
 
 def explicit_mesh(*arrays):
   """The mesh of the first array sharded over Explicit mesh axes, else None: the abstract mesh of
-  its type while tracing, the concrete one of an array (an eager call places arrays on it)."""
+  its type while tracing, the concrete one of an array (an eager call places arrays on it).
+
+  While tracing, only the traced arrays count (a concrete array closed over keeps the mesh it was
+  placed on, which says nothing about the trace), and a trace inside shard_map (a Manual axis) has
+  none."""
+  arrays = [x for x in arrays if isinstance(x, jax.Array)]
+  traced = [x for x in arrays if not shapes.is_concrete(x)]
+  if traced:
+    arrays = traced
+    if any(AxisType.Manual in m.axis_types for m in map(_abstract_mesh, traced) if m is not None):
+      return None
   for x in arrays:
-    if not isinstance(x, jax.Array):
-      continue
-    sh = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sh, "mesh", None)
+    mesh = _abstract_mesh(x)
     if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
       return x.sharding.mesh if shapes.is_concrete(x) else mesh
   return None
+
+
+def _abstract_mesh(x):
+  return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
 
 
 def whole(mesh, *arrays):

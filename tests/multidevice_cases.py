@@ -124,6 +124,24 @@ def heads(impl):
   return compare(sharded, unsharded), {}
 
 
+def heads_closed_cu(impl):
+  """As heads(), with cu_seqlens a concrete array placed on the (explicit) mesh and closed over by
+  the shard_map body, as a user's data loader leaves it: inside shard_map nothing repartitions."""
+  mesh = jax.make_mesh((2, 2), ("data", "model"))
+  x = inputs(4, R=1, T=90, H=2, HV=2, N=3)
+  cu = put(mesh, jnp.array([0, 20, 64, 90], jnp.int32), P())
+  kw = dict(output_final_state=True, chunk_size=16, impl=impl)
+  hs = P(None, None, "model")
+  names = ("q", "k", "v", "g", "beta", "initial_state")
+  specs = dict(q=hs, k=hs, v=hs, g=hs, beta=hs, initial_state=P(None, "model"))
+  call = lambda **a: kda.chunk_kda(**a, cu_seqlens=cu, **kw)
+  fn = shard_mapped(mesh, specs, (hs, P(None, "model")), call)
+  x = {n: x[n] for n in names}
+  sharded = jax.jit(lambda xs: loss_and_grads(fn, xs, names, 5))({n: put(mesh, x[n], specs[n]) for n in names})
+  unsharded = jax.jit(lambda x: loss_and_grads(call, x, names, 5))(jax.device_get(x))
+  return compare(sharded, unsharded), {}
+
+
 def sequences(impl, head_axis):
   """Packed sequences split over "data": each device its own packed row, cu_seqlens and initial
   states; heads also split over "model" when head_axis is set. A_log / dt_bias are replicated over
@@ -313,6 +331,7 @@ def heads_mosaic_gpu():
 
 CASES = {
     "shard_map-heads-pallas": lambda: heads("pallas"),
+    "shard_map-heads-closed-cu-reference": lambda: heads_closed_cu("reference"),
     "shard_map-seqs+heads-reference": lambda: sequences("reference", "model"),
     "shard_map-seqs+heads-pallas": lambda: sequences("pallas", "model"),
     "shard_map-segment_ids-pallas": lambda: segments("pallas"),

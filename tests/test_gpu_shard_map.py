@@ -42,9 +42,14 @@ def _close(a, b, tol):
   assert np.abs(a - b).max() <= tol * max(np.abs(b).max(), 1e-30)
 
 
+def _put(mesh, a, spec):
+  return jax.device_put(a, NamedSharding(mesh, spec))
+
+
 def test_kernels_inside_shard_map_forward_and_grad():
-  mesh = jax.make_mesh((jax.device_count(),), ("model",))
+  mesh = jax.make_mesh((jax.device_count(),), ("model",))   # explicit axes: inputs must carry the sharding
   x, cu = _inputs()
+  x, cu = tuple(_put(mesh, a, HEADS) for a in x), _put(mesh, cu, P())
   sharded = jax.shard_map(_attend, mesh=mesh, in_specs=(HEADS,) * 5 + (P(),), out_specs=HEADS)
   _close(jax.jit(sharded)(*x, cu), jax.jit(_attend)(*x, cu), 1e-6)
   grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a, cu).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3, 4)))
@@ -55,6 +60,5 @@ def test_kernels_inside_shard_map_forward_and_grad():
 def test_kernels_under_jit_with_explicit_sharded_inputs():
   mesh = jax.make_mesh((jax.device_count(),), ("model",))
   x, cu = _inputs()
-  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-  got = jax.jit(_attend)(*(put(a, HEADS) for a in x), put(cu, P()))
+  got = jax.jit(_attend)(*(_put(mesh, a, HEADS) for a in x), _put(mesh, cu, P()))
   _close(got, jax.jit(_attend)(*x, cu), 1e-6)

@@ -8,7 +8,8 @@ in one subprocess with 4 emulated CPU devices (tests/multidevice_cases.py; run i
 - shard_map, heads over "model" (H and HV split together, GVA groups whole, gate in kernel with
   A_log / dt_bias split alike), packed sequences over "data" (each device its own row,
   cu_seqlens and initial states), both at once, and batch rows over "data" with segment_ids;
-  the reference path, the Pallas kernels (interpret mode) and kda.reference.recurrent_kda;
+  the reference path, the Pallas kernels (interpret mode) and kda.reference.recurrent_kda; also
+  a concrete cu_seqlens placed on the mesh and closed over by the shard_map body;
 - plain jax.jit, explicit mesh axes: chunk_kda partitions itself (no all-gather in the compiled
   program, outputs and gradients sharded like the inputs);
 - plain jax.jit, Auto mesh axes: no sharding shows while tracing, XLA places the kernels, which it
