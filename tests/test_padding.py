@@ -278,3 +278,34 @@ def test_count_segments_of_concrete_ids_inside_a_trace():
   counted = []
   jax.jit(lambda x: counted.append(padding.count_segments(seg)) or x)(jnp.zeros(()))
   assert counted == [len(lens)]
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("lens, T", [([37, 0, 163, 1], 210), ([64, 64], 128), ([1, 127, 65, 63], 300), ([], 50)])
+def test_chunk_rows_match_align_index(lens, T, traced):
+  """chunk_rows is align_index by chunk: aligned row c*BT + r reads packed src[c] + r for
+  r < count[c] and nothing (padding) after; the tail has count 0."""
+  BT = 64
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+
+  def rows(cu):
+    layout = padding.layout_from_cu_seqlens(cu, T, BT)
+    return padding.chunk_rows(layout), padding.align_index(layout)
+
+  (src, count), idx = jax.jit(rows)(cu) if traced else rows(cu)
+  src, count, idx = map(np.asarray, (src, count, idx))
+  assert src.shape == count.shape == (idx.size // BT,)
+  assert ((0 <= count) & (count <= BT)).all()
+  p = np.arange(idx.size)
+  want = np.where(p % BT < count[p // BT], src[p // BT] + p % BT, T)
+  np.testing.assert_array_equal(want, idx)
+
+
+def test_chunk_rows_of_segment_ids():
+  seg, starts, lens = SEGMENTS["two_rows"]
+  s, l = padding.segment_ids_to_seqs(jnp.asarray(seg, jnp.int32), len(lens))
+  layout = padding.make_layout(s, l, np.asarray(seg).size, 16)
+  src, count = map(np.asarray, padding.chunk_rows(layout))
+  idx = np.asarray(padding.align_index(layout))
+  p = np.arange(idx.size)
+  np.testing.assert_array_equal(np.where(p % 16 < count[p // 16], src[p // 16] + p % 16, layout.T), idx)

@@ -136,6 +136,28 @@ class ChunkTable(NamedTuple):
   last: jax.Array    # [NTa] bool, last chunk of its sequence
 
 
+class ChunkRows(NamedTuple):
+  """Where each aligned chunk's tokens sit in the packed buffer: aligned row c * BT + r holds packed
+  token src[c] + r for r < count[c]; rows r >= count[c] are padding. Kernels that read packed
+  inputs (or write packed outputs) through it fold align / unalign into their loads and stores."""
+  src: jax.Array     # [NTa] int32, packed row of the chunk's first row (0 for the tail)
+  count: jax.Array   # [NTa] int32, real tokens of the chunk, in [0, BT] (0 for the tail)
+
+
+def chunk_rows(layout: Layout) -> ChunkRows:
+  BT = layout.chunk_size
+  table = chunk_table(layout.aligned_cu, layout.NTa, BT)
+  n = jnp.maximum(table.seq, 0)
+  owned = table.seq >= 0
+  if layout.N == 0:
+    zero = jnp.zeros((layout.NTa,), jnp.int32)
+    return ChunkRows(zero, zero)
+  offset = table.local * BT
+  src = jnp.where(owned, layout.starts[n] + offset, 0).astype(jnp.int32)
+  count = jnp.where(owned, jnp.clip(layout.lens[n] - offset, 0, BT), 0).astype(jnp.int32)
+  return ChunkRows(src, count)
+
+
 def chunk_table(aligned_cu, NTa: int, chunk_size: int) -> ChunkTable:
   start = jnp.arange(NTa, dtype=jnp.int32) * chunk_size
   N = aligned_cu.shape[0] - 1
