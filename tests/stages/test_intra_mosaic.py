@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import pipeline
+from kda import padding, pipeline
 from kda.stages import gate, intra
 from kda.stages.intra import mosaic_gpu as mgi
 from tests.stages.test_gate import EXTREMES
@@ -423,7 +423,7 @@ S_CU = jax.ShapeDtypeStruct((3,), jnp.int32)   # aligned_cu, the kernels' first 
 
 def _scores_smem(K, parts, bounded=True):
   S, Ta, HV = jax.ShapeDtypeStruct, S_TA, S_HV
-  f = lambda cu, q, k, beta_t, flag, *gis: mgi._scores(cu, q, k, beta_t, gis, flag, scale=K ** -0.5,
+  f = lambda cu, q, k, beta_t, flag, *gis: mgi._scores(cu, None, q, k, beta_t, gis, flag, scale=K ** -0.5,
                                                        bounded=bounded, interpret=False, config=mgi.Config())
   return lowered_smem_bytes(f, S_CU, S((Ta, HV, K), BF16), S((Ta, HV, K), BF16), S((HV, Ta), F32),
                             S((HV * Ta // BT,), jnp.int32), *[S((Ta, HV, K), F32)] * parts)
@@ -443,8 +443,88 @@ def test_scores_kernel_smem(K):
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
 def test_solve_kernel_smem(K, V):
   S, Ta, HV = jax.ShapeDtypeStruct, S_TA, S_HV
-  f = lambda *a: mgi._solve(*a, interpret=False, config=mgi.Config())
+  f = lambda cu, *a: mgi._solve(cu, None, *a, interpret=False, config=mgi.Config())
   smem = lowered_smem_bytes(f, S_CU, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16), S((Ta, HV, K), BF16),
                             S((Ta, HV, V), BF16), S((HV, Ta), F32))
   print(f"\n  solve K={K} V={V}: SMEM {smem} bytes")
   assert smem <= SMEM_TWO_CTAS
+
+
+# -- packed inputs: the align folded into the kernels' loads (mgi.packed) ---------------------------
+
+def _packed_case(lens, T, HV, K, V, seed, gates):
+  """Packed bf16 q, k, v and beta with NaN at the tokens after the last sequence (no sequence owns
+  them: nothing may read them into a result), the layout, and gc of the aligned gates."""
+  ks = jax.random.split(jax.random.key(seed), 5)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = unit(jax.random.normal(ks[0], (1, T, HV, K))), unit(jax.random.normal(ks[1], (1, T, HV, K)))
+  v = jax.random.normal(ks[2], (1, T, HV, V))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[3], (1, T, HV)))
+  g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (1, T, HV, K))) * (40.0 if gates == "strong" else 0.25)
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  none = (jnp.arange(T) >= cu[-1])[None, :, None]
+  q, k, v = (jnp.where(none[..., None], jnp.nan, x).astype(BF16) for x in (q, k, v))
+  beta = jnp.where(none, jnp.nan, beta)
+  layout = padding.layout_from_cu_seqlens(jnp.asarray(cu), T, BT)
+  gi, gf = _gc(padding.align_with(layout, g), padding.valid_mask(layout)[None])
+  return (q, k, v, beta), layout, (gi, gf)
+
+
+PACKED = {
+    # lens, T, HV, K, V, gates: boundaries 1/63/64/65, an empty sequence, NaN tokens after the last
+    # one, T not a multiple of 8, loads running past T (the last chunk of the last sequence)
+    "K64-V64-HV2": ([37, 0, 64, 65, 1], 200, 2, 64, 64, "ordinary"),
+    "K128-V128-HV1-strong": ([100, 63], 163, 1, 128, 128, "strong"),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_equals_aligned(name):
+  """mgi.packed on packed inputs gives what mgi.apply gives on the aligned ones (align_with), up to
+  float32 rounding of differently compiled code; rows of padding exact zeros (Ainv: identity)."""
+  lens, T, HV, K, V, gates = PACKED[name]
+  (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
+  rows = padding.chunk_rows(layout)
+  al = lambda x: padding.align_with(layout, x)
+  scale = K ** -0.5
+  want = jax.jit(functools.partial(mgi.apply, scale=scale, chunk_size=BT, interpret=True))(
+      al(q), al(k), al(v), al(beta), gi, gf, layout.aligned_cu)
+  got = jax.jit(functools.partial(mgi.packed, scale=scale, chunk_size=BT, interpret=True))(
+      q, k, v, beta, gi, gf, layout.aligned_cu, rows)
+  for f in intra.Out._fields:
+    a, b = (np.asarray(jnp.asarray(getattr(x, f), F32)) for x in (got, want))
+    assert a.shape == b.shape and np.isfinite(a).all(), f
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), (f, np.abs(a - b).max())
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
+def test_packed_kernels_lower_for_cuda(K, V):
+  """The packed kernels lower: TMA at any packed row into plain SMEM (q, k in a RefUnion with the
+  level operands), beta read from GMEM."""
+  S, T, HV = jax.ShapeDtypeStruct, 4000, 2
+  Ta = 8192
+  NTa = Ta // BT
+  f = functools.partial(mgi.packed, scale=K ** -0.5, chunk_size=BT)
+  rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
+  args = (S((1, T, HV, K), BF16), S((1, T, HV, K), BF16), S((1, T, HV, V), BF16), S((1, T, HV), F32),
+          S((1, Ta, HV, K), F32), S((1, Ta, HV, K), F32), S((5,), jnp.int32), rows)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 3
+
+
+def test_packed_kernels_smem():
+  """The landing zone of q, k costs the scores kernel no SMEM (it shares the operands' bytes);
+  the solve's plain v tile keeps it at two CTAs per SM."""
+  S, Ta, HV, K, V, T = jax.ShapeDtypeStruct, S_TA, S_HV, 128, 128, 3000
+  NTa = Ta // BT
+  rows = (S((NTa,), jnp.int32), S((NTa,), jnp.int32))
+  sc = lambda cu, r0, r1, q, k, beta_t, flag, gf: mgi._scores(cu, (r0, r1), q, k, beta_t, (gf,), flag, scale=K ** -0.5,
+                                                             bounded=True, interpret=False, config=mgi.Config())
+  scores = lowered_smem_bytes(sc, S_CU, *rows, S((T, HV, K), BF16), S((T, HV, K), BF16), S((HV, T + BT), F32),
+                              S((HV * NTa,), jnp.int32), S((Ta, HV, K), F32))
+  assert scores == _scores_smem(K, 1)
+  so = lambda cu, r0, r1, *a: mgi._solve(cu, (r0, r1), *a, interpret=False, config=mgi.Config())
+  solve = lowered_smem_bytes(so, S_CU, *rows, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16), S((Ta, HV, K), BF16),
+                             S((T, HV, V), BF16), S((HV, T + BT), F32))
+  print(f"\n  packed: scores {scores} bytes, solve {solve} bytes")
+  assert solve <= SMEM_TWO_CTAS

@@ -30,6 +30,14 @@ diagonal may overflow there and are masked out.
 level 2s; each product takes hi + lo bf16 splits of both operands (three wgmmas, ~2^-16 relative).
 w = X (beta k exp(gc)) and u = X (beta v) take X's split (two wgmmas) and bf16 right-hand sides.
 
+Packed inputs (`packed`, the align folded into the loads): q, k, v, beta stay packed [1, T, ...] and
+kda.padding.ChunkRows places each aligned chunk (rows r < count[c] read packed token src[c] + r).
+TMA takes any packed row into plain (unswizzled) SMEM only, so q, k land there, in a RefUnion with
+the level operands (no extra SMEM), and go masked (rows past count: zeros, by a select, since they
+hold other sequences' tokens or NaN) into the swizzled tiles; v lands in a plain tile of the solve
+(99336 bytes at K = V = 128); beta is read from GMEM at src, padded by BT so no read leaves it.
+The results equal `apply` on the aligned inputs.
+
 Out (bf16, the dtype policy for bf16 inputs): Akk, Aqk, Ainv, w, u, qg, kg. The stage predicate
 (`takes`) refuses float32 q/k/v: their float32 accuracy needs the pallas or reference stage.
 """
@@ -125,33 +133,64 @@ def _log2(n):
   return n.bit_length() - 1
 
 
-def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded):
+def _beta(b_g, i_h, rows, src, cnt):
+  """shape -> beta of the chunk's rows broadcast along columns: from the aligned [HV, Ta] rows, or
+  (packed) from the packed [HV, T + BT] rows at src with rows past cnt set to 0 (a select: they may
+  hold other sequences' values, NaN included)."""
+  if src is None:
+    b = _load(b_g.at[i_h, rows], ROW)
+    return lambda shape: lax.broadcast_in_dim(b, shape, [0])
+  b = _load(b_g.at[i_h, pl.ds(src, BT)], ROW)
+  return lambda shape: jnp.where(_iota(0, shape) < cnt, lax.broadcast_in_dim(b, shape, [0]), 0.0)
+
+
+def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed):
   """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
-  kd = beta k exp(gc), all bf16."""
+  kd = beta k exp(gc), all bf16. packed: q, k, beta come packed and `src`, `cnt` place the chunk."""
+  if packed:
+    src_g, cnt_g, *rest = rest
+  q_g, k_g, b_g, *rest = rest
   if two_part:
     gi_g, gf_g, *rest = rest
   else:
     gf_g, *rest = rest
   # swizzled SMEM first, the plain buffers after it: no alignment gaps (two CTAs per SM at K = 128)
-  akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, q_s, k_s, lk_s, lq_s, rk_s, *rest = rest
+  akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, q_s, k_s, *rest = rest
+  if packed:      # q, k land in plain SMEM that shares the level operands' bytes
+    ops, *rest = rest
+    (lk_s, lq_s, rk_s), landing = ops
+  else:
+    lk_s, lq_s, rk_s, *rest = rest
   if two_part:
     gi_s, gf_s, bar = rest
   else:
     gf_s, bar = rest
     gi_s = None
-  NTa = q_g.shape[0] // BT
+  NTa = qg_g.shape[0] // BT
   K = q_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slabs = [pl.ds(s * SLAB, SLAB) for s in range(K // SLAB)]
+  src = src_g[c] if packed else None
+  cnt = cnt_g[c] if packed else None
 
   def compute():
-    plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
-    plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
+    if packed:      # any packed row: plain SMEM takes TMA there (swizzled needs multiples of 8)
+      plgpu.copy_gmem_to_smem(q_g.at[pl.ds(src, BT), i_h, :], landing[0], bar)
+      plgpu.copy_gmem_to_smem(k_g.at[pl.ds(src, BT), i_h, :], landing[1], bar)
+    else:
+      plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
+      plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
     plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
     if two_part:
       plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
     plgpu.barrier_wait(bar)
+    if packed:      # rows past the chunk's tokens belong to other sequences (or none): zeros
+      real = _iota(0, (BT, SLAB)) < cnt
+      for cols in slabs:
+        for land, dst in zip(landing, (q_s, k_s)):
+          dst.at[:, cols][...] = jnp.where(real, _load(land.at[:, cols]), jnp.zeros((), BF16))
+      plgpu.commit_smem()   # also a warpgroup barrier: the landing zone is read before reuse
 
     # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
     def g_tile(cols):
@@ -207,13 +246,13 @@ def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded):
               _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
 
     row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
-    beta = _load(b_g.at[i_h, rows], ROW)   # from GMEM: no SMEM for it
+    beta = _beta(b_g, i_h, rows, src, cnt)   # from GMEM: no SMEM for it
     operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
     p_kk, p_qk = products()
 
     def store_scores(a_kk, a_qk):
       # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
-      hi, lo = _split(a_kk * lax.broadcast_in_dim(beta, (BT, BT), [0]))
+      hi, lo = _split(a_kk * beta((BT, BT)))
       lk_s.at[0][...] = hi
       lk_s.at[1][...] = lo
       lq_s.at[0][...] = (a_qk * scale).astype(BF16)
@@ -253,7 +292,7 @@ def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded):
       e = jnp.exp(whole(G))
       q_s.at[:, cols][...] = (qx * e).astype(BF16)
       k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
-      rk_s.at[i][...] = (lax.broadcast_in_dim(beta, (BT, SLAB), [0]) * kx * e).astype(BF16)
+      rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
 
   live = c < cu_g[cu_g.shape[0] - 1] // BT    # chunks past aligned_cu[-1] hold no token
   pl.when(live)(compute)
@@ -279,9 +318,15 @@ def _scores_body(cu_g, flag_g, q_g, k_g, b_g, *rest, scale, two_part, bounded):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _solve_body(cu_g, akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
-                ah_s, al_s, kd_s, v_s, b_s, xh_s, xl_s, th_s, tl_s, bar):
-  """Kernel 2, per (head, chunk): X = (I + Akk)^-1 by block doubling, w = X kd, u = X (beta v)."""
+def _solve_body(cu_g, *refs, packed):
+  """Kernel 2, per (head, chunk): X = (I + Akk)^-1 by block doubling, w = X kd, u = X (beta v).
+  packed: v and beta come packed, v lands in plain SMEM (`vl_s`) at the chunk's packed row."""
+  if packed:
+    src_g, cnt_g, *refs = refs
+    *refs, vl_s, bar = refs
+  else:
+    *refs, bar = refs
+  akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g, ah_s, al_s, kd_s, v_s, b_s, xh_s, xl_s, th_s, tl_s = refs
   K, V = kd_g.shape[2], v_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
@@ -290,8 +335,13 @@ def _solve_body(cu_g, akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
     plgpu.copy_gmem_to_smem(akh_g.at[rows, i_h, :], ah_s, bar)
     plgpu.copy_gmem_to_smem(akl_g.at[rows, i_h, :], al_s, bar)
     plgpu.copy_gmem_to_smem(kd_g.at[rows, i_h, :], kd_s, bar)
-    plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
-    plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
+    if packed:
+      src, cnt = src_g[c], cnt_g[c]
+      plgpu.copy_gmem_to_smem(v_g.at[pl.ds(src, BT), i_h, :], vl_s, bar)
+      beta = _beta(b_g, i_h, rows, src, cnt)((BT, V))
+    else:
+      plgpu.copy_gmem_to_smem(v_g.at[rows, i_h, :], v_s, bar)
+      plgpu.copy_gmem_to_smem(b_g.at[i_h, rows], b_s, bar)
     plgpu.barrier_wait(bar)
     row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
     a_kk = _load(ah_s).astype(F32) + _load(al_s).astype(F32)
@@ -313,8 +363,12 @@ def _solve_body(cu_g, akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g,
       T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
       X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
     xh_s[...], xl_s[...] = _split(X)
-    beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
-    v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
+    if packed:      # rows past cnt: beta is 0 there, and a select keeps their v (maybe NaN) out
+      real = _iota(0, (BT, V)) < cnt
+      v_s[...] = jnp.where(real, beta * _load(vl_s).astype(F32), 0.0).astype(BF16)
+    else:
+      beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
+      v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
     plgpu.commit_smem()
     w = _acc([(xh_s, kd_s), (xl_s, kd_s)], (BT, K))
     u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
@@ -343,46 +397,51 @@ def _params(config):
   return plgpu.CompilerParams(approx_math=config.approx_math)
 
 
-def _scores(cu, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
-  """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,)."""
-  Ta, HV, K = k.shape
+def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
+  """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,); rows: ChunkRows (packed q, k, beta_t) or None."""
+  Ta, HV, K = gis[0].shape
   two_part = len(gis) == 2
-  body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded)
+  packed = rows is not None
+  body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded, packed=packed)
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
-  ops = (max(K // SLAB, 2), BT, SLAB)   # [64, 64] slabs; two at K = 64 too (Akk's split)
+  ops = [_swz((max(K // SLAB, 2), BT, SLAB)) for _ in range(3)]   # [64, 64] slabs; two at K = 64 too
+  if packed:    # the landing zone of q, k shares the operands' bytes (never live together)
+    ops = plgpu.RefUnion(ops, [plgpu.SMEM((BT, K), BF16), plgpu.SMEM((BT, K), BF16)])
   f = plgpu.kernel(
       body,
       out_type=(shape(BT), shape(BT), shape(BT), shape(K), shape(K), shape(K)),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
           _swz((BT, K)), _swz((BT, K)),
-          _swz(ops), _swz(ops), _swz(ops),                 # level operands lk, lq, rk
+          *([ops] if packed else ops),                     # level operands lk, lq, rk
           *[plgpu.SMEM((BT, K), F32) for _ in gis],
           plgpu.Barrier(num_arrivals=2 + len(gis)),
       ],
       compiler_params=_params(config),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(cu, flag, q, k, beta_t, *gis)
+  return f(cu, flag, *(() if rows is None else rows), q, k, beta_t, *gis)
 
 
-def _solve(cu, akh, akl, kd, v, beta_t, *, interpret, config):
+def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config):
   Ta, HV, K = kd.shape
   V = v.shape[-1]
+  packed = rows is not None
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   f = plgpu.kernel(
-      _solve_body,
+      functools.partial(_solve_body, packed=packed),
       out_type=(shape(BT), shape(K), shape(V)),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
           _swz((BT, BT)), _swz((BT, BT)), _swz((BT, K)), _swz((BT, V)), plgpu.SMEM((BT,), F32),
           _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)),   # X, T splits
-          plgpu.Barrier(num_arrivals=5),
+          *([plgpu.SMEM((BT, V), BF16)] if packed else []),                # v's landing zone
+          plgpu.Barrier(num_arrivals=4 if packed else 5),
       ],
       compiler_params=_params(config),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(cu, akh, akl, kd, v, beta_t)
+  return f(cu, *(() if rows is None else rows), akh, akl, kd, v, beta_t)
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
@@ -391,23 +450,80 @@ def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size,
   reason = supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, scale=scale, chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu intra kernel: {reason}")
-  HV, Ta = k.shape[2], k.shape[1]
+  Ta = k.shape[1]
+  beta_t = beta[0].astype(F32).T                                  # [HV, Ta]: contiguous rows for TMA
+  return _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, None, None, None, scale=scale,
+                interpret=interpret, config=config, Ta=Ta)
+
+
+def packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_size,
+                    **_) -> Optional[str]:
+  """None if `packed` takes this call (q, k, v, beta packed [1, T, ...], gc aligned), else why."""
+  if q.ndim != 4 or q.shape[0] != 1:
+    return f"q must be packed [1, T, HV, K], got shape {q.shape}"
+  T = q.shape[1]
+  Ta = gc_frac.shape[1] if gc_frac.ndim == 4 else -1
+  aligned = lambda x, d: jax.ShapeDtypeStruct((1, Ta) + x.shape[2:3] + (d,), x.dtype)
+  reason = takes(aligned(q, q.shape[3]), aligned(k, k.shape[3]), aligned(v, v.shape[-1]),
+                 jax.ShapeDtypeStruct((1, Ta) + beta.shape[2:], beta.dtype), gc_int, gc_frac, aligned_cu,
+                 scale=scale, chunk_size=chunk_size)
+  if reason is not None:
+    return reason
+  for name, x in (("k", k), ("v", v), ("beta", beta)):
+    if x.shape[:2] != (1, T):
+      return f"{name} must be packed like q [1, {T}, ...], got shape {x.shape}"
+  if aligned_cu is None:
+    return "packed inputs need aligned_cu"
+  NTa = Ta // BT
+  for name, x in (("rows.src", rows.src), ("rows.count", rows.count)):
+    if x.shape != (NTa,) or not jnp.issubdtype(x.dtype, jnp.integer):
+      return f"{name} must be [{NTa}] integers, got {x.dtype}{list(x.shape)}"
+  return None
+
+
+def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_size, bounded=None,
+           two_part=None, interpret=False, config=None):
+  """`apply` on packed q, k, v [1, T, ...], beta [1, T, HV]: the align folded into the loads.
+
+  rows (kda.padding.ChunkRows) places each aligned chunk: its rows r < rows.count[c] read packed
+  token rows.src[c] + r, the others are zeros, so the result equals `apply` on the aligned inputs.
+  gc_int, gc_frac are aligned [1, Ta, HV, K]; `bounded` ([HV * NTa] int32) and `two_part` (bool)
+  may come from the gate kernel's statistics (else they are computed from gc here).
+  """
+  config = config or Config()
+  reason = packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, scale=scale, chunk_size=chunk_size)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu intra kernel (packed): {reason}")
+  Ta = gc_frac.shape[1]
+  # [HV, T + BT]: a chunk's BT rows from any src < T stay inside (the loads there are not TMA)
+  beta_t = jnp.pad(beta[0].astype(F32).T, ((0, 0), (0, BT)))
+  rows = tuple(x.astype(jnp.int32) for x in rows)
+  return _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, bounded, two_part, scale=scale,
+                interpret=interpret, config=config, Ta=Ta)
+
+
+def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *, scale, interpret, config,
+           Ta):
+  HV = k.shape[2]
   # chunks at or past aligned_cu[-1] (the tail of a static-bound layout) are only zero-filled
   cu = jnp.array([0, Ta], jnp.int32) if aligned_cu is None else aligned_cu.astype(jnp.int32)
   q, k, v = (x[0].astype(BF16) for x in (q, k, v))
-  beta_t = beta[0].astype(F32).T                                  # [HV, Ta]: contiguous rows for TMA
   gi, gf = gc_int[0].astype(F32), gc_frac[0].astype(F32)
   bounded = config.bounded == "auto"
-  flag = bounded_chunks(gc_int, gc_frac) if bounded else jnp.zeros((HV * (k.shape[0] // BT),), jnp.int32)
-  run = lambda *gis: _scores(cu, q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
+  if not bounded:
+    flag = jnp.zeros((HV * (Ta // BT),), jnp.int32)
+  elif flag is None:
+    flag = bounded_chunks(gc_int, gc_frac)
+  run = lambda *gis: _scores(cu, rows, q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
                              interpret=interpret, config=config)
   if config.two_part == "always":
     akh, akl, aqk, qg, kg, kd = run(gi, gf)
   else:   # gc_int == 0 everywhere (every gate > -1): gc is gc_frac, the same decays bit for bit
-    akh, akl, aqk, qg, kg, kd = lax.cond(jnp.any(gi != 0), lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
+    pred = jnp.any(gi != 0) if two_part is None else two_part
+    akh, akl, aqk, qg, kg, kd = lax.cond(pred, lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
   if config.probe == "scores":
     z = jnp.zeros_like(kd)
-    return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros(v.shape, BF16)[None],
+    return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros((Ta,) + v.shape[1:], BF16)[None],
                qg[None], kg[None])
-  ainv, w, u = _solve(cu, akh, akl, kd, v, beta_t, interpret=interpret, config=config)
+  ainv, w, u = _solve(cu, rows, akh, akl, kd, v, beta_t, interpret=interpret, config=config)
   return Out(akh[None], aqk[None], ainv[None], w[None], u[None], qg[None], kg[None])
