@@ -9,6 +9,7 @@ the same roundings) the fused kernel agrees to float32 summation order: measured
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -242,3 +243,136 @@ def test_pipeline_fuses_state_and_output_only_when_both_select_mosaic_gpu(monkey
   h0 = jnp.zeros((2, H, K, V), jnp.float32)
   _, _, rec = pipeline.forward(plan, layout, q, k, v, g, beta, h0, None, None, record=True)
   assert not calls and {"state", "output"} <= set(rec)
+
+
+# --- packed mode: o stored straight into the packed layout (rows=chunk_rows(layout), T)
+
+@functools.lru_cache(maxsize=None)
+def _fused_packed(scale, config, T):
+  return jax.jit(lambda *a, rows: so.mosaic_gpu(*a, scale=scale, chunk_size=BT, interpret=True, config=config,
+                                                rows=rows, T=T))
+
+
+def check_packed(lens, starts, T, K, V, config, HV=1, tail_chunks=1, seed=0, layout=None):
+  """Packed mode against padding.unalign_with(layout, aligned mode's o): bit for bit, the same
+  final_state, and exact zeros at every packed token no sequence owns."""
+  from kda import padding
+  bf, _, _ = fused_case(lens, K, V, HV=HV, tail_chunks=tail_chunks, seed=seed)
+  Ta = bf[0].shape[1]
+  if layout is None:
+    layout = padding.Layout(jnp.asarray(starts, jnp.int32), jnp.asarray(lens, jnp.int32), bf[8], T, Ta, BT)
+  assert layout.Ta == Ta and np.array_equal(np.asarray(layout.aligned_cu), np.asarray(bf[8]))
+  scale = K ** -0.5
+  o_al, final_al = _fused(scale, config)(*bf)
+  o, final = _fused_packed(scale, config, T)(*bf, rows=padding.chunk_rows(layout))
+  assert o.shape == (1, T, HV, V) and o.dtype == so.OUT_DTYPES[config.out_dtype]
+  want = padding.unalign_with(layout, o_al)
+  np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(final), np.asarray(final_al))
+  owned = np.asarray(padding.packed_owned_mask(layout))
+  assert not owned.all() or tail_chunks == 0
+  assert np.all(np.asarray(o.astype(jnp.float32))[:, ~owned] == 0)
+  return o
+
+
+PACKED = [((64, 64), SERIAL), ((128, 128), so.Config(warp_specialized=True, out_dtype="bfloat16")),
+          ((64, 128), so.Config(out_dtype="bfloat16")), ((128, 64), SPLIT)]
+
+
+@pytest.mark.parametrize("KV,config", PACKED, ids=["K64-V64-serial", "K128-V128-split-bf16",
+                                                   "K64-V128-serial-bf16", "K128-V64-split"])
+def test_fused_packed_o_equals_unaligned(KV, config):
+  """cu_seqlens layout: lengths 1, 63, 64, an empty one, 65; tokens after cu_seqlens[-1], the last
+  sequence ends within 64 rows of T, and T = 204 is not a multiple of 8."""
+  lens = [1, 63, 64, 0, 65] if KV[0] == 64 else [65, 1, 0, 64, 63]
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  check_packed(lens, cu[:-1], int(cu[-1]) + 11, *KV, config)
+
+
+@pytest.mark.parametrize("config", [SERIAL, so.Config(warp_specialized=True, out_dtype="bfloat16")],
+                         ids=["serial", "split-bf16"])
+def test_fused_packed_o_segment_gaps(config):
+  """segment_ids-style layout (padding.make_layout): a leading gap, gaps between runs, an empty slot
+  (start T) and a trailing gap: every gap token exactly 0; T = 237."""
+  from kda import padding
+  lens, starts, T = [63, 1, 64, 0, 70], [3, 70, 72, 237, 150], 237
+  layout = padding.make_layout(starts, lens, T, BT)
+  check_packed(lens, starts, T, 64, 64, config, HV=2, tail_chunks=0, seed=3, layout=layout)
+
+
+def test_fused_packed_no_gaps_and_no_sequences():
+  """One full and one partial chunk filling T exactly (nothing to zero); N = 0 gives zeros [1, T]."""
+  check_packed([64, 70], [0, 64], 134, 64, 64, SPLIT, tail_chunks=0, seed=5)
+  bf, _, _ = fused_case([5], 64, 64, tail_chunks=0)
+  from kda import padding
+  empty = bf[:7] + (bf[7][:0], jnp.zeros((1,), jnp.int32))
+  zero = jnp.zeros((1,), jnp.int32)
+  o, final = so.mosaic_gpu(*empty, scale=0.125, chunk_size=BT, interpret=True, rows=padding.ChunkRows(zero, zero), T=13)
+  assert o.shape == (1, 13, 1, 64) and np.all(np.asarray(o) == 0) and final.shape == (0, 1, 64, 64)
+
+
+def test_fused_packed_supports_checks_rows():
+  from kda import padding
+  bf, _, _ = fused_case([5, 70], 64, 64, tail_chunks=0)
+  NTa = bf[0].shape[1] // BT
+  i32 = jnp.zeros((NTa,), jnp.int32)
+  good = padding.ChunkRows(i32, i32)
+  assert so.takes(*bf, chunk_size=BT, rows=good, T=75) is None
+  assert "T" in so.supports(*bf, chunk_size=BT, rows=good)
+  assert "T" in so.supports(*bf, chunk_size=BT, T=75)
+  assert "rows.src" in so.supports(*bf, chunk_size=BT, rows=padding.ChunkRows(i32[:1], i32), T=75)
+  assert "rows.count" in so.supports(*bf, chunk_size=BT, rows=padding.ChunkRows(i32, i32.astype(jnp.float32)), T=75)
+  assert "ChunkRows" in so.supports(*bf, chunk_size=BT, rows=i32, T=75)
+  with pytest.raises(ValueError, match="rows"):
+    so.mosaic_gpu(*bf, scale=0.125, chunk_size=BT, interpret=True, rows=padding.ChunkRows(i32[:1], i32), T=75)
+
+
+PACKED_LOWER = [SERIAL, SPLIT, so.Config(warp_specialized=True, out_dtype="bfloat16"),
+                so.Config(warp_specialized=True, lane_semantics=True), so.Config(input_slots=1, stage_o=False)]
+
+
+@pytest.mark.parametrize("config", PACKED_LOWER, ids=["serial", "warp-specialized", "warp-specialized-bf16-o",
+                                                      "warp-specialized-lane", "one-slot-direct-o"])
+def test_fused_packed_lowers_for_cuda(config):
+  """Packed mode lowers for CUDA with T not a multiple of 8 (plain SMEM stage, TMA stores of 1..64
+  rows at dynamic rows); its SMEM is the aligned mode's, except that stage_o=False keeps the stage."""
+  from kda import padding
+  Ta, N, T = 32768 + 489 * BT, 489, 32768 + 13
+  args = _abstract(Ta, 16, 128, 128, N)
+  rows = padding.ChunkRows(*(jax.ShapeDtypeStruct((Ta // BT,), jnp.int32),) * 2)
+  smem = lowered_smem_bytes(lambda *a: so.mosaic_gpu(*a[:-1], scale=0.125, chunk_size=BT, config=config,
+                                                     rows=a[-1], T=T), *args, rows)
+  aligned = lowered_smem_bytes(lambda *a: so.mosaic_gpu(*a, scale=0.125, chunk_size=BT,
+                                                        config=dataclasses.replace(config, stage_o=True)), *args)
+  print(f"\n  packed {config}: SMEM {smem} bytes as lowered")
+  assert smem == aligned <= 232448
+
+
+def test_fused_packed_store_rows_writes_exactly_count_rows():
+  """The partial-chunk store (so._store_rows) in isolation, deterministic in one program each
+  (the fused kernel's programs run in an order that hides an over-write in the simulator):
+  program n zeroes its [2 * BT, 64] slice, then stores n rows of ones at row 37: exactly rows
+  [37, 37 + n) are 1, for every n in [0, 64]."""
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from kda._mosaic_gpu import F32, WG
+
+  def body(o_g, ones_s, zeros_s):
+    n = lax.axis_index("n")
+    ones_s[...] = plgpu.layout_cast(jnp.ones((BT, 64), F32), WG)
+    zeros_s[...] = plgpu.layout_cast(jnp.zeros((BT, 64), F32), WG)
+    plgpu.commit_smem()
+    for half in (0, 1):
+      plgpu.copy_smem_to_gmem(zeros_s, o_g.at[n, pl.ds(half * BT, BT), :])
+    plgpu.wait_smem_to_gmem(0)
+    so._store_rows(ones_s, lambda ds: o_g.at[n, ds, :], 37, n)
+    plgpu.wait_smem_to_gmem(0)
+
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((BT + 1, 2 * BT, 64), jnp.float32), grid=(BT + 1,),
+                   grid_names=("n",), scratch_types=[plgpu.SMEM((BT, 64), jnp.float32)] * 2,
+                   interpret=plgpu.InterpretGPUParams())
+  got = np.asarray(jax.jit(f)())
+  rows = np.arange(2 * BT)
+  want = ((rows[None, :] >= 37) & (rows[None, :] < 37 + np.arange(BT + 1)[:, None])).astype(np.float32)
+  np.testing.assert_array_equal(got, np.broadcast_to(want[:, :, None], got.shape))

@@ -2,9 +2,12 @@
 kda.stages.state and kda.stages.output). The forward needs neither h nor v_new (the backward
 recomputes them), so S never leaves the chip and v_new never reaches HBM.
 
-`mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size)`
--> (o [1, Ta, HV, V] float32 (or bf16: Config.out_dtype), final_state [N, HV, K, V] float32); o is
-0 at padding tokens (qg = Aqk = 0 there) and on the chunks past aligned_cu[-1].
+`mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,
+rows=None, T=None)` -> (o [1, Ta, HV, V] float32 (or bf16: Config.out_dtype), final_state
+[N, HV, K, V] float32); o is 0 at padding tokens (qg = Aqk = 0 there) and on the chunks past
+aligned_cu[-1]. With rows = padding.chunk_rows(layout) and the packed length T (packed mode), o is
+[1, T, HV, V] in the packed layout instead, equal bit for bit to padding.unalign_with(layout, o)
+of the aligned mode, so the pipeline needs no unalign gather (see "Packed mode" below).
 
 Kernel (Pallas Mosaic GPU, Hopper): one program per (sequence rank r, value head h, V tile of
 BV = 64 columns), grid (N, HV, V // BV) longest sequence first, as the state kernel
@@ -41,9 +44,31 @@ Tail: the chunks past aligned_cu[-1] get o = 0 from the kernel (the N programs o
 V tile) take them round-robin with TMA stores of one zeroed SMEM tile, as the state kernel does for
 h), so o is defined everywhere without a pass over it in the launcher.
 
+Packed mode (rows, T given): the same arithmetic; only o's store and the zeros differ.
+- The launcher gathers from rows, per sequence, its packed rows [start, end) (at its first and last
+  chunk) and the packed gaps no sequence owns (`_packed_table`: N + 1 ranges, from a sort of the N
+  starts; N-sized XLA ops only). Each program reads its two scalars once, so chunk i goes to packed
+  row start + i * BT with count min(end - row, BT) rows.
+- The o stage is plain untransformed SMEM (BT, BV) (also for a bf16 o, swizzled in the aligned
+  mode): TMA takes it at any packed row (a swizzled tile needs rows that are multiples of 8) and
+  any row offset of it is 128-byte aligned (a row is 128 or 256 bytes). Lowers under both
+  semantics, also for T not a multiple of 8. Config.stage_o is ignored: o always goes through it.
+- A chunk's store never writes a packed row past start + count - 1, since the next sequence's
+  rows there belong to another program running concurrently. So count is split into its binary
+  digits: one statically sized TMA store of 64, 32, 16, 8, 4, 2, 1 rows per set bit, at increasing
+  offsets of the stage, each issued under pl.when. A full chunk (count = 64) is one store; a
+  sequence's last, partial chunk takes at most 6. Register stores cannot be masked by row, and
+  TMA's clipping happens only at the array's end.
+- The zeros: the tokens no sequence owns (after cu_seqlens[-1], before the first sequence, and the
+  gaps between segment_ids runs) are zeroed in the kernel, in place of the aligned mode's tail
+  chunks (zero_tail). Rank r zeroes gap r and rank N - 1 also gap N (the end), in pieces of 64 rows
+  (the last piece split as above) from a zeroed stage. The gaps are disjoint from every sequence's
+  rows, so no program writes another one's rows, and there is no pass over o in the launcher.
+
 SMEM per program (bytes, BT = 64, BV = 64), as lowered for CUDA (limit 232448; two programs fit
 an SM's 228 KiB up to ~115 KiB each), with the f32 o stage (a bf16 o saves 8192, stage_o=False
-14336):
+14336). Packed mode: the same (its plain bf16 stage is as large as the swizzled one), except that
+stage_o=False keeps the stage:
     serial:                   K = 128: 173072, K = 64: 115728
     serial, input_slots=1:    K = 128: 107528, K = 64:  74760
     warp-specialised:         K = 128: 197704, K = 64: 132168
@@ -81,7 +106,7 @@ class Config:
   lane_semantics: bool = False    # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
   # serial only: 1 input slot (no prefetch) so that two programs may share an SM instead
   input_slots: int = 2
-  stage_o: bool = True            # o through SMEM + TMA (else registers -> GMEM stores)
+  stage_o: bool = True            # o through SMEM + TMA (else registers -> GMEM stores; aligned mode only)
 
   def __post_init__(self):
     if self.block_v != 64:
@@ -95,11 +120,26 @@ class Config:
 
 
 def supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size,
-             **_) -> Optional[str]:
-  """None if `mosaic_gpu` takes this call (shapes, dtypes bf16 or float32), else the reason."""
+             rows=None, T=None, **_) -> Optional[str]:
+  """None if `mosaic_gpu` takes this call (shapes, dtypes bf16 or float32; with `rows`, a
+  ChunkRows of int32 [NTa] arrays and a static packed length T), else the reason."""
   reason = state_mgpu.supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
     return reason
+  if rows is not None:
+    NTa = kg.shape[1] // chunk_size
+    if not isinstance(T, int) or isinstance(T, bool) or T < 0:
+      return f"packed mode (rows given) needs the packed length T as a static int >= 0, got {T!r}"
+    try:
+      src, count = rows
+    except (TypeError, ValueError):
+      return f"rows must be a padding.ChunkRows (src, count), got {type(rows).__name__}"
+    for name, x in (("rows.src", src), ("rows.count", count)):
+      if getattr(x, "shape", None) != (NTa,) or jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+        return (f"{name} must be int32 [{NTa}] (one per aligned chunk), got "
+                f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', None)}")
+  elif T is not None:
+    return "T is only taken with rows (packed mode)"
   if qg.shape != kg.shape:
     return f"qg must have kg's shape {kg.shape}, got {qg.shape}"
   if Aqk.shape != kg.shape[:3] + (chunk_size,):
@@ -111,11 +151,12 @@ def supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, c
 
 
 def takes(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size,
-          **_) -> Optional[str]:
+          rows=None, T=None, **_) -> Optional[str]:
   """The group's predicate: `supports`, and bf16 kg, w, u, qg, Aqk (the dtype policy's bf16
   intermediates); float32 ones would be rounded to bf16, below the float32 accuracy promised for
   float32 inputs."""
-  reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
+                    rows=rows, T=T)
   if reason is None:
     named = (("kg", kg), ("w", w), ("u", u), ("qg", qg), ("Aqk", Aqk))
     if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for _, x in named):
@@ -124,12 +165,30 @@ def takes(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chun
   return reason
 
 
-def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
-          kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars, BT, BV, scale, split, stage_o):
-  # GMEM: order [N], cu [N+1] int32; kg, w, qg [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16;
-  # dec [NTa, HV, K], h0, ht [N, HV, K, V] f32; o [Ta, HV, V] f32 or bf16.
+def _store_rows(stage, dst, row, n):
+  """TMA stores of stage rows [0, n) to dst(pl.ds(row, n)) for a traced n in [0, stage rows]: one
+  statically sized store per set bit of n (64, 32, ..., 1 rows) at increasing offsets, each under
+  pl.when, so that no row past row + n - 1 is written (another program's sequence may start there)."""
+  b = stage.shape[0]
+  while b >= 1:
+    off = n & ~(2 * b - 1)                              # the higher bits' rows, stored before
+
+    @pl.when((n & b) != 0)
+    def _(b=b, off=off):
+      plgpu.copy_smem_to_gmem(stage.at[pl.ds(off, b)], dst(pl.ds(row + off, b)))
+    b //= 2
+
+
+def _body(*refs, BT, BV, scale, split, stage_o, packed):
+  # GMEM: order [N], cu [N+1] int32; (packed mode) tab [4N+2] int32 (`_packed_table`); kg, w, qg
+  # [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16; dec [NTa, HV, K], h0, ht [N, HV, K, V] f32;
+  # o [Ta, HV, V] (aligned mode) or [T, HV, V] (packed mode) f32 or bf16.
+  order_g, cu_g, *refs = refs
+  tab_g = refs.pop(0) if packed else None
+  (kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
+   kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars) = refs
   N = order_g.shape[0]
-  NTa, K = o_g.shape[0] // BT, kg_g.shape[-1]
+  NTa, K = kg_g.shape[0] // BT, kg_g.shape[-1]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
   i_n = order_g[r]
   bos, eos = cu_g[i_n], cu_g[i_n + 1]
@@ -150,7 +209,20 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
     plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(A_g.at[rows, i_h, :], A_s.at[slot], bar)
 
+  if packed:                     # the sequence's packed rows [p_start, p_end)
+    p_start, p_end = tab_g[i_n], tab_g[N + i_n]
+
+  def store_rows(row, n):
+    _store_rows(o_s, lambda ds: o_g.at[ds, i_h, cols], row, n)
+
   def store_o(o, i):
+    if packed:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_s[...] = o.astype(o_s.dtype)
+      plgpu.commit_smem()
+      row = p_start + i * BT
+      store_rows(row, jnp.minimum(p_end - row, BT))
+      return
     if not stage_o:
       o_g[rows_of(i), i_h, cols] = o.astype(o_g.dtype)
       return
@@ -163,7 +235,33 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of S
     return S * lax.broadcast_in_dim(decay, (K, BV), [0]) + _mm(kg_s.at[slot].T, vb, (K, BV))
 
+  def zero_gaps():
+    # packed mode: rank r zeroes the packed gap r of `_packed_table` (rank N - 1 also gap N), in
+    # pieces of BT rows through store_rows from a zeroed o_s
+    zeros = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG).astype(o_s.dtype)
+
+    def gap(j):
+      lo, hi = tab_g[2 * N + j], tab_g[3 * N + 1 + j]
+
+      @pl.when(hi > lo)
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_s[...] = zeros
+        plgpu.commit_smem()
+
+        def piece(k, carry):
+          row = lo + k * BT
+          store_rows(row, jnp.minimum(hi - row, BT))
+          return carry
+
+        lax.fori_loop(0, (hi - lo + BT - 1) // BT, piece, 0)
+
+    gap(r)
+    pl.when(r == N - 1)(lambda: gap(N))
+
   def zero_tail():
+    if packed:
+      return zero_gaps()
     # chunks past aligned_cu[-1] round-robin over the N programs of this (head, V tile)
     first = cu_g[N] // BT + (N - 1 - r)
     count = jnp.maximum(NTa - first + N - 1, 0) // N
@@ -311,14 +409,40 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
   plgpu.barrier_wait(done)
 
 
+def _packed_table(rows, aligned_cu, T, BT):
+  """[4N + 2] int32 for packed mode: each sequence's packed rows [start, end) (N each; T, T for an
+  empty one), then the packed gaps [lo, hi) (N + 1 each) that no sequence owns: gap k is the
+  range before the k-th sequence in packed order and gap N the range after the last, so the
+  gaps and the sequences tile [0, T). Gathered from rows at each sequence's first and last chunk
+  (a sequence's chunks are consecutive in the packed buffer); N-sized XLA ops only."""
+  N, NTa = aligned_cu.shape[0] - 1, rows.src.shape[0]
+  c0, c1 = aligned_cu[:-1] // BT, aligned_cu[1:] // BT
+  has = c1 > c0
+  first, last = jnp.clip(c0, 0, NTa - 1), jnp.clip(c1 - 1, 0, NTa - 1)
+  start = jnp.where(has, rows.src[first], T).astype(jnp.int32)
+  end = jnp.where(has, rows.src[last] + rows.count[last], T).astype(jnp.int32)
+  by = jnp.argsort(start, stable=True)
+  s = jnp.concatenate([start[by], jnp.full((1,), T, jnp.int32)])
+  e = jnp.concatenate([end[by], jnp.full((1,), T, jnp.int32)])
+  lo = jnp.concatenate([jnp.zeros((1,), jnp.int32), lax.cummax(e[:-1])])   # the owned end before
+  hi = jnp.maximum(s, lo)
+  return jnp.concatenate([start, end, lo, hi])
+
+
 def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,
-               interpret=False, config=None, out_dtype=None):
+               interpret=False, config=None, out_dtype=None, rows=None, T=None):
   """(o [1, Ta, HV, V], final_state [N, HV, K, V] float32); see the module docstring. `out_dtype`
-  (float32 or bfloat16) overrides config.out_dtype: the pipeline asks for v's dtype, as o ends in it."""
+  (float32 or bfloat16) overrides config.out_dtype: the pipeline asks for v's dtype, as o ends in it.
+
+  Packed mode: with `rows` (padding.chunk_rows(layout), int32 [NTa] src and count) and the packed
+  length T (static int), o is [1, T, HV, V] = padding.unalign_with(layout, o of the aligned mode),
+  bit for bit: each chunk's o goes from its SMEM stage straight to packed rows src[c] + r,
+  r < count[c], and the tokens that no sequence owns are 0 (module docstring, "Packed mode")."""
   config = config or Config()
   if out_dtype is not None:
     config = dataclasses.replace(config, out_dtype=jnp.dtype(out_dtype).name)
-  reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
+                    rows=rows, T=T)
   if reason is not None:
     raise ValueError(f"mosaic_gpu state_output kernel: {reason}")
   BT, BV = chunk_size, config.block_v
@@ -326,9 +450,12 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   V = u.shape[-1]
   N = aligned_cu.shape[0] - 1
   odt = OUT_DTYPES[config.out_dtype]
+  packed = rows is not None
+  To = T if packed else Ta                    # o's rows
   if N == 0:                                  # no program to launch; every chunk is tail
-    return jnp.zeros((1, Ta, HV, V), odt), jnp.zeros((0, HV, K, V), F32)
+    return jnp.zeros((1, To, HV, V), odt), jnp.zeros((0, HV, K, V), F32)
   aligned_cu = aligned_cu.astype(jnp.int32)
+  table = (_packed_table(rows, aligned_cu, T, BT),) if packed else ()
   order = sequence_order(aligned_cu, config.longest_first)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u, qg, Aqk = (x[0].astype(BF16) for x in (kg, w, u, qg, Aqk))
@@ -350,14 +477,17 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
     bars = [plgpu.Barrier(num_arrivals=6, num_barriers=ns)]
     extra = {}
   sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
-  body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split, stage_o=config.stage_o)
-  if config.stage_o:
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split, stage_o=config.stage_o,
+                             packed=packed)
+  if packed:                                 # untransformed: TMA stores at any row, of any count
+    o_stage = plgpu.SMEM((BT, BV), odt)
+  elif config.stage_o:
     o_stage = _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32)
   else:
     o_stage = plgpu.SMEM((8, BV), odt)                               # unused placeholder
   f = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((Ta, HV, V), odt),
+      out_type=(jax.ShapeDtypeStruct((To, HV, V), odt),
                 jax.ShapeDtypeStruct((N, HV, K, V), F32)),
       grid=grid, grid_names=names,
       scratch_types=[
@@ -372,5 +502,5 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
       interpret=plgpu.InterpretGPUParams() if interpret else None,
       **extra,
   )
-  o, final = f(order, aligned_cu, kg, w, u, decay, qg, Aqk, initial_state.astype(F32))
+  o, final = f(order, aligned_cu, *table, kg, w, u, decay, qg, Aqk, initial_state.astype(F32))
   return o[None], final
