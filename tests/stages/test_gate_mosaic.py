@@ -9,6 +9,13 @@ kernel's own softplus: log1p from log and a series), gc_int not at all (integers
 order of the float32 additions: the kernel sums the rows in sequence, XLA's cumsum in a tree. The
 kernel's gc parts equal a float32 numpy sequential sum of split(its own g) bit for bit
 (`check_scan_exact`), so nothing but that order hides inside the tolerance.
+
+Packed mode (`mgg.packed`, test_packed_*): against `apply` on the aligned gates, bit for bit, with
+tokens of no sequence (gaps, the tail after the last sequence) NaN; bounded against intra's
+bounded_chunks of that result exactly, two_part against jnp.any(gc_int != 0). The last chunk of a
+sequence that ends within 64 rows of T reads past T (the boundaries case, T = 198; T = 3 < 64): the
+simulator zero-fills such TMA loads at dynamic starts as the hardware does (a clamped start would
+shift the real rows and fail the comparison).
 """
 from __future__ import annotations
 
@@ -20,9 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kda import padding
 from kda.stages import gate
 from kda.stages.gate import mosaic_gpu as mgg
-from tests.stages.test_gate import check_padding, check_parts, extreme_gates, pooled_inputs
+from kda.stages.intra.mosaic_gpu import bounded_chunks
+from tests.cases import aligned_layout
+from tests.stages.test_gate import EXTREMES, check_padding, check_parts, extreme_gates, pooled_inputs
 
 BT = 64
 # g: the reference's formula in other ops (softplus: a few ulp; measured <= 4.8e-7 relative);
@@ -215,4 +225,179 @@ def _lower(form, dtype, HV, K, config):
                        S((HV * K,), jnp.float32))
   f = functools.partial(mgg.apply, config=config, **kw)
   lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+# --- packed mode: the align folded into the kernel's load ----------------------------------------
+
+def packed_layout(lens, gaps=None, extra_T=0, tail_chunks=0):
+  """A padding.Layout of `lens` packed with gaps[n] free tokens before sequence n and extra_T after
+  the last; the aligned side as tests/cases.aligned_layout builds it, plus `tail_chunks` chunks that
+  nobody owns. -> (layout, valid [Ta] bool)."""
+  gaps = gaps or [0] * len(lens)
+  starts = np.cumsum(np.asarray(gaps) + np.concatenate([[0], lens[:-1]])).astype(np.int32)
+  T = int(starts[-1] + lens[-1]) + extra_T
+  acu, Ta, valid, _ = aligned_layout(lens, BT, tail_chunks)
+  Ta = max(Ta, BT)
+  layout = padding.Layout(jnp.asarray(starts), jnp.asarray(lens, jnp.int32), jnp.asarray(acu), T, Ta, BT)
+  return layout, np.pad(valid, (0, Ta - len(valid)))
+
+
+def packed_gates(seed, T, HV, K, dtype, kind):
+  """Packed gates drawn like tests/cases.make_inputs: "plain" log-space gates (a few strong), "raw"
+  pre-activation ones with A_log [HV] and dt_bias [HV*K], "small" gates in (-1, 0) (gc_int == 0)."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  z = jax.random.normal(keys[0], (1, T, HV, K))
+  A_log = jax.random.uniform(keys[1], (HV,), minval=-1.0, maxval=1.0)
+  dt_bias = 0.5 * jax.random.normal(keys[2], (HV * K,))
+  if kind == "plain":
+    g = jax.nn.log_sigmoid(2.0 * z) / 2.0
+    g = jnp.where(jax.random.uniform(keys[1], (1, T, HV, 1)) < 0.05, g * 8.0 - 1.0, g)
+  elif kind == "small":
+    g = -0.9 * jax.nn.sigmoid(z)
+  else:
+    g = 2.0 * z
+  return g.astype(dtype), A_log, dt_bias
+
+
+def aligned_want(layout, g, A_log, dt_bias, kw):
+  """What `packed` must equal: `apply` on the aligned (and, raw, neutralised) gates, bounded_chunks."""
+  valid = padding.valid_mask(layout)[None]
+  ga = padding.align_with(layout, g)
+  if kw["use_gate_in_kernel"]:
+    ga = padding.neutralize_gate(ga, valid)
+  want = jax.jit(functools.partial(mgg.apply, interpret=True, **kw))(ga, valid, A_log, dt_bias)
+  return want, valid
+
+
+def check_packed(layout, g, A_log, dt_bias, kw, label, config=None):
+  owned = np.asarray(padding.packed_owned_mask(layout))
+  assert not owned.all() or layout.T == int(np.sum(np.asarray(layout.lens)))
+  g = jnp.where(owned[None, :, None, None], g, jnp.asarray(jnp.nan, g.dtype))   # tokens of no sequence
+  rows = padding.chunk_rows(layout)
+  f = jax.jit(functools.partial(mgg.packed, interpret=True, config=config, **kw))
+  t0 = time.time()
+  got = jax.block_until_ready(f(g, rows, A_log, dt_bias))
+  secs = time.time() - t0
+  want, valid = aligned_want(layout, g, A_log, dt_bias, kw)
+  assert isinstance(got, mgg.PackedOut) and got.gc_int.shape == want.gc_int.shape
+  for name in ("gc_int", "gc_frac"):
+    a = np.asarray(getattr(got, name))
+    assert a.dtype == np.float32
+    np.testing.assert_array_equal(a, np.asarray(getattr(want, name)), name)
+  bounded = np.asarray(bounded_chunks(want.gc_int, want.gc_frac))
+  assert got.bounded.dtype == jnp.int32 and got.bounded.shape == bounded.shape
+  np.testing.assert_array_equal(np.asarray(got.bounded), bounded, "bounded")
+  assert got.two_part.shape == () and bool(got.two_part) == bool(jnp.any(want.gc_int != 0))
+  print(f"\n  packed {label} ({secs:.2f}s): T={layout.T} NTa={layout.NTa} bounded {bounded.sum()}/{bounded.size}"
+        f" two_part {bool(got.two_part)}")
+  return got, want
+
+
+PACKED_CASES = [
+    # id, lens, gaps, extra_T, tail_chunks, HV, K, dtype, form, kind
+    # the last sequence's last chunk reads 64 rows from 59 before T (198, not a multiple of 8)
+    ("boundaries-tail-plain-f32-HV2-K64", [1, 63, 64, 65], None, 5, 0, 2, 64, jnp.float32, "identity", "plain"),
+    ("gaps-empty-softplus-bf16-HV1-K128", [17, 0, 40], [3, 2, 9], 6, 2, 1, 128, jnp.bfloat16, "softplus", "raw"),
+    ("sigmoid-f32-HV2-K128", [70, 30], [0, 11], 3, 1, 2, 128, jnp.float32, "sigmoid", "raw"),
+    ("sigmoid-noA-nobias-bf16-HV4-K64", [5, 64], None, 0, 0, 4, 64, jnp.bfloat16, "sigmoid-noA-nobias", "raw"),
+    ("softplus-nobias-f32-HV2-K64-T3", [2], None, 1, 0, 2, 64, jnp.float32, "softplus-nobias", "raw"),
+    ("small-f32-HV2-K64", [100, 20], [0, 4], 7, 0, 2, 64, jnp.float32, "identity", "small"),
+]
+
+
+@pytest.mark.parametrize("lens,gaps,extra_T,tail_chunks,HV,K,dtype,form,kind", [c[1:] for c in PACKED_CASES],
+                         ids=[c[0] for c in PACKED_CASES])
+def test_packed_matches_aligned(lens, gaps, extra_T, tail_chunks, HV, K, dtype, form, kind):
+  layout, _ = packed_layout(lens, gaps, extra_T, tail_chunks)
+  g, A_log, dt_bias = packed_gates(len(lens) + HV, layout.T, HV, K, dtype, kind)
+  (g, _, A_log, dt_bias), kw = form_args(form, g, None, A_log, dt_bias)
+  kw = kw
+  assert mgg.packed_takes(g, padding.chunk_rows(layout), A_log, dt_bias, **kw) is None
+  got, _ = check_packed(layout, g, A_log, dt_bias, kw, f"lens={lens} {form}")
+  assert bool(got.two_part) == (kind != "small")
+  if kind == "small":
+    assert not np.any(np.asarray(got.gc_int)) and np.all(np.asarray(got.bounded) == 1)
+
+
+def test_packed_empty_layout():
+  """One empty sequence and three tokens of nobody (NaN, T < 64): zeros, bounded, one part."""
+  layout, _ = packed_layout([0], extra_T=3)
+  g, _, _ = packed_gates(0, layout.T, 2, 64, jnp.float32, "plain")
+  got, _ = check_packed(layout, g, None, None, dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None),
+                        "empty")
+  assert not np.any(np.asarray(got.gc_frac)) and not bool(got.two_part) and np.all(np.asarray(got.bounded) == 1)
+
+
+@pytest.mark.parametrize("form", ["identity", "softplus"])
+def test_packed_extreme_gates(form):
+  """Extreme gates (-inf, -1e30 ... -30, and +-inf, -1e4, a NaN for the raw form) in the second
+  sequence's head 0 only: bounded holds 0 there, 1 elsewhere; two_part is True."""
+  layout, _ = packed_layout([40, 100], [0, 5], extra_T=9)
+  g, A_log, dt_bias = packed_gates(3, layout.T, 2, 64, jnp.float32, "plain" if form == "identity" else "raw")
+  r = np.random.RandomState(11)
+  g = np.array(g)
+  hit = np.zeros(g.shape, bool)
+  hit[0, 45:145, 0] = r.rand(100, 64) < 0.2
+  values = EXTREMES if form == "identity" else (-np.inf, np.inf, -1e30, -1e4, -200.0, 40.0)
+  g[hit] = r.choice(values, size=int(hit.sum()))
+  if form == "softplus":
+    g[0, 120, 0, 7] = np.nan    # a real token: its chunk (head 0) is not bounded
+  (g, _, A_log, dt_bias), kw = form_args(form, jnp.asarray(g), None, A_log, dt_bias)
+  got, _ = check_packed(layout, g, A_log, dt_bias, kw, f"extreme {form}")
+  b = np.asarray(got.bounded).reshape(2, layout.NTa)
+  assert b[1].all() and b[0, 0] == 1 and not b[0, 1:3].any(), b
+  assert bool(got.two_part)
+
+
+@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True, unroll=8),
+                                    mgg.Config(lane_semantics=True, unroll=1)], ids=["tma-stores-unroll8", "lane-no-unroll"])
+def test_packed_configs(config):
+  layout, _ = packed_layout([30, 65], [2, 0], extra_T=4)
+  g, A_log, dt_bias = packed_gates(5, layout.T, 2, 64, jnp.bfloat16, "raw")
+  (g, _, A_log, dt_bias), kw = form_args("softplus", g, None, A_log, dt_bias)
+  check_packed(layout, g, A_log, dt_bias, kw, f"{config}", config)
+
+
+def test_packed_takes_reasons():
+  g = jnp.zeros((1, 100, 2, 64), jnp.float32)
+  rows = padding.ChunkRows(jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32))
+  kw = dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None)
+  A = jnp.zeros((2,))
+  assert mgg.packed_takes(g, rows, A, None, **kw) is None
+  assert "chunk_size" in mgg.packed_takes(g, rows, A, None, **dict(kw, chunk_size=32))
+  assert "float16" in mgg.packed_takes(g.astype(jnp.float16), rows, A, None, **kw)
+  assert "A_log" in mgg.packed_takes(g, rows, None, None, **kw)
+  assert "rows.src" in mgg.packed_takes(g, rows._replace(src=rows.src.astype(jnp.int16)), A, None, **kw)
+  assert "rows.count" in mgg.packed_takes(g, rows._replace(count=rows.count[:2]), A, None, **kw)
+  assert "T = 0" in mgg.packed_takes(g[:, :0], rows, A, None, **kw)
+  assert "multiple of 128" in mgg.packed_takes(g[..., :48], rows, A, None, **kw)
+  assert mgg.packed_supports(g[..., :48], rows, A, None, **kw) is None
+  with pytest.raises(ValueError, match="A_log"):
+    mgg.packed(g, rows, None, None, interpret=True, **kw)
+
+
+# the packed kernel's loop is split at the six rows bounded_chunks reads (more code, slower to lower):
+# the forms' variety over the two shapes, and the configs once each
+LOWER_PACKED = [("identity", jnp.float32, 2, 64, None), ("softplus", jnp.bfloat16, 16, 128, None),
+                ("sigmoid", jnp.bfloat16, 16, 128, None), ("sigmoid-noA-nobias", jnp.float32, 2, 64, None),
+                ("softplus", jnp.bfloat16, 16, 128, mgg.Config(stage_stores=True, lane_semantics=True)),
+                ("sigmoid-nobias", jnp.float32, 2, 64, mgg.Config(unroll=1))]
+
+
+@pytest.mark.parametrize("form,dtype,HV,K,config", LOWER_PACKED,
+                         ids=[f"{f}-{jnp.dtype(d).name}-HV{hv}-K{k}" + ("" if c is None else "-cfg")
+                              for f, d, hv, k, c in LOWER_PACKED])
+def test_packed_lowers_for_cuda(form, dtype, HV, K, config):
+  _lower_packed(form, dtype, HV, K, config)
+
+
+def _lower_packed(form, dtype, HV, K, config):
+  S = jax.ShapeDtypeStruct
+  T, NTa = 32768 + 4093, 514 + 489          # T not a multiple of 8
+  args, kw = form_args(form, S((1, T, HV, K), dtype), None, S((HV,), jnp.float32), S((HV * K,), jnp.float32))
+  g, _, A_log, dt_bias = args
+  rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
+  f = functools.partial(mgg.packed, config=config, **kw)
+  lowered = jax.jit(f).trace(g, rows, A_log, dt_bias).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()

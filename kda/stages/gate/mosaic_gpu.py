@@ -26,11 +26,25 @@ Stores: by default each row leaves from registers straight to GMEM (512 contiguo
 output) and SMEM holds only the input tile (16 KiB bf16, 32 KiB f32) and the flags, so several
 programs share an SM. Config(stage_stores=True) gathers the three f32 outputs in SMEM tiles
 (+96 KiB) and stores them by TMA.
+
+Packed mode (`packed`): g stays packed [1, T, HV, K] and the align is folded into the load. Chunk c's
+tile comes by TMA from packed row rows.src[c] (kda.padding.ChunkRows; any row: the tile's SMEM is
+plain; rows past T arrive as zeros), and rows r >= rows.count[c] (other sequences' tokens, maybe
+NaN) are masked by the same select as valid=False rows; src and count are scalars read from GMEM.
+gc_int and gc_frac come out aligned [1, NTa * 64, HV, K], bit for bit those of `apply` on the
+aligned gates; the activated g is not written. The scan is split (static unroll) at the six rows
+intra's bounded_chunks reads (SPAN_ROWS), and each program also stores per-column stats
+[NTa, 2, C] f32: [c, 0] the max of the four half-block spans (exponent of gc between those rows; NaN
+propagates), [c, 1] the sum of ceil(g)**2 over the chunk (nonzero iff gc_int != 0 at some row). The
+launcher reduces them over each head's K columns: `bounded` (every span <= BOUNDED_SPAN, NaN -> 0)
+and `two_part` (any nonzero), as bounded_chunks and jnp.any(gc_int != 0) give them from gc. SMEM:
+the g tile alone (16 / 32 KiB; +64 KiB for the two gc tiles with stage_stores).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +54,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32
 from kda._pallas import pad_dim
-from kda.stages.gate import Out, floor
+from kda.stages.gate import Out, exponent, floor
+
 COLS = 128                       # columns per program: one per thread of the warpgroup
 LINE = plgpu.Layout.WG_STRIDED((COLS,), vec_size=1)
 MAX_GRID_Y = 65535
+# (a, m, e) rows of intra's bounded_chunks: the spans gc[a] - gc[m] and gc[m] - gc[e] of each 32-row block
+SPAN_ROWS = ((0, 16, 31), (32, 48, 63))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,21 +75,17 @@ class Config:
       raise ValueError(f"unroll must divide the chunk's 64 rows, got {self.unroll}")
 
 
-def supports(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound) -> Optional[str]:
-  """None if `apply` takes this call, else the reason in words."""
+def _common(g, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, rows_name) -> Optional[str]:
+  """What both modes ask of g [1, rows, HV, K] and the activation's parameters."""
   if chunk_size != 64:
     return f"chunk_size must be 64, got {chunk_size}"
   if g.ndim != 4 or g.shape[0] != 1:
-    return f"g must be [1, Ta, HV, K], got shape {g.shape}"
-  _, Ta, HV, K = g.shape
-  if Ta % chunk_size:
-    return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
+    return f"g must be [1, {rows_name}, HV, K], got shape {g.shape}"
+  _, _, HV, K = g.shape
   if -(-HV * K // COLS) > MAX_GRID_Y:
     return f"HV * K / {COLS} must be <= {MAX_GRID_Y} (a CUDA grid y limit), got {HV} * {K}"
   if jnp.dtype(g.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
     return f"g must be bfloat16 or float32, got {jnp.dtype(g.dtype).name}"
-  if valid.shape != (1, Ta):
-    return f"valid must have shape {(1, Ta)}, got {valid.shape}"
   if use_gate_in_kernel:
     if lower_bound is None and A_log is None:
       return "gate activation without lower_bound requires A_log [HV], got None"
@@ -83,16 +96,57 @@ def supports(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_
   return None
 
 
-def takes(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, **_) -> Optional[str]:
-  """The stage's predicate: `supports`, and HV * K a multiple of 128, where the kernel reads and
-  writes the arrays in place; for other widths `apply` pads the columns (an XLA copy in, one out),
-  which the pallas kernel does without."""
-  reason = supports(g, valid, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                    lower_bound=lower_bound)
+def _whole_columns(reason, g):
   if reason is None and (g.shape[2] * g.shape[3]) % COLS:
     reason = (f"mosaic_gpu gate takes HV * K a multiple of {COLS} (one thread per column), got "
               f"{g.shape[2]} * {g.shape[3]}")
   return reason
+
+
+def supports(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound) -> Optional[str]:
+  """None if `apply` takes this call, else the reason in words."""
+  reason = _common(g, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
+                   lower_bound=lower_bound, rows_name="Ta")
+  if reason is not None:
+    return reason
+  Ta = g.shape[1]
+  if Ta % chunk_size:
+    return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
+  if valid.shape != (1, Ta):
+    return f"valid must have shape {(1, Ta)}, got {valid.shape}"
+  return None
+
+
+def takes(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, **_) -> Optional[str]:
+  """The stage's predicate: `supports`, and HV * K a multiple of 128, where the kernel reads and
+  writes the arrays in place; for other widths `apply` pads the columns (an XLA copy in, one out),
+  which the pallas kernel does without."""
+  return _whole_columns(supports(g, valid, A_log, dt_bias, chunk_size=chunk_size,
+                                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound), g)
+
+
+def packed_supports(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound) -> Optional[str]:
+  """None if `packed` takes this call (g packed [1, T, HV, K], rows a kda.padding.ChunkRows), else
+  the reason in words."""
+  reason = _common(g, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
+                   lower_bound=lower_bound, rows_name="T")
+  if reason is not None:
+    return reason
+  if g.shape[1] == 0:
+    return "g must hold at least one token, got T = 0"
+  src, count = rows
+  if src.ndim != 1 or src.shape[0] == 0 or jnp.dtype(src.dtype) != jnp.dtype(jnp.int32):
+    return f"rows.src must be a non-empty [NTa] int32 array, got {jnp.dtype(src.dtype).name}{list(src.shape)}"
+  if count.shape != src.shape or jnp.dtype(count.dtype) != jnp.dtype(jnp.int32):
+    return (f"rows.count must be a {list(src.shape)} int32 array, got "
+            f"{jnp.dtype(count.dtype).name}{list(count.shape)}")
+  return None
+
+
+def packed_takes(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, **_) -> Optional[str]:
+  """`takes` for `packed`: `packed_supports`, and HV * K a multiple of 128."""
+  return _whole_columns(packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size,
+                                        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound), g)
 
 
 def _ceil(x):
@@ -117,26 +171,36 @@ def _softplus(x):
   return jnp.where(x != x, x, sp)      # NaN in, NaN out (as jnp.logaddexp)
 
 
-def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll):
-  # GMEM: g [Ta, C] (input dtype), valid [Ta] f32, (a [C] f32), (bias [C] f32) -> g_act, gc_int,
-  # gc_frac [Ta, C] f32. SMEM: the g tile [BT, 128], valid [BT], (three f32 output tiles), a barrier.
+def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, packed):
+  # GMEM in: aligned: g [Ta, C] (input dtype), valid [Ta] f32; packed: src [NTa], count [NTa] int32,
+  # g [T, C]; then (a [C] f32), (bias [C] f32). GMEM out: aligned: g_act, gc_int, gc_frac [Ta, C] f32;
+  # packed: gc_int, gc_frac [Ta, C], stats [NTa, 2, C] f32. SMEM: the g tile [BT, 128], (aligned:
+  # valid [BT]), (the row outputs' f32 tiles), a barrier.
   refs = list(refs)
-  g_g, valid_g = refs.pop(0), refs.pop(0)
-  a_g = refs.pop(0) if has_a else None
-  bias_g = refs.pop(0) if has_bias else None
-  outs_g, (g_s, valid_s), bar = refs[:3], refs[3:5], refs[-1]
-  outs_s = refs[5:8] if stage_stores else None
+  take = lambda cond: refs.pop(0) if cond else None
+  src_g, count_g = take(packed), take(packed)
+  g_g, valid_g = refs.pop(0), take(not packed)
+  a_g, bias_g = take(has_a), take(has_bias)
+  outs_g = [refs.pop(0) for _ in range(2 if packed else 3)]   # the per-row outputs
+  stats_g = take(packed)
+  g_s, valid_s = refs.pop(0), take(not packed)
+  outs_s = [refs.pop(0) for _ in outs_g] if stage_stores else None
+  bar, = refs
   j, c = lax.axis_index("j"), lax.axis_index("c")
-  start = pl.multiple_of(c * BT, BT)
+  start = pl.multiple_of(c * BT, BT)          # the chunk's first row in the aligned outputs
   cols = pl.ds(pl.multiple_of(j * COLS, COLS), COLS)
-  plgpu.copy_gmem_to_smem(g_g.at[pl.ds(start, BT), cols], g_s, bar)
-  plgpu.copy_gmem_to_smem(valid_g.at[pl.ds(start, BT)], valid_s, bar)
+  if packed:   # any packed row (plain SMEM takes it); rows past T arrive as zeros, masked anyway
+    count = count_g[c]
+    plgpu.copy_gmem_to_smem(g_g.at[pl.ds(src_g[c], BT), cols], g_s, bar)
+  else:
+    plgpu.copy_gmem_to_smem(g_g.at[pl.ds(start, BT), cols], g_s, bar)
+    plgpu.copy_gmem_to_smem(valid_g.at[pl.ds(start, BT)], valid_s, bar)
   a = plgpu.load(a_g.at[cols], layout=LINE, optimized=False) if has_a else None
   bias = plgpu.load(bias_g.at[cols], layout=LINE, optimized=False) if has_bias else None
   plgpu.barrier_wait(bar)
 
   def step(r, carry):
-    acc_i, acc_f = carry
+    acc_i, acc_f, *nz = carry
     x = plgpu.load(g_s.at[r], layout=LINE, optimized=False).astype(F32)
     if act:
       if has_bias:
@@ -146,21 +210,46 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll):
       else:
         x = lower_bound * jax.nn.sigmoid(x if a is None else a * x)
     x = floor(x)
-    # a select, not a product: padding gates may be NaN. Broadcast explicitly: Warpgroup semantics
-    # has no implicit scalar broadcast.
-    x = jnp.where(lax.broadcast(valid_s[r], (COLS,)) > 0.0, x, 0.0)
+    # a select, not a product: padding gates may be NaN (packed: other sequences' tokens). Broadcast
+    # explicitly: Warpgroup semantics has no implicit scalar broadcast.
+    real = r < count if packed else valid_s[r] > 0.0
+    x = jnp.where(lax.broadcast(real, (COLS,)), x, 0.0)
     whole = _ceil(x)
     acc_i = acc_i + whole
     acc_f = acc_f + (x - whole)
-    for k, v in enumerate((x, acc_i, acc_f)):
+    for k, v in enumerate((acc_i, acc_f) if packed else (x, acc_i, acc_f)):
       if stage_stores:
         outs_s[k].at[r][...] = v
       else:
         outs_g[k][start + r, cols] = v
-    return acc_i, acc_f
+    if packed:   # != 0 iff some ceil(x) != 0 so far, i.e. iff gc_int != 0 at some row so far
+      nz = [nz[0] + whole * whole]
+    return (acc_i, acc_f, *nz)
+
+  def scan(lo, hi, carry):   # rows [lo, hi): a loop over whole unrolls, the rest inline
+    main = (hi - lo) // unroll * unroll
+    if main:
+      carry = lax.fori_loop(lo, lo + main, step, carry, unroll=unroll)
+    for r in range(lo + main, hi):
+      carry = step(r, carry)
+    return carry
 
   zero = plgpu.layout_cast(jnp.zeros((COLS,), F32), LINE)
-  lax.fori_loop(0, BT, step, (zero, zero), unroll=unroll)
+  if not packed:
+    scan(0, BT, (zero, zero))
+  else:   # the loop split at the rows bounded_chunks reads, their (gc_int, gc_frac) kept
+    carry, at, lo = (zero, zero, zero), {}, 0
+    for r in sorted({r for block in SPAN_ROWS for r in block}):
+      carry = scan(lo, r + 1, carry)
+      at[r], lo = carry[:2], r + 1
+    carry = scan(lo, BT, carry)
+    span = None
+    for a_, m, e in SPAN_ROWS:
+      for u, v in ((a_, m), (m, e)):
+        s = exponent(*at[u], *at[v])
+        span = s if span is None else jnp.maximum(span, s)    # NaN-propagating, as in XLA
+    stats_g[c, 0, cols] = span
+    stats_g[c, 1, cols] = carry[2]
   if stage_stores:
     plgpu.commit_smem()
     for o_s, o_g in zip(outs_s, outs_g):
@@ -168,37 +257,81 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll):
     plgpu.wait_smem_to_gmem(0)
 
 
+def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, dtype, use_gate_in_kernel, lower_bound, config, interpret,
+            packed):
+  """The kernel on g2 [rows, Cp] (columns already padded) after the `lead` args -> its outputs, columns
+  still padded."""
+  BT, Cp = 64, g2.shape[1]
+  has_a = use_gate_in_kernel and A_log is not None
+  has_bias = use_gate_in_kernel and dt_bias is not None
+  pad = lambda x: pad_dim(x, x.ndim - 1, Cp)
+  args = [*lead, g2] if packed else [g2, *lead]   # packed: src, count first; aligned: valid after g
+  if has_a:
+    args.append(pad(jnp.repeat(jnp.exp(A_log.astype(F32)), K)))
+  if has_bias:
+    args.append(pad(dt_bias.astype(F32).reshape(HV * K)))
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  body = functools.partial(_body, BT=BT, act=use_gate_in_kernel,
+                           lower_bound=None if lower_bound is None else float(lower_bound),
+                           has_a=has_a, has_bias=has_bias, stage_stores=config.stage_stores,
+                           unroll=config.unroll, packed=packed)
+  n_rows = 2 if packed else 3
+  scratch = [plgpu.SMEM((BT, COLS), dtype)] + ([] if packed else [plgpu.SMEM((BT,), F32)])
+  if config.stage_stores:
+    scratch += [plgpu.SMEM((BT, COLS), F32)] * n_rows
+  scratch.append(plgpu.Barrier(num_arrivals=1 if packed else 2))   # the g tile (and valid)
+  out_type = [jax.ShapeDtypeStruct((NTa * BT, Cp), F32)] * n_rows
+  if packed:
+    out_type.append(jax.ShapeDtypeStruct((NTa, 2, Cp), F32))
+  f = plgpu.kernel(
+      body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
+      scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  return f(*args)
+
+
 def apply(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, interpret=False,
           config=None):
-  config = config or Config()
   reason = supports(g, valid, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
                     lower_bound=lower_bound)
   if reason is not None:
     raise ValueError(f"mosaic_gpu gate kernel: {reason}")
-  BT = chunk_size
   _, Ta, HV, K = g.shape
   C = HV * K
-  Cp = -(-C // COLS) * COLS                   # columns padded with zeros, cut off afterwards
-  has_a = use_gate_in_kernel and A_log is not None
-  has_bias = use_gate_in_kernel and dt_bias is not None
-  pad = lambda x: pad_dim(x, x.ndim - 1, Cp)
-  args = [pad(g.reshape(Ta, C)), valid[0].astype(F32)]
-  if has_a:
-    args.append(pad(jnp.repeat(jnp.exp(A_log.astype(F32)), K)))
-  if has_bias:
-    args.append(pad(dt_bias.astype(F32).reshape(C)))
-  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
-  body = lambda *refs: _body(*refs, BT=BT, act=use_gate_in_kernel,
-                             lower_bound=None if lower_bound is None else float(lower_bound),
-                             has_a=has_a, has_bias=has_bias, stage_stores=config.stage_stores,
-                             unroll=config.unroll)
-  scratch = [plgpu.SMEM((BT, COLS), g.dtype), plgpu.SMEM((BT,), F32)]
-  if config.stage_stores:
-    scratch += [plgpu.SMEM((BT, COLS), F32)] * 3
-  scratch.append(plgpu.Barrier(num_arrivals=2))   # the g tile and valid
-  shape = jax.ShapeDtypeStruct((Ta, Cp), F32)
-  f = plgpu.kernel(
-      body, out_type=(shape, shape, shape), grid=(Cp // COLS, Ta // BT), grid_names=("j", "c"),
-      scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)
-  return Out(*(x[:, :C].reshape(1, Ta, HV, K) for x in f(*args)))
+  g2 = pad_dim(g.reshape(Ta, C), 1, -(-C // COLS) * COLS)   # columns padded with zeros, cut off afterwards
+  outs = _launch(g2, [valid[0].astype(F32)], A_log, dt_bias, NTa=Ta // chunk_size, HV=HV, K=K, dtype=g.dtype,
+                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=config or Config(),
+                 interpret=interpret, packed=False)
+  return Out(*(x[:, :C].reshape(1, Ta, HV, K) for x in outs))
+
+
+class PackedOut(NamedTuple):
+  gc_int: jax.Array    # [1, Ta, HV, K] float32, as Out.gc_int of `apply` on the aligned gates
+  gc_frac: jax.Array   # [1, Ta, HV, K] float32
+  bounded: jax.Array   # [HV * NTa] int32, kda.stages.intra.mosaic_gpu.bounded_chunks(gc_int, gc_frac)
+  two_part: jax.Array  # bool scalar, jnp.any(gc_int != 0)
+
+
+def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, interpret=False,
+           config=None):
+  """The gate stage on PACKED gates g [1, T, HV, K] (bf16 or float32), the align folded into the
+  kernel's load: rows is kda.padding.chunk_rows(layout) (NTa chunks). -> PackedOut: gc_int, gc_frac
+  [1, NTa * 64, HV, K] equal to `apply` on padding.align_with(layout, g) (neutralised if
+  use_gate_in_kernel) and padding.valid_mask(layout); bounded and two_part for the intra kernel,
+  from the kernel's per-(chunk, column) stats. The activated g is not written."""
+  from kda.stages.intra.mosaic_gpu import BOUNDED_SPAN   # here: intra imports the gate stage
+  reason = packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
+                           lower_bound=lower_bound)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu gate kernel: {reason}")
+  _, T, HV, K = g.shape
+  C, NTa = HV * K, rows.src.shape[0]
+  g2 = pad_dim(g.reshape(T, C), 1, -(-C // COLS) * COLS)
+  gi, gf, stats = _launch(g2, [rows.src, rows.count], A_log, dt_bias, NTa=NTa, HV=HV, K=K, dtype=g.dtype,
+                          use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                          config=config or Config(), interpret=interpret, packed=True)
+  span, nz = (stats[:, i, :C].reshape(NTa, HV, K) for i in (0, 1))
+  bounded = jnp.all(span <= BOUNDED_SPAN, axis=-1).T.reshape(-1).astype(jnp.int32)   # NaN -> 0
+  two_part = jnp.any(nz != 0)
+  Ta = NTa * chunk_size
+  return PackedOut(gi[:, :C].reshape(1, Ta, HV, K), gf[:, :C].reshape(1, Ta, HV, K), bounded, two_part)
