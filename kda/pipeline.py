@@ -25,11 +25,15 @@ from kda.fused import state_output
 from kda.padding import Layout
 from kda import stages
 from kda.stages.base import resolve
+from kda.stages.gate import mosaic_gpu as gate_mgpu
+from kda.stages.intra import mosaic_gpu as intra_mgpu
 
 FORWARD_STAGES = ("gate", "intra", "state", "output")
 # Fused groups (DESIGN.md): consecutive stages -> {backend: (kernel, predicate)}. The composer calls
 # the fused kernel when every member selects that backend and the predicate takes the call.
 FUSED = {("state", "output"): {"mosaic_gpu": (state_output.mosaic_gpu, state_output.takes)}}
+# The whole forward with align / unalign folded into the kernels (packed_forward): mosaic_gpu only.
+PACKED = ("align",) + FORWARD_STAGES + ("unalign",)
 BACKWARD_STAGES = ("bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate")
 
 
@@ -150,8 +154,7 @@ def prepare(plan: Plan, layout: Layout, q, k, v, g, beta):
   """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs."""
   q, k, v, g, beta = (padding.align_with(layout, x) for x in (q, k, v, g, beta))
   valid = padding.valid_mask(layout)[None]                       # [1, Ta]
-  if plan.use_qk_l2norm:                                         # after align: padding stays 0
-    q, k = l2norm(q), l2norm(k)
+  q, k = _normalize(plan, q, k)                                  # after align: padding stays 0
   rep = v.shape[2] // q.shape[2]
   if rep > 1:                                                    # GVA: value head j reads head j // rep
     q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
@@ -160,14 +163,71 @@ def prepare(plan: Plan, layout: Layout, q, k, v, g, beta):
   return q, k, v, g, beta, valid
 
 
+def _normalize(plan: Plan, q, k):
+  """use_qk_l2norm on q, k (aligned or packed: a zero row stays zero)."""
+  if plan.use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  return q, k
+
+
+def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias):
+  """The whole forward as the fused group PACKED, or None where it does not apply: every forward
+  stage selects mosaic_gpu on this call and each packed kernel takes it. The kernels fold align and
+  unalign into their loads and stores (kda.padding.ChunkRows places each aligned chunk in the packed
+  buffer): the gate and intra kernels read the packed inputs, the fused state + output kernel writes
+  o packed. Same arithmetic as the unfused mosaic_gpu stages on the aligned inputs.
+  -> (o [1, T, HV, V], final_state, records {"intra": ...}) or None."""
+  if any(plan.impl(n) != "mosaic_gpu" for n in FORWARD_STAGES):
+    return None
+  S = jax.ShapeDtypeStruct
+  rep = v.shape[2] // q.shape[2]
+  HV, Ta, BT = v.shape[2], layout.Ta, plan.chunk_size
+  aligned = lambda x, last=(): S((1, Ta) + x.shape[2:] if not last else (1, Ta) + last, x.dtype)
+  qs = aligned(q, (HV, q.shape[3]))
+  gi = S((1, Ta, HV, k.shape[3]), jnp.float32)
+  gate_args = (aligned(g), S((1, Ta), jnp.bool_), A_log, dt_bias)
+  intra_args = (qs, qs, aligned(v), aligned(beta), gi, gi, layout.aligned_cu)
+  if (choose(plan, "gate", *gate_args, **forward_kwargs(plan, "gate")) != "mosaic_gpu"
+      or choose(plan, "intra", *intra_args, **forward_kwargs(plan, "intra")) != "mosaic_gpu"):
+    return None
+  bf = lambda d: S((1, Ta, HV, d), jnp.bfloat16)
+  K, V = k.shape[3], v.shape[3]
+  state_args = (bf(K), bf(K), bf(V), gi, gi, initial_state, layout.aligned_cu)
+  fused = fused_kernel(plan, ("state", "output"), state_args, bf(K), bf(K), bf(V), bf(K), bf(BT),
+                       *state_args[3:], chunk_size=BT)
+  if fused is None:
+    return None
+  rows = padding.chunk_rows(layout)
+  gkw = forward_kwargs(plan, "gate")
+  if gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw) is not None:
+    return None
+  q, k = _normalize(plan, q, k)
+  if rep > 1:                                                    # GVA: value head j reads head j // rep
+    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+  if intra_mgpu.packed_supports(q, k, v, beta, gi, gi, layout.aligned_cu, rows, **forward_kwargs(plan, "intra")):
+    return None
+  gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret, **gkw)
+  it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
+                         two_part=two_part, interpret=plan.interpret, **forward_kwargs(plan, "intra"))
+  o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
+                         scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),
+                         rows=rows, T=layout.T)
+  return o.astype(v.dtype), final_state, {"intra": it}
+
+
 def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
             record: bool = False):
   """Packed inputs [1, T, ...] -> (o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] f32, records).
 
   records maps each stage name to its output record (and "valid" to the [1, Ta] real-token mask,
   "inputs" to {stage: positional args}, the keywords being forward_kwargs) when `record` is set,
-  else it holds "intra" alone (what saved() reads). Record mode runs every stage unfused.
+  else it holds "intra" alone (what saved() reads). Record mode runs every stage unfused; otherwise
+  the fused group PACKED (packed_forward) runs where it applies.
   """
+  if not record:
+    out = packed_forward(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if out is not None:
+      return out
   q, k, v, g, beta, valid = prepare(plan, layout, q, k, v, g, beta)
   inputs = {}
 

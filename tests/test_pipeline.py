@@ -419,3 +419,72 @@ def test_numpy_scale_is_accepted():
   o_np, _ = kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=np.float32(0.3))
   o_py, _ = kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=0.3)
   np.testing.assert_array_equal(np.asarray(o_np), np.asarray(o_py))
+
+
+# -- the fused group PACKED (align / unalign folded into the Mosaic GPU kernels) -----------------
+
+def _packed_case():
+  """bf16, GVA (H=1, HV=2), raw gates in kernel with lower_bound, l2norm, initial states,
+  sequences of 37, 0, 64, 65, 1 tokens and 33 tokens after the last one holding NaN."""
+  r = [np.random.default_rng(s) for s in range(8)]
+  T, H, HV, K, V = 200, 1, 2, 64, 64
+  lens = [37, 0, 64, 65, 1]
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  none = (np.arange(T) >= cu[-1])[None, :, None, None]
+  bf = lambda x: jnp.asarray(np.where(none[..., :x.ndim - 2] if x.ndim == 3 else none, np.nan, x), jnp.bfloat16)
+  q, k = bf(r[0].standard_normal((1, T, H, K))), bf(r[1].standard_normal((1, T, H, K)))
+  v = bf(r[2].standard_normal((1, T, HV, V)))
+  g = jnp.asarray(r[3].standard_normal((1, T, HV, K)), jnp.float32)
+  beta = jnp.asarray(np.where(none[..., 0], np.nan, r[4].uniform(0.1, 0.9, (1, T, HV))), jnp.bfloat16)
+  h0 = jnp.asarray(r[5].standard_normal((len(lens), HV, K, V)) * 0.3, jnp.float32)
+  A_log = jnp.asarray(r[6].uniform(-1, 1, (HV,)), jnp.float32)
+  dt_bias = jnp.asarray(r[7].standard_normal(HV * K) * 0.5, jnp.float32)
+  kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=jnp.asarray(cu), use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
+  return (q, k, v, g, beta), kw
+
+
+def test_packed_group_runs_and_equals_the_aligned_kernels(monkeypatch):
+  """impl="mosaic_gpu" (simulator): the forward runs as the packed group, equal to the same kernels
+  on the aligned layout (packed_forward off) up to float32 rounding, with o exactly 0 at the
+  tokens no sequence owns (NaN there never leaks), and close to the recurrence."""
+  x, kw = _packed_case()
+  calls = []
+  real = pipeline.packed_forward
+  monkeypatch.setattr(pipeline, "packed_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+  o, ht = jax.jit(lambda x: kda.chunk_kda(*x, **kw, impl="mosaic_gpu"))(x)
+  assert calls
+  monkeypatch.setattr(pipeline, "packed_forward", lambda *a, **k: None)
+  o_al, ht_al = jax.jit(lambda x: kda.chunk_kda(*x, **kw, impl="mosaic_gpu"))(x)
+  f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+  o, o_al, ht, ht_al = map(f32, (o, o_al, ht, ht_al))
+  end = int(kw["cu_seqlens"][-1])
+  assert np.isfinite(o).all() and np.all(o[:, end:] == 0)
+  # o is bf16: an entry may round to the neighbouring bf16 value where float32 rounding differs
+  assert np.abs(o - o_al).max() <= 2 ** -8 * np.abs(o_al).max()
+  assert np.abs(ht - ht_al).max() <= 1e-5 * np.abs(ht_al).max()
+  from kda.stages.gate import activate
+  q, k, v, g, beta = (jnp.asarray(a, jnp.float32) for a in x)
+  ga = activate(g, kw["A_log"], kw["dt_bias"], use_gate_in_kernel=True, lower_bound=kw["lower_bound"])
+  want, want_ht = recurrent_kda(l2norm(q), l2norm(k), v, ga, beta, initial_state=kw["initial_state"],
+                                output_final_state=True, cu_seqlens=kw["cu_seqlens"])
+  want, want_ht = f32(want), f32(want_ht)
+  assert np.abs(o[:, :end] - want[:, :end]).max() <= 1e-2 * np.abs(want[:, :end]).max()
+  assert np.abs(ht - want_ht).max() <= 1e-2 * np.abs(want_ht).max()
+
+
+def test_packed_group_declines_what_its_kernels_refuse():
+  """float32 inputs (intra's predicate refuses them), a stage on another backend, or chunk 32:
+  packed_forward returns None and the forward runs as before."""
+  from kda import padding
+  (q, k, v, g, beta), kw = _packed_case()
+  layout = padding.layout_from_cu_seqlens(kw["cu_seqlens"], q.shape[1], 64)
+  args = (kw["initial_state"], kw["A_log"], kw["dt_bias"])
+  plan = lambda **a: pipeline.make_plan(scale=0.125, chunk_size=64, use_gate_in_kernel=True, lower_bound=-5.0, **a)
+  f32 = lambda a: a.astype(jnp.float32)
+  assert pipeline.packed_forward(plan(impl="mosaic_gpu"), layout, f32(q), f32(k), f32(v), g, beta, *args) is None
+  mixed = plan(impl={"gate": "mosaic_gpu", "intra": "pallas", "state": "mosaic_gpu", "output": "mosaic_gpu"})
+  assert pipeline.packed_forward(mixed, layout, q, k, v, g, beta, *args) is None
+  l32 = padding.layout_from_cu_seqlens(kw["cu_seqlens"], q.shape[1], 32)
+  p32 = pipeline.make_plan(scale=0.125, chunk_size=32, use_gate_in_kernel=True, lower_bound=-5.0, impl="mosaic_gpu")
+  assert pipeline.packed_forward(p32, l32, q, k, v, g, beta, *args) is None
