@@ -186,10 +186,10 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed):
       plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
     plgpu.barrier_wait(bar)
     if packed:      # rows past the chunk's tokens belong to other sequences (or none): zeros
-      real = _iota(0, (BT, SLAB)) < cnt
-      for cols in slabs:
-        for land, dst in zip(landing, (q_s, k_s)):
-          dst.at[:, cols][...] = jnp.where(real, _load(land.at[:, cols]), jnp.zeros((), BF16))
+      # whole tiles: a column slice of plain SMEM loads wrong on the H200 (right in the simulator)
+      real = _iota(0, (BT, K)) < cnt
+      for land, dst in zip(landing, (q_s, k_s)):
+        dst[...] = jnp.where(real, _load(land), jnp.zeros((), BF16))
       plgpu.commit_smem()   # also a warpgroup barrier: the landing zone is read before reuse
 
     # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
