@@ -43,17 +43,22 @@ def is_hopper(device=None) -> bool:
   return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
 
 
+# Stages whose mosaic_gpu kernel has passed the simulator and the CUDA lowering but not yet
+# tools.gpu_check on an H200: impl=None leaves them out (an explicit impl="mosaic_gpu" runs them).
+DEVICE_UNVERIFIED = frozenset({"bwd_dh", "bwd_intra"})
+
+
 def default_impls(names, backend: str | None = None, hopper: bool | None = None) -> dict[str, str]:
-  """Per stage the fastest the platform runs: mosaic_gpu on sm_90 where the stage has it, else
-  pallas on a GPU where it has a kernel, else the jnp reference (on a CPU kernels only interpret).
-  A mosaic_gpu or pallas choice made here falls back at call time when the kernel's `supports`
-  predicate refuses the call (`_run`)."""
+  """Per stage the fastest the platform runs: mosaic_gpu on sm_90 where the stage has it (and it is
+  not in DEVICE_UNVERIFIED), else pallas on a GPU where it has a kernel, else the jnp reference (on a
+  CPU kernels only interpret). A mosaic_gpu or pallas choice made here falls back at call time when
+  the kernel's `supports` predicate refuses the call (`_run`)."""
   backend = backend or jax.default_backend()
   hopper = is_hopper() if hopper is None and backend == "gpu" else bool(hopper)
   out = {}
   for n in names:
     st = stages.get(n)
-    if backend != "cpu" and hopper and st.mosaic_gpu is not None:
+    if backend != "cpu" and hopper and st.mosaic_gpu is not None and n not in DEVICE_UNVERIFIED:
       out[n] = "mosaic_gpu"
     elif backend != "cpu" and st.pallas is not None:
       out[n] = "pallas"
