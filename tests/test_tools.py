@@ -5,6 +5,7 @@ import csv
 import io
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -211,3 +212,33 @@ def test_bench_smoke_table_and_pieces(tmp_path, capsys):
   assert f"{row['fwd_ms'] / 1.5:7.2f}" in text            # x = kda / the faster peer
   pieces = res["stages"]["B:plain"]
   assert {"prepare", "unalign"} <= set(pieces) and any(p.startswith("intra (") for p in pieces)
+
+
+def test_bench_packed_pieces_compose_to_the_forward():
+  """tools.bench's packed-group pieces (the GPU default's, simulator here) give chunk_kda's o and
+  final state when chained."""
+  import kda
+  from tools import bench
+  T, H, K = 200, 1, 64
+  ks = jax.random.split(jax.random.PRNGKey(0), 5)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = (unit(jax.random.normal(s, (1, T, H, K))).astype(jnp.bfloat16) for s in ks[:2])
+  v = jax.random.normal(ks[2], (1, T, H, K)).astype(jnp.bfloat16)
+  g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (1, T, H, K))) / 8
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H))).astype(jnp.bfloat16)
+  cu = jnp.array([0, 70, 150], jnp.int32)
+  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=64, impl="mosaic_gpu")
+  labels = []
+
+  def piece(label, fn, *args):
+    labels.append(label)
+    return jax.jit(fn)(*args)
+
+  o, final = bench.packed_pieces(piece, plan, lambda c: padding.layout_from_cu_seqlens(c, T, 64), cu, q, k, v, g,
+                                 beta, jnp.zeros((2, H, K, K)), None, None)
+  want, want_final = jax.jit(lambda *x: kda.chunk_kda(*x, cu_seqlens=cu, impl="mosaic_gpu",
+                                                       output_final_state=True))(q, k, v, g, beta)
+  assert len(labels) == 4
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+  assert np.abs(f32(o) - f32(want)).max() <= 2 ** -8 * np.abs(f32(want)).max()
+  np.testing.assert_allclose(f32(final), f32(want_final), rtol=1e-5, atol=1e-6)

@@ -141,7 +141,30 @@ def stage_times(name, gate, reps, total=TOTAL):
         *a, scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
         out_dtype=pipeline.o_dtype(v)), *fargs)
   piece("unalign", lambda cu, o: padding.unalign_with(lay(cu), o).astype(v.dtype), cu, o)
+  if fused is not None:
+    packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias)
   return out
+
+
+def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
+  """The packed group's pieces (pipeline.packed_forward), each jitted apart: the layout glue
+  (chunk_rows), the gate and intra kernels on the packed inputs, the fused kernel storing o packed."""
+  from kda import padding, pipeline
+  from kda.stages.gate import mosaic_gpu as gate_mgpu
+  from kda.stages.intra import mosaic_gpu as intra_mgpu
+  gkw, ikw = pipeline.forward_kwargs(plan, "gate"), pipeline.forward_kwargs(plan, "intra")
+  rows = piece("packed: chunk_rows", lambda cu: padding.chunk_rows(lay(cu)), cu)
+  acu = jax.jit(lambda cu: lay(cu).aligned_cu)(cu)
+  gt = piece("packed: gate (mosaic_gpu)", lambda g, rows: gate_mgpu.packed(
+      g, rows, A_log, dt_bias, interpret=plan.interpret, **gkw), g, rows)
+  it = piece("packed: intra (mosaic_gpu)", lambda *a: intra_mgpu.packed(
+      *a, bounded=gt.bounded, two_part=gt.two_part, interpret=plan.interpret, **ikw),
+      q, k, v, beta, gt.gc_int, gt.gc_frac, acu, rows)
+  kernel, _ = pipeline.FUSED[("state", "output")]["mosaic_gpu"]
+  return piece("packed: state+output (fused mosaic_gpu, o packed)", lambda *a: kernel(
+      *a[:-1], scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
+      out_dtype=pipeline.o_dtype(v), rows=a[-1], T=q.shape[1]),
+      it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu, rows)
 
 
 def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
