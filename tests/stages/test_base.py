@@ -35,7 +35,8 @@ def test_supports_is_outside_equality_and_hash():
 
 def test_impl_mosaic_gpu_runs_the_references_where_no_kernel_takes_the_call():
   """impl="mosaic_gpu": the forward stages' kernels where they take the call (not here: chunk 16,
-  float32), the references everywhere else (the backward stages have no mosaic_gpu kernel), so the
+  float32), the references everywhere else (backward stages without a mosaic_gpu kernel, and S0, whose
+  kernels refuse float32), so the
   results are the reference's bit for bit; an impl dict naming a stage without the kernel raises."""
   plan = pipeline.make_plan(scale=1.0, chunk_size=16, impl="mosaic_gpu")
   want = {n: "mosaic_gpu" if "mosaic_gpu" in stages.get(n).implementations() else "reference"

@@ -1,0 +1,85 @@
+"""bwd_recompute (S0) on Mosaic GPU: the forward's gate, intra and state kernels run again (simulator
+on CPU, CUDA lowering), against the reference S0 on the same bf16 inputs.
+
+The kernels store w, u, qg, kg, h, v_new in bf16 (the dtype policy), so the comparison has the
+forward kernels' tolerances: their bf16 stores (up to 2^-8 of each value) and operand roundings;
+gc is float32 (the gate kernel's sequential sum, ~1e-6 apart from the reference's tree)."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import padding, pipeline
+from kda.stages import bwd_recompute, gate, intra
+from kda.stages.bwd_recompute import mosaic_gpu as mgr
+from tests import cases
+
+BT = 64
+# max|d| / max|ref| per field, about 2.3x the maxima measured over both cases (K=V=64 raw gates,
+# K=V=128 plain): gc_frac 3.5e-7, w 2.6e-3, u 4.7e-3, qg 2.7e-3, kg 1.7e-3, h 2.1e-3, v_new 5.2e-3
+TOL = {"gc_int": 0.0, "gc_frac": 1e-6,
+       "w": 6e-3, "u": 1.1e-2, "qg": 6e-3, "kg": 4e-3, "h": 5e-3, "v_new": 1.2e-2}
+
+
+def _inputs(K, V, gate_kind):
+  inp = cases.make_inputs(3, lens=[30, 64, 0, 65, 1], H=2, HV=2, K=K, V=V, gate=gate_kind, extra_T=5)
+  layout = padding.layout_from_cu_seqlens(inp.cu_seqlens, inp.q.shape[1], BT)
+  raw = gate_kind == "raw"
+  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=BT, use_gate_in_kernel=raw, impl="reference")
+  bf = lambda x: x.astype(jnp.bfloat16)
+  q, k, v, g, beta, valid = pipeline.prepare(plan, layout, bf(inp.q), bf(inp.k), bf(inp.v), inp.g, inp.beta)
+  return plan, layout, (q, k, v, g, beta, valid, inp.A_log, inp.dt_bias, inp.initial_state)
+
+
+@pytest.mark.parametrize("K,V,gate_kind", [(64, 64, "raw"), pytest.param(128, 128, "plain", marks=pytest.mark.large)])
+def test_recompute_kernels_match_reference(K, V, gate_kind):
+  plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(K, V, gate_kind)
+  kw = pipeline.backward_kwargs(plan, "bwd_recompute")
+  f32 = lambda x: x.astype(jnp.float32)
+
+  @jax.jit
+  def reference(q, k, v, g, beta, valid, A_log, dt_bias, h0, acu):
+    gt = gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=kw["use_gate_in_kernel"],
+                              lower_bound=kw["lower_bound"])
+    Ainv = intra.reference.apply(f32(q), f32(k), f32(v), beta, gt.gc_int, gt.gc_frac, scale=1.0, chunk_size=BT).Ainv
+    return bwd_recompute.reference.apply(f32(q), f32(k), f32(v), g, beta, valid, A_log, dt_bias, Ainv, h0, acu, **kw)
+
+  args = (q, k, v, g, beta, valid, A_log, dt_bias)
+  want = reference(*args, h0, layout.aligned_cu)
+  got = jax.jit(functools.partial(mgr.apply, interpret=True, **kw))(*args, None, h0, layout.aligned_cu)
+  pad = ~np.asarray(valid[0])
+  for name in bwd_recompute.Out._fields:
+    a, b = (np.asarray(jnp.asarray(getattr(x, name), jnp.float32)) for x in (got, want))
+    assert a.shape == b.shape, name
+    err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if np.abs(b).max() else float(np.abs(a).max())
+    print(f"  {name}: {err:.2e}")
+    assert err <= TOL[name], (name, err)
+    if name in ("w", "u", "qg", "kg", "v_new"):
+      assert np.all(a[0, pad] == 0), f"{name} is not 0 at padding tokens"
+
+
+def test_takes_refuses_float32_and_other_chunks():
+  plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(64, 64, "raw")
+  kw = pipeline.backward_kwargs(plan, "bwd_recompute")
+  f32 = lambda x: x.astype(jnp.float32)
+  assert mgr.takes(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw) is None
+  why = mgr.takes(f32(q), f32(k), f32(v), g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw)
+  assert why is not None and "bfloat16" in why
+  why = mgr.takes(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **dict(kw, chunk_size=32))
+  assert why is not None and "chunk_size" in why
+
+
+def test_recompute_lowers_for_cuda():
+  S = jax.ShapeDtypeStruct
+  Ta, HV, K, V, N = 4096, 2, 128, 128, 3
+  bf = jnp.bfloat16
+  args = (S((1, Ta, HV, K), bf), S((1, Ta, HV, K), bf), S((1, Ta, HV, V), bf), S((1, Ta, HV, K), jnp.float32),
+          S((1, Ta, HV), bf), S((1, Ta), jnp.bool_), None, None, None, S((N, HV, K, V), jnp.float32),
+          S((N + 1,), jnp.int32))
+  f = lambda *a: mgr.apply(*a, chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) >= 4
