@@ -44,6 +44,7 @@ class Out(NamedTuple):
   dgc: jax.Array    # [1, Ta, HV, K] float32
 
 
-from kda.stages.bwd_intra import reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_intra import mosaic_gpu, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply)
+STAGE = Stage(NAME, reference=reference.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})

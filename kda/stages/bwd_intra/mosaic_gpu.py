@@ -1,0 +1,224 @@
+"""bwd_intra (S4): the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.bwd_intra.
+
+One kernel, one program per (64-column slab s of K, value head h, chunk c), grid (K // 64, HV, NTa)
+(the chunks on CUDA's grid x, which has no 65535 limit). The outputs of a column slab (dq, dk, dgc
+at those columns) need only that slab of q, k and gc, so the slabs are independent programs; only
+dbeta sums over every column, and each program stores its slab's part of it ([K // 64, HV, Ta],
+summed onto the accumulator by the launcher, one XLA add). Per program:
+
+- TMA: q, k [64, 64] bf16 into swizzled tiles, gc_int and gc_frac [64, 64] float32 into plain tiles
+  (loaded whole, never as column slices). beta, dAqk, dAkk and the accumulators dq, dk, dgc are read
+  from GMEM straight into registers (WGMMA layout) and the results leave from registers to GMEM.
+- Decays by levels, as the forward scores kernel (kda.stages.intra.mosaic_gpu): every strict pair
+  (i, j) of the chunk lies in exactly one level s in 64, 32, ..., 2 (i in the second half of an
+  s-token block, j in its first half); with r the gc row at the first token of that second half,
+  E[i, j] = el_i * er_j, el_i = exp(gc_i - r) and er_j = exp(r - gc_j), both exponents <= 0 (gc is
+  non-increasing: gates <= 0), so no factor exceeds 1 and one underflows only where E does (gc down
+  to -8192, -inf gates floored at -128 by the gate stage, gives exact zeros, no inf, no NaN). With
+  dA_L the dA tile masked to the level's pairs (same block, i second half, j first half):
+
+      dqAs += el * (scale dAqk_L @ (k er))          G   += el * (dAkk_L @ (k er))
+      W    += er * (scale dAqk_L^T @ (q el) + dAkk_L^T @ (beta k el))       (= dkAs + dkK2)
+
+  four products per level (the transposes are .T views of the swizzled dA tiles), six levels in one
+  fori_loop (one copy of the code). Then, with d = scale diag(dAqk) (the pairs j == i, E = 1, no
+  gate term):
+
+      dq  = dq_acc  + dqAs + d k                   dk  = dk_acc + W + d q + beta G
+      dgc = dgc_acc + q dqAs - k W + k beta G      dbeta_part = sum_c k G
+
+  gc is always taken in its two parts (exponent(): exact for any gate).
+
+SMEM per program (K-independent: one slab): q, k, the masked dA tile's split, the right-hand
+operands k er and (q el, then beta k el), each split: 8 swizzled [64, 64] bf16 tiles (64 KiB), and
+gc's two parts (32 KiB): 98 KiB, two CTAs per SM (test_bwd_intra_mosaic.py asserts it as lowered).
+
+Precision: every wgmma has hi + lo bf16 splits of both float32 operands (kda._mosaic_gpu.split,
+three wgmmas: hi hi, hi lo, lo hi; ~2^-16 relative), float32 accumulation; the decay factors and
+all sums outside the tensor cores are float32 (approx_math: Mosaic GPU's ex2.approx, ~2^-22
+relative). q, k enter as bf16: float32 q, k are rounded to bf16 by the launcher (their float32
+accuracy needs the reference stage), everything else is float32. Measured against the float32
+reference on bf16 q, k (simulator; test_bwd_intra_mosaic.py): see TOL there.
+
+The stage's predicate `takes` refuses what the kernel cannot do (chunk_size != 64, K not 64 / 128,
+shapes, non-float dtypes) with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
+from kda.stages.bwd_intra import Out
+from kda.stages.gate import exponent
+
+BT = 64
+SLAB = 64                 # columns of K per program
+LEVELS = 6                # s = 64, 32, ..., 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Switches of the bwd_intra kernel."""
+  approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
+
+
+def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
+             **_) -> Optional[str]:
+  """None if `apply` takes this call, else the reason in words."""
+  if chunk_size != BT:
+    return f"chunk_size must be {BT}, got {chunk_size}"
+  if k.ndim != 4 or k.shape[0] != 1:
+    return f"k must be [1, Ta, HV, K], got shape {k.shape}"
+  _, Ta, HV, K = k.shape
+  if K not in HEAD_DIMS:
+    return f"K must be one of {HEAD_DIMS}, got {K}"
+  if Ta % BT:
+    return f"Ta must be a multiple of {BT}, got {Ta}"
+  if HV > MAX_GRID_YZ:
+    return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
+  want = {"q": k.shape, "gc_int": k.shape, "gc_frac": k.shape, "dq": k.shape, "dk": k.shape,
+          "dgc": k.shape, "beta": (1, Ta, HV), "dbeta": (1, Ta, HV), "dAqk": (1, Ta, HV, BT),
+          "dAkk": (1, Ta, HV, BT)}
+  given = dict(q=q, gc_int=gc_int, gc_frac=gc_frac, dq=dq, dk=dk, dgc=dgc, beta=beta, dbeta=dbeta,
+               dAqk=dAqk, dAkk=dAkk)
+  for name, shape in want.items():
+    if tuple(given[name].shape) != tuple(shape):
+      return f"{name} must have shape {tuple(shape)}, got {tuple(given[name].shape)}"
+  return None
+
+
+def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
+          **_) -> Optional[str]:
+  """The stage's predicate: `supports`, q and k in bfloat16 or float32 (rounded to bf16), the
+  other arrays floating point (taken in float32)."""
+  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
+                    chunk_size=chunk_size)
+  if reason is not None:
+    return reason
+  for name, x in (("q", q), ("k", k)):
+    if jnp.dtype(x.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
+      return f"mosaic_gpu bwd_intra takes bfloat16 or float32 {name}, got {jnp.dtype(x.dtype).name}"
+  for name, x in (("beta", beta), ("gc_int", gc_int), ("gc_frac", gc_frac), ("dAqk", dAqk), ("dAkk", dAkk),
+                  ("dq", dq), ("dk", dk), ("dbeta", dbeta), ("dgc", dgc)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
+  return None
+
+
+def _body(q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
+          oq_g, ok_g, og_g, odb_g,
+          q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar, *, scale):
+  s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
+  plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, cols], q_s, bar)
+  plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, cols], k_s, bar)
+  plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, cols], gi_s, bar)
+  plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, cols], gf_s, bar)
+  plgpu.barrier_wait(bar)
+
+  shape = (BT, SLAB)
+  row, col = _iota(0, shape), _iota(1, shape)
+  bcast_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
+  beta = bcast_row(_load(b_g.at[i_h, rows], ROW))
+  dA = lambda ref: _load(ref.at[rows, i_h, :])              # [64, 64] float32 from GMEM
+
+  def g_row(r):
+    vec = lambda ref: lax.broadcast_in_dim(_load(ref.at[r], COL), shape, [1])
+    return vec(gi_s), vec(gf_s)
+
+  def split_into(x, hi_s, lo_s):
+    hi_s[...], lo_s[...] = _split(x)
+
+  def prod(lhs_h, lhs_l, rhs_h, rhs_l):
+    return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l), (lhs_l, rhs_h)], shape)
+
+  def level(t, carry):
+    p_acc, g_acc, w_acc = carry
+    ls = LEVELS - t                      # block size 2**ls (traced)
+    size = 1 << ls
+    half = size >> 1
+    blk = row >> ls
+
+    def pick(b, R):
+      return tuple(jnp.where(blk == b, x, y) for x, y in zip(g_row((b << ls) + half), R))
+    R = lax.fori_loop(1, BT >> ls, pick, g_row(half))       # the block's r, per row
+    G = (_load(gi_s), _load(gf_s))
+    second = (row & (size - 1)) >= half
+    e = jnp.exp(jnp.where(second, exponent(*G, *R), exponent(*R, *G)))   # exponent <= 0
+    el = jnp.where(second, e, 0.0)
+    er = jnp.where(second, 0.0, e)
+    pair = (blk == (col >> ls)) & second & ((col & (size - 1)) < half)  # the level's (i, j)
+    kx = _load(k_s).astype(F32)
+    qx = _load(q_s).astype(F32)
+    # dAqk's pairs: dqAs and dkAs
+    split_into(jnp.where(pair, dA(daqk_g) * scale, 0.0), dh_s, dl_s)
+    split_into(kx * er, rh_s, rl_s)
+    split_into(qx * el, xh_s, xl_s)
+    plgpu.commit_smem()
+    p = prod(dh_s, dl_s, rh_s, rl_s)
+    wa = prod(dh_s.T, dl_s.T, xh_s, xl_s)
+    # dAkk's pairs (the buffers are free: reading the accumulators waited for the wgmmas)
+    split_into(jnp.where(pair, dA(dakk_g), 0.0), dh_s, dl_s)
+    split_into(beta * kx * el, xh_s, xl_s)
+    plgpu.commit_smem()
+    g = prod(dh_s, dl_s, rh_s, rl_s)
+    wb = prod(dh_s.T, dl_s.T, xh_s, xl_s)
+    return p_acc + el * p, g_acc + el * g, w_acc + er * (wa + wb)
+
+  zero = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
+  P, G, W = lax.fori_loop(0, LEVELS, level, (zero, zero, zero))
+
+  kx = _load(k_s).astype(F32)
+  qx = _load(q_s).astype(F32)
+  d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
+  bG = beta * G
+  at = lambda ref: ref.at[rows, i_h, cols]
+  oq_g[rows, i_h, cols] = _load(at(aq_g)) + (P + d * kx)
+  ok_g[rows, i_h, cols] = _load(at(ak_g)) + (W + d * qx + bG)
+  og_g[rows, i_h, cols] = _load(at(ag_g)) + (qx * P - kx * W + kx * bG)
+  odb_g[s, i_h, rows] = jnp.sum(kx * G, axis=1)
+
+
+def _kernel(Ta, HV, K, *, scale, interpret, config):
+  nslab = K // SLAB
+  out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
+  return plgpu.kernel(
+      functools.partial(_body, scale=scale),
+      out_type=(out((Ta, HV, K)), out((Ta, HV, K)), out((Ta, HV, K)), out((nslab, HV, Ta))),
+      grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
+      scratch_types=[
+          *[_swz((BT, SLAB)) for _ in range(8)],            # q, k, dA split, k er split, x split
+          plgpu.SMEM((BT, SLAB), F32), plgpu.SMEM((BT, SLAB), F32),   # gc_int, gc_frac
+          plgpu.Barrier(num_arrivals=4),
+      ],
+      compiler_params=plgpu.CompilerParams(approx_math=config.approx_math),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+
+
+def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
+          interpret=False, config=None):
+  config = config or Config()
+  reason = takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
+                 chunk_size=chunk_size)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu bwd_intra kernel: {reason}")
+  _, Ta, HV, K = k.shape
+  f32 = lambda x: x[0].astype(F32)
+  q, k = (x[0].astype(BF16) for x in (q, k))
+  beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
+  f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config)
+  oq, ok, og, odb = f(q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
+                      f32(dgc))
+  db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
+  return Out(oq[None], ok[None], db, og[None])

@@ -1,0 +1,308 @@
+"""The Mosaic GPU bwd_intra kernel against the bwd_intra reference: simulator runs on CPU, CUDA
+lowering, SMEM as lowered, the stage's predicate.
+
+Inputs: test_intra_mosaic.make_case's aligned layouts (bf16 q, k, l2-normalised or |q|, |k| in
+[1, 3]; padding rows after every sequence and a whole padding chunk; ordinary gates, gc_int == 0,
+or strong ones: per head one chunk with -inf / -1e30 / ... / -30 gates, floored at -128 by the gate
+stage, gc down to about -8000) and random dAqk, dAkk, causal as S1 and S3 hand them over
+(bwd_setup.randn, mask_rows, as test_bwd_intra.py builds them). The reference gets the same bf16
+q, k (upcast), so what is left is the kernel's own rounding: hi + lo bf16 splits of the wgmma
+operands (~2^-16 relative) and float32 order of summation.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import pipeline
+from kda.stages import bwd_intra, intra
+from kda.stages.bwd_intra import mosaic_gpu as mgb
+from kda.stages.intra import from_chunks, pair_decay, to_chunks
+from tests.stages import bwd_setup
+from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS, make_case
+from tests.stages.test_output_mosaic import lowered_smem_bytes
+
+BT = 64
+F32, BF16 = jnp.float32, jnp.bfloat16
+FIELDS = bwd_intra.Out._fields
+
+# Kernel vs reference, per field: (the worst (chunk, head) block's max|d| / max|ref|, ||d|| / ||ref||
+# over the whole array). Measured maxima over every case below (default and large) in the comments;
+# the bounds keep 5x or more. A missing level, a wrong sign of a dgc term, a missing diagonal or a
+# 1% scale fail them by orders of magnitude (test_tolerances_catch_wrong_formulas).
+TOL = {
+    "dq": (1e-4, 3e-5),       # measured 8.2e-6, 3.6e-6
+    "dk": (1e-4, 3e-5),       # measured 1.2e-5, 4.5e-6
+    "dbeta": (1e-4, 3e-5),    # measured 1.5e-5, 5.0e-6
+    "dgc": (1e-4, 3e-5),      # measured 1.2e-5, 4.5e-6
+}
+
+CASES = {
+    # id: lens, Ta, HV, K; 3 chunks: padding rows in a partial chunk, the last chunk all padding
+    "K64-HV2-40_64": ([40, 64], 192, 2, 64),
+    "K128-HV2-100": ([100], 192, 2, 128),
+    "K128-HV2-64_50": ([64, 50], 192, 2, 128),
+    "K64-HV2-130": ([130], 192, 2, 64),
+}
+
+
+def make_inputs(case, gates, unit=True, seed=50, accumulate=False):
+  """The stage's arguments (q, k bf16; the rest float32) and the [Ta] real-token mask; the
+  accumulators dq, dk, dbeta, dgc are zeros, or random with `accumulate`."""
+  lens, Ta, HV, K = CASES[case]
+  (q, k, _, beta, gi, gf), valid = make_case(lens, Ta, HV, K, 64, gates, unit)
+  A = (1, Ta, HV, BT)
+  dAqk, dAkk, aq, ak, ag = bwd_setup.randn(seed, A, A, q.shape, k.shape, q.shape)
+  (ab,) = bwd_setup.randn(seed + 1, beta.shape)
+  dAqk = bwd_setup.mask_rows(dAqk, BT, strict=False)            # what S1 and S3 hand over
+  dAkk = bwd_setup.mask_rows(dAkk, BT, strict=True)
+  accs = (aq, ak, ab, ag) if accumulate else tuple(jnp.zeros_like(x) for x in (aq, ak, ab, ag))
+  return (q, k, beta, gi, gf, dAqk, dAkk) + accs, valid
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(scale, config=None):
+  return jax.jit(functools.partial(mgb.apply, scale=scale, chunk_size=BT, interpret=True, config=config))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(scale):
+  return jax.jit(functools.partial(bwd_intra.reference.apply, scale=scale, chunk_size=BT))
+
+
+@functools.lru_cache(maxsize=None)
+def run_case(case, gates, unit=True, accumulate=False):
+  """(args, valid, kernel Out, reference Out, kernel seconds)."""
+  args, valid = make_inputs(case, gates, unit, accumulate=accumulate)
+  scale = CASES[case][3] ** -0.5
+  t0 = time.time()
+  got = jax.block_until_ready(_kernel(scale)(*args))
+  secs = time.time() - t0
+  return args, valid, got, _reference(scale)(*args), secs
+
+
+def _blocks(x):
+  """[1, Ta, HV(, K)] -> [NTa, HV, BT(*K)]: one row per (chunk, head)."""
+  x = x[0]
+  x = x.reshape((x.shape[0] // BT, BT) + x.shape[1:])
+  x = np.moveaxis(x, 2, 1)
+  return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def errors(got, want):
+  """Per field (TOL's metrics): the worst (chunk, head) block's max|d| / max|ref| (a block whose
+  reference is all 0 must be exactly 0: ratio 0 or inf), and ||d|| / ||ref||."""
+  out = {}
+  for name in FIELDS:
+    a = np.asarray(getattr(got, name), np.float64)
+    b = np.asarray(getattr(want, name), np.float64)
+    d = np.abs(a - b)
+    dm, bm = _blocks(d).max(-1), _blocks(np.abs(b)).max(-1)
+    ratio = np.where(bm > 0, dm / np.where(bm > 0, bm, 1.0), np.where(dm > 0, np.inf, 0.0))
+    out[name] = (float(ratio.max()), float(np.linalg.norm(d) / max(np.linalg.norm(b), 1e-30)))
+  return out
+
+
+def failures(errs):
+  return [n for n, e in errs.items() if e[0] > TOL[n][0] or e[1] > TOL[n][1]]
+
+
+def fmt(errs):
+  return ", ".join(f"{n} {e[0]:.2e}/{e[1]:.2e}" for n, e in errs.items())
+
+
+# the default run: both K, both gate kinds, unit and non-unit q, k (one simulator compile per K)
+DEFAULT = {("K64-HV2-40_64", "ordinary", True), ("K64-HV2-40_64", "strong", True),
+           ("K128-HV2-100", "strong", False)}
+MATRIX = [(c, g, u) for c in CASES for g in ("ordinary", "strong") for u in (True, False)]
+
+
+@pytest.mark.parametrize(
+    "case,gates,unit", [pytest.param(*m, marks=() if m in DEFAULT else pytest.mark.large) for m in MATRIX],
+    ids=[f"{c}-{g}-{'unit' if u else 'nonunit'}" for c, g, u in MATRIX])
+def test_kernel_matches_reference(case, gates, unit):
+  args, valid, got, want, secs = run_case(case, gates, unit)
+  errs = errors(got, want)
+  gi = np.asarray(args[3])
+  print(f"\n  {case} {gates} unit={unit} ({secs:.2f}s) min gc_int {gi.min():.0f}\n    {fmt(errs)}")
+  assert np.any(gi != 0) == (gates == "strong")
+  if gates == "strong":
+    assert gi.min() < -1000                       # floored -inf gates: gc far below exp's range
+  for name in FIELDS:
+    x, w = getattr(got, name), getattr(want, name)
+    assert x.dtype == F32 and x.shape == w.shape, (name, x.dtype, x.shape)
+    assert bool(jnp.all(jnp.isfinite(x))), f"{name}: not finite"
+  bad = failures(errs)
+  assert not bad, f"{bad} beyond TOL: {fmt(errs)}"
+
+
+@pytest.mark.parametrize("case,gates", [("K64-HV2-40_64", "strong"),
+                                        pytest.param("K128-HV2-64_50", "ordinary", marks=pytest.mark.large)])
+def test_accumulates_and_keeps_padding_rows(case, gates):
+  """With random accumulators: the result is the accumulators plus the terms of the zero-accumulator
+  run (to float32 rounding); at padding tokens dk, dbeta, dgc are the accumulators bit for bit (no
+  pair there carries a real token's q or k), and so is dq at a whole padding chunk: what the
+  reference gives there too."""
+  args, valid, got, want, _ = run_case(case, gates, accumulate=True)
+  _, _, terms, _, _ = run_case(case, gates)
+  accs = dict(zip(FIELDS, args[7:]))
+  assert not failures(errors(got, want)), fmt(errors(got, want))
+  pad = ~valid
+  whole = np.zeros_like(valid)
+  for c in range(len(valid) // BT):
+    whole[c * BT:(c + 1) * BT] = not valid[c * BT:(c + 1) * BT].any()
+  assert pad.any() and whole.any() and (pad & ~whole).any()
+  for name in FIELDS:
+    a, x, t, w = (np.asarray(v, np.float32)[0] for v in (accs[name], getattr(got, name), getattr(terms, name),
+                                                       getattr(want, name)))
+    np.testing.assert_allclose(x, a + t, rtol=1e-6, atol=1e-6 * np.abs(a + t).max(), err_msg=name)
+    rows = whole if name == "dq" else pad
+    np.testing.assert_array_equal(x[rows], a[rows], f"{name}: padding rows are not the accumulator")
+    np.testing.assert_array_equal(w[rows], a[rows], f"{name}: (reference) padding rows")
+
+
+@pytest.mark.large
+def test_float32_q_k_are_rounded_to_bf16():
+  """float32 q, k (here bf16-exact values) are cast in the launcher: the same bits as bf16 ones."""
+  args, _, got, _, _ = run_case("K64-HV2-40_64", "ordinary")
+  f32 = _kernel(64 ** -0.5)(args[0].astype(F32), args[1].astype(F32), *args[2:])
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(f32, name)), np.asarray(getattr(got, name)), name)
+
+
+def _variant(q, k, beta, gi, gf, dAqk, dAkk, *, scale, drop_level=None, signs=(1, -1, 1, -1), diag=True):
+  """The reference's terms (zero accumulators) with one thing wrong: the pairs of level `drop_level`
+  left out, the dgc terms (q dqAs, k dkAs, k dkK1, k dkK2) with `signs`, or no diagonal."""
+  ein = lambda s, *a: jnp.einsum(s, *a, precision=jax.lax.Precision.HIGHEST)
+  q, k, beta, gi, gf, dAqk, dAkk = (to_chunks(x.astype(F32), BT) for x in (q, k, beta, gi, gf, dAqk, dAkk))
+  Es = pair_decay(gi, gf, True)
+  if drop_level is not None:
+    i, j = np.arange(BT)[:, None], np.arange(BT)[None, :]
+    hb = np.where(i > j, 2 ** np.floor(np.log2(np.maximum(i ^ j, 1))), 0)     # half the pair's level
+    Es = jnp.where(jnp.asarray(2 * hb == drop_level)[None, :, :, None, None], 0.0, Es)
+  b = beta[..., None]
+  dqAs = scale * ein("cihj,cjhk,cijhk->cihk", dAqk, k, Es)
+  dkAs = scale * ein("cihj,cihk,cijhk->cjhk", dAqk, q, Es)
+  d = scale * jnp.moveaxis(jnp.diagonal(dAqk, axis1=1, axis2=3), 1, 2)[..., None] * (1.0 if diag else 0.0)
+  G = ein("cihj,cjhk,cijhk->cihk", dAkk, k, Es)
+  dkK2 = ein("cihj,cihk,cijhk->cjhk", dAkk * beta[..., None], k, Es)
+  s1, s2, s3, s4 = signs
+  return bwd_intra.Out(from_chunks(dqAs + d * k), from_chunks(dkAs + d * q + b * G + dkK2),
+                       from_chunks(jnp.sum(k * G, -1)),
+                       from_chunks(s1 * q * dqAs + s2 * k * dkAs + s3 * k * b * G + s4 * k * dkK2))
+
+
+def test_tolerances_catch_wrong_formulas():
+  """TOL is tight enough: the kernel's outputs fail against references of subtly wrong formulas;
+  the right formula (this _variant unchanged) passes."""
+  for case, gates, unit in (("K64-HV2-40_64", "ordinary", True), ("K128-HV2-100", "strong", False)):
+    args, _, got, _, _ = run_case(case, gates, unit)
+    scale = CASES[case][3] ** -0.5
+    ref = functools.partial(_variant, scale=scale)               # eager: no compile per variant
+    assert not failures(errors(got, ref(*args[:7]))), case
+    wrong = {f"level {s} missing": (dict(drop_level=s), set(FIELDS)) for s in (64, 32, 16, 8, 4, 2)}
+    for t in range(4):
+      signs = tuple(-x if n == t else x for n, x in enumerate((1, -1, 1, -1)))
+      wrong[f"dgc term {t} sign"] = (dict(signs=signs), {"dgc"})
+    wrong["diagonal missing"] = (dict(diag=False), {"dq", "dk"})
+    wrong["scale x 1.01"] = (dict(scale=scale * 1.01), {"dq", "dk", "dgc"})
+    for label, (kw, must_fail) in wrong.items():
+      errs = errors(got, functools.partial(ref, **kw)(*args[:7]))
+      print(f"\n  {case} {gates} vs {label}: {fmt(errs)}")
+      assert must_fail <= set(failures(errs)), (case, label, failures(errs))
+
+
+@pytest.mark.large
+def test_matches_vjp_of_intra_reference():
+  """Against jax.vjp of the forward intra reference through Akk and Aqk (an independent derivation),
+  on the forward records of a padded varlen case (bwd_setup: an empty sequence, partial chunks, a
+  tail past cu_seqlens[-1]); q, k rounded to bf16 for both."""
+  s = bwd_setup.forward_records(chunk_size=BT, K=64, V=64, gate="strong", lens=(30, 150, 0, 17), HV=2)
+  BTp, scale = s.plan.chunk_size, s.plan.scale
+  q, k, v, beta, gi, gc = s.rec["inputs"]["intra"][:6]
+  q, k = (x.astype(BF16).astype(F32) for x in (q, k))
+  Akk, Aqk = s.rec["intra"].Akk, s.rec["intra"].Aqk
+  dAqk, dAkk = bwd_setup.randn(52, Aqk.shape, Akk.shape)
+  dAqk = bwd_setup.mask_rows(dAqk, BTp, strict=False)
+  dAkk = bwd_setup.mask_rows(dAkk, BTp, strict=True)
+  fwd = lambda q, k, beta, gc: intra.reference.apply(q, k, v, beta, gi, gc, scale=scale, chunk_size=BTp)[:2]
+  want = jax.vjp(fwd, q, k, beta, gc)[1]((dAkk, dAqk))
+  zeros = [jnp.zeros_like(x) for x in (q, k, beta, gc)]
+  got = _kernel(scale)(q.astype(BF16), k.astype(BF16), beta, gi, gc, dAqk, dAkk, *zeros[:2], zeros[2], zeros[3])
+  for name, w in zip(FIELDS, want):
+    bwd_setup.close(name, getattr(got, name), w, tol=1e-4)
+
+
+# -- the predicate -----------------------------------------------------------------------------------
+
+def _abstract(Ta, HV, K, qk=BF16):
+  S = jax.ShapeDtypeStruct
+  x, b, A = S((1, Ta, HV, K), F32), S((1, Ta, HV), F32), S((1, Ta, HV, BT), F32)
+  return (S((1, Ta, HV, K), qk), S((1, Ta, HV, K), qk), b, x, x, A, A, x, x, b, x)
+
+
+def test_takes_and_supports():
+  kw = dict(scale=0.125, chunk_size=BT)
+  good = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 64)]
+  assert mgb.takes(*good, **kw) is None and mgb.supports(*good, **kw) is None
+  assert bwd_intra.STAGE.supports["mosaic_gpu"] is mgb.takes and bwd_intra.STAGE.mosaic_gpu is mgb.apply
+  f32 = [good[0].astype(F32), good[1].astype(F32)] + good[2:]
+  assert mgb.takes(*f32, **kw) is None
+  zeros = lambda *a, **k: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*a, **k)]
+  with_ = lambda i, x: good[:i] + [x] + good[i + 1:]
+  refused = {
+      "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
+      "K must be one of (64, 128), got 96": (zeros(128, 2, 96), kw),
+      "K must be one of (64, 128), got 32": (zeros(64, 1, 32), kw),
+      "Ta must be a multiple of 64, got 100": ([x[:, :100] for x in good], kw),
+      "k must be [1, Ta, HV, K]": ([jnp.concatenate([x, x]) for x in good], kw),
+      "q must have shape": (with_(0, good[0][:, :64]), kw),
+      "beta must have shape": (with_(2, good[2][..., :1]), kw),
+      "gc_frac must have shape": (with_(4, good[4][..., :1, :]), kw),
+      "dAqk must have shape (1, 128, 2, 64)": (with_(5, good[5][..., :32]), kw),
+      "dAkk must have shape": (with_(6, good[6][:, :64]), kw),
+      "dgc must have shape": (with_(10, good[10][..., :32]), kw),
+      "dbeta must have shape": (with_(9, good[9][:, :64]), kw),
+  }
+  for reason, (args, kwargs) in refused.items():
+    assert reason in (mgb.supports(*args, **kwargs) or ""), (reason, mgb.supports(*args, **kwargs))
+    assert reason in (mgb.takes(*args, **kwargs) or ""), reason
+    with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu bwd_intra kernel: {reason}")):
+      mgb.apply(*args, interpret=True, **kwargs)
+  assert "float32 q, got float16" in mgb.takes(*with_(0, good[0].astype(jnp.float16)), **kw)
+  assert "floating dAkk, got int32" in mgb.takes(*with_(6, good[6].astype(jnp.int32)), **kw)
+  # the pipeline: an impl dict naming bwd_intra runs the kernel or raises the predicate's reason;
+  # impl=None leaves it out until it is checked on an H200 (DEVICE_UNVERIFIED)
+  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_intra": "mosaic_gpu"})
+  assert pipeline.choose(strict, "bwd_intra", *good, **kw) == "mosaic_gpu"
+  with pytest.raises(ValueError, match=r"impl\['bwd_intra'\] = 'mosaic_gpu': K must be one of"):
+    pipeline.choose(strict, "bwd_intra", *zeros(128, 2, 96), **kw)
+  assert "bwd_intra" in pipeline.DEVICE_UNVERIFIED
+  assert pipeline.default_impls(("bwd_intra",), backend="gpu", hopper=True)["bwd_intra"] == "reference"
+
+
+# -- CUDA lowering and SMEM --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_kernel_lowers_for_cuda(K):
+  """One Mosaic GPU kernel, lowered for CUDA from the CPU with 70000 chunks (on grid x) and float32
+  q, k (the launcher's cast)."""
+  f = functools.partial(mgb.apply, scale=K ** -0.5, chunk_size=BT)
+  txt = jax.jit(f).trace(*_abstract(70000 * BT, 2, K, qk=F32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_kernel_smem(K):
+  """Two CTAs per SM: 8 swizzled [64, 64] bf16 tiles and gc's two float32 parts, the same at any K
+  (one 64-column slab per program): 100360 bytes as lowered."""
+  smem = lowered_smem_bytes(functools.partial(mgb.apply, scale=K ** -0.5, chunk_size=BT), *_abstract(4096, 16, K))
+  print(f"\n  bwd_intra K={K}: SMEM {smem} bytes as lowered")
+  assert smem <= SMEM_TWO_CTAS
+  assert smem == 100360
