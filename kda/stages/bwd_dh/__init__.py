@@ -50,6 +50,7 @@ class Out(NamedTuple):
   dgc_last: jax.Array  # [1, NTa, HV, K] float32
 
 
-from kda.stages.bwd_dh import reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_dh import mosaic_gpu, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply)
+STAGE = Stage(NAME, reference=reference.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})

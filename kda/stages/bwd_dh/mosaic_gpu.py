@@ -1,0 +1,284 @@
+"""bwd_dh (S2): the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.bwd_dh.
+
+Kernel: one program per (sequence rank r, value head h, V tile vt of BV = 64 columns) walks its
+sequence's chunks in REVERSE in a fori_loop whose trip count it reads from aligned_cu at run time
+(one compile for any lengths), carrying the state cotangent dS [K, BV] float32 in registers (WGMMA
+layout), starting from dht[n]'s tile. Per chunk c (last first), with chunk c - 1's tiles already in
+flight (two SMEM slots, one barrier per slot, TMA), S = h[c]'s [K, BV] tile and dS = dS_next:
+
+    du       = dv + kg @ bf16(dS)              wgmma [64, K] @ [K, BV]
+    dkg     += v_new @ bf16(dS)^T              wgmma [64, BV] @ [BV, K]  (dS_s.T view)
+    dqg     += sdo @ S^T                       wgmma [64, BV] @ [BV, K]  (h_s.T view), sdo = bf16(scale * do)
+    dw      += bf16(-du) @ S^T                 wgmma [64, BV] @ [BV, K]
+    dgc     += decay * sum_V(S * dS)           registers (S loaded from its swizzled tile)
+    dS        = decay[:, None] * dS + qg^T @ sdo + w^T @ bf16(-du)
+                                               two wgmmas into one [K, BV] accumulator (.T views, M = K)
+
+and dh0[n]'s tile = dS after the sequence's first chunk (dht[n]'s tile for an empty sequence).
+
+V split: du and dS are per V column, so V tiles are independent, but dqg, dkg, dw and dgc_last sum
+over V. Each program writes its tile's partial sums to a [V // BV, ...] buffer and the launcher adds
+them (an XLA reduction over V // BV <= 2 tiles; none for V = 64). Chosen over one program per
+(sequence, head) holding all of V because dS [K, V] = [128, 128] float32 alone is 128 registers per
+thread of one warpgroup, with the [K, V] update accumulator another 128 (the forward state kernel
+splits V for that reason), and over atomics (nondeterministic sums; float atomics from Mosaic GPU
+untested here). The cost: at V = 128 the kernel writes dqg, dkg, dw twice and XLA reads them back,
+about 3 [Ta, HV, K] float32 arrays of extra traffic.
+
+Grid: (N, HV, V // BV) with names ("r", "h", "v"), longest sequence first (rank r takes the r-th
+longest, kda._mosaic_gpu.sequence_order): Mosaic GPU launches (g0, g1, g2) as CUDA (z, y, x), x
+fastest, so every (head, V tile) of the longest sequence starts first. CUDA caps z and y at 65535;
+for N > 65535 the launcher puts the sequences on x instead, as the state kernel does.
+
+Tail: the chunks at or past aligned_cu[-1] (no sequence; h = 0 there, as the state stage stores
+it) get du = dv and dqg = dkg = dw = dgc_last = 0 from the kernel itself; the N programs of each
+(head, V tile) take them round-robin (disjoint rows). aligned_cu[0] must be 0 (align's output).
+Padding rows inside a sequence's chunks go through the same formulas as real rows (as the
+reference does). Nothing of qg, kg, w, h, v_new, do or the gates is read at the tail.
+
+What is bf16 (wgmma operands; float32 operands would run as tf32): qg, kg, w, h, v_new (the dtype
+policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them), sdo = bf16(scale *
+do) (cast with the scale folded in, in the launcher; do arrives float32), and the in-kernel operand
+copies bf16(dS) and bf16(-du). dS, dv, du, the decay exp(gc_last) (formed in the launcher from each
+chunk's last gate row, kda.stages.state.chunk_decay) and all accumulators and outputs are float32.
+
+SMEM per program (bytes, BT = 64, BV = 64):
+    qg, kg, w   2 slots x [64, K] bf16 each             768 K
+    h tile      2 slots x [K, BV] bf16                  256 K
+    v_new, sdo  2 slots x [64, BV] bf16 each            32768
+    dv          2 slots x [64, BV] f32                  32768
+    decay       2 slots x [K] f32                       8 K
+    bf16(dS)    [K, BV]; bf16(-du) [64, BV]             128 K + 8192
+  Outputs go from registers straight to GMEM (no store stages: at K = 128 two input slots leave no
+  room for them). As lowered for CUDA (barriers and alignment included; limit 232448): 224272
+  (K = 128) and 150544 (K = 64), for either V: one program per SM.
+
+Precision (simulator, against the float32 reference given the same bf16-exact qg, kg, w, h, v_new;
+tests/stages/test_bwd_dh_mosaic.py, up to 24 chunks): max|d| / max|ref| <= 2.8e-3 and ||d|| /
+||ref|| <= 1.9e-3 over all fields, the largest in dqg, dkg, dw (dqg's is the rounding of do alone),
+du ~1.2e-3, dh0 ~3e-4, dgc_last ~2e-4: the forward kernels' order (state: 1.5e-3), so bf16(dS) and
+bf16(-du) are single bf16 operands, not hi + lo splits. Against a float32 emulation of these
+roundings the kernel agrees to <= 4.5e-4 (summation order flipping a bf16 rounding now and then).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, head_dims_reason, sequence_order
+from kda._mosaic_gpu import acc as _acc
+from kda._mosaic_gpu import load as _load
+from kda._mosaic_gpu import mm as _mm
+from kda._mosaic_gpu import swz as _swz
+from kda.stages.bwd_dh import Out
+from kda.stages.state import chunk_decay
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiles and switches of the bwd_dh kernel; they depend on K, V, BT and dtype only."""
+  block_v: int = 64             # BV: state-cotangent columns per program (one wgmma N tile)
+  longest_first: bool = True    # rank r of the grid takes the r-th longest sequence
+  seq_major: bool = True        # sequences on the slowest-dispatched grid axis (if N <= 65535)
+  lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+
+  def __post_init__(self):
+    if self.block_v != 64:
+      raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
+
+
+_DTYPES = (jnp.dtype(BF16), jnp.dtype(F32))
+_POLICY_BF16 = ("qg", "kg", "w", "h", "v_new")   # rounded to bf16 as wgmma operands
+
+
+def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size,
+             **_) -> Optional[str]:
+  """None if `apply` takes this call, else the reason in words."""
+  if chunk_size != 64:
+    return f"chunk_size must be 64, got {chunk_size}"
+  if qg.ndim != 4 or qg.shape[0] != 1:
+    return f"qg must be [1, Ta, HV, K], got shape {qg.shape}"
+  _, Ta, HV, K = qg.shape
+  if v_new.ndim != 4 or v_new.shape[:3] != (1, Ta, HV):
+    return f"v_new must be [1, Ta, HV, V] with qg's Ta, HV, got {v_new.shape}"
+  V = v_new.shape[-1]
+  reason = head_dims_reason(K, V)
+  if reason is not None:
+    return reason
+  if Ta % chunk_size:
+    return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
+  NTa = Ta // chunk_size
+  for name, x, shape in (("kg", kg, qg.shape), ("w", w, qg.shape), ("gc_int", gc_int, qg.shape),
+                         ("gc_frac", gc_frac, qg.shape), ("h", h, (1, NTa, HV, K, V)),
+                         ("do", do, v_new.shape), ("dv", dv, v_new.shape)):
+    if x.shape != shape:
+      return f"{name} must have shape {shape}, got {x.shape}"
+  named = (("qg", qg), ("kg", kg), ("w", w), ("gc_int", gc_int), ("gc_frac", gc_frac), ("h", h),
+           ("v_new", v_new), ("do", do), ("dv", dv), ("dht", dht))
+  for name, x in named:
+    if jnp.dtype(x.dtype) not in _DTYPES:
+      return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
+  if aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer):
+    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
+  N = aligned_cu.shape[0] - 1
+  if dht.shape != (N, HV, K, V):
+    return f"dht must have shape {(N, HV, K, V)}, got {dht.shape}"
+  if HV > MAX_GRID_YZ:
+    return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
+  return None
+
+
+def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size,
+          **_) -> Optional[str]:
+  """The stage's predicate: `supports`, and bf16 qg, kg, w, h, v_new (the dtype policy's bf16
+  intermediates); float32 ones would be rounded to bf16, below the float32 accuracy promised for
+  float32 inputs. do and dv may be float32 (they always arrive so)."""
+  reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
+  if reason is None:
+    named = dict(qg=qg, kg=kg, w=w, h=h, v_new=v_new)
+    if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for x in named.values()):
+      reason = (f"mosaic_gpu bwd_dh takes bfloat16 qg, kg, w, h, v_new (float32 would be rounded to "
+                f"bfloat16), got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in named.items())}")
+  return reason
+
+
+def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
+          dh0_g, du_g, dqg_g, dkg_g, dw_g, dgc_g,
+          qg_s, kg_s, w_s, h_s, vn_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV):
+  # GMEM: order [N], cu [N+1] int32; qg, kg, w [Ta, HV, K], h [NTa, HV, K, V], vn, do [Ta, HV, V]
+  # bf16 (do scaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32;
+  # du [Ta, HV, V], dqg, dkg, dw [V // BV, Ta, HV, K], dgc [V // BV, NTa, HV, K] f32.
+  N = order_g.shape[0]
+  NTa, K = h_g.shape[0], h_g.shape[2]
+  r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
+  i_n = order_g[r]
+  bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  nch = (eos - bos) // BT
+  c_last = bos // BT + nch - 1          # chunk of loop step 0 (the walk is in reverse)
+  cols = pl.ds(i_v * BV, BV)
+
+  def fetch(j, slot):
+    c = c_last - j
+    rows, bar = pl.ds(pl.multiple_of(c * BT, BT), BT), bars.at[slot]
+    plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(kg_g.at[rows, i_h, :], kg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(w_g.at[rows, i_h, :], w_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(h_g.at[c, i_h, :, cols], h_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(vn_g.at[rows, i_h, cols], vn_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(do_g.at[rows, i_h, cols], do_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dv_g.at[rows, i_h, cols], dv_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dec_g.at[c, i_h, :], dec_s.at[slot], bar)
+
+  @pl.when(nch > 0)
+  def _():
+    fetch(0, 0)
+
+  def step(j, dS):
+    slot = lax.rem(j, 2)
+
+    @pl.when(j + 1 < nch)
+    def _():
+      fetch(j + 1, 1 - slot)     # that slot's last readers, step j-1's loads and wgmmas, have completed
+
+    c = c_last - j
+    rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+    dsb_s[...] = dS.astype(BF16)
+    plgpu.commit_smem()          # before the wgmmas read it
+    plgpu.barrier_wait(bars.at[slot])
+    qg, kg, w, S, vn, sdo = (x.at[slot] for x in (qg_s, kg_s, w_s, h_s, vn_s, do_s))
+
+    du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
+    du_g[rows, i_h, cols] = du
+    dub_s[...] = (-du).astype(BF16)
+    plgpu.commit_smem()
+    dkg_g[i_v, rows, i_h, :] = _mm(vn, dsb_s.T, (BT, K))
+    dqg_g[i_v, rows, i_h, :] = _mm(sdo, S.T, (BT, K))
+    dw_g[i_v, rows, i_h, :] = _mm(dub_s, S.T, (BT, K))
+
+    decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of dS
+    dgc_g[i_v, c, i_h, :] = decay * jnp.sum(_load(S).astype(F32) * dS, axis=1)
+    dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + _acc([(qg.T, sdo), (w.T, dub_s)], (K, BV))
+    plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
+    return dS
+
+  dS = _load(dht_g.at[i_n, i_h, :, cols])
+  dh0_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, dS)
+
+  # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
+  # the shortest sequence's program first: du = dv, the partial sums 0.
+  first = cu_g[N] // BT + (N - 1 - r)
+  count = jnp.maximum(NTa - first + N - 1, 0) // N
+  zk = plgpu.layout_cast(jnp.zeros((BT, K), F32), WG)
+  zr = plgpu.layout_cast(jnp.zeros((K,), F32), ROW)
+
+  def tail(j, carry):
+    c = first + j * N
+    rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+    du_g[rows, i_h, cols] = _load(dv_g.at[rows, i_h, cols])
+    dkg_g[i_v, rows, i_h, :] = zk
+    dqg_g[i_v, rows, i_h, :] = zk
+    dw_g[i_v, rows, i_h, :] = zk
+    dgc_g[i_v, c, i_h, :] = zr
+    return carry
+
+  lax.fori_loop(0, count, tail, 0)
+
+
+def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
+          interpret=False, config=None):
+  config = config or Config()
+  reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu bwd_dh kernel: {reason}")
+  BT, BV = chunk_size, config.block_v
+  _, Ta, HV, K = qg.shape
+  V = v_new.shape[-1]
+  N = aligned_cu.shape[0] - 1
+  NTa, NV = Ta // BT, V // BV
+  if N == 0:                                  # no program to launch; every chunk is tail
+    zk = jnp.zeros((1, Ta, HV, K), F32)
+    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
+  aligned_cu = aligned_cu.astype(jnp.int32)
+  order = sequence_order(aligned_cu, config.longest_first)
+  decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
+  qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))
+  h = h[0].astype(BF16)
+  sdo = (do[0].astype(F32) * scale).astype(BF16)
+  dv = dv[0].astype(F32)
+
+  if config.seq_major and N <= MAX_GRID_YZ:
+    grid, names = (N, HV, NV), ("r", "h", "v")
+  else:
+    grid, names = (NV, HV, N), ("v", "h", "r")
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV)
+  f = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((N, HV, K, V), F32),          # dh0
+                jax.ShapeDtypeStruct((Ta, HV, V), F32),            # du
+                jax.ShapeDtypeStruct((NV, Ta, HV, K), F32),        # dqg, dkg, dw: per V tile
+                jax.ShapeDtypeStruct((NV, Ta, HV, K), F32),
+                jax.ShapeDtypeStruct((NV, Ta, HV, K), F32),
+                jax.ShapeDtypeStruct((NV, NTa, HV, K), F32)),      # dgc_last: per V tile
+      grid=grid, grid_names=names,
+      scratch_types=[
+          _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, K)),    # qg, kg, w: two slots each
+          _swz((2, K, BV)),                                         # h tile (S)
+          _swz((2, BT, BV)), _swz((2, BT, BV)),                     # v_new, scale * do
+          _swz((2, BT, BV), F32),                                   # dv
+          plgpu.SMEM((2, K), F32),                                  # decay rows
+          _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
+          plgpu.Barrier(num_arrivals=8, num_barriers=2),
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  dh0, du, dqg, dkg, dw, dgc = f(order, aligned_cu, qg, kg, w, h, v_new, sdo, dv, decay, dht.astype(F32))
+  part = lambda x: (x[0] if NV == 1 else x.sum(axis=0))[None]       # the V tiles' partial sums
+  return Out(dh0, du[None], part(dqg), part(dkg), part(dw), part(dgc))
