@@ -194,11 +194,23 @@ def test_bwd_dh_never_reads_the_tail():
     np.testing.assert_array_equal(np.asarray(getattr(poisoned, name)), np.asarray(getattr(clean, name)), name)
 
 
-@pytest.mark.parametrize("config", [mgd.Config(seq_major=False), mgd.Config(lane_semantics=True),
+@pytest.mark.parametrize("config", [mgd.Config(seq_major=False),
+                                    pytest.param(mgd.Config(lane_semantics=True), marks=pytest.mark.large),
                                     pytest.param(mgd.Config(longest_first=False), marks=pytest.mark.large)],
                          ids=["seq-minor-grid", "lane", "input-order"])
 def test_bwd_dh_matches_reference_configs(config):
   check(LENS, 64, 64, config=config, emulation=False)
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), pytest.param(128, 128, marks=pytest.mark.large)],
+                         ids=["K64-V64", "K128-V128"])
+def test_bwd_dh_serial_equals_overlap(K, V):
+  """Config(overlap=False) (one wgmma at a time) does the same arithmetic as the default."""
+  args, _, _ = make_case(LENS, K, V)
+  serial, _ = run_kernel(args, mgd.Config(overlap=False))
+  default, _ = run_kernel(args)
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(serial, name)), np.asarray(getattr(default, name)), name)
 
 
 def test_bwd_dh_bf16_inputs():
@@ -288,6 +300,12 @@ def test_bwd_dh_lowers_for_cuda(K, V):
                          ids=["K128-V128", "K64-V64"])
 def test_bwd_dh_lowers_for_cuda_lane(K, V):
   lower_check(K, V, mgd.Config(lane_semantics=True))
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), pytest.param(64, 64, marks=pytest.mark.large)],
+                         ids=["K128-V128", "K64-V64"])
+def test_bwd_dh_lowers_for_cuda_serial(K, V):
+  lower_check(K, V, mgd.Config(overlap=False))
 
 
 def test_bwd_dh_lowers_for_cuda_many_sequences_and_f32_inputs():

@@ -15,6 +15,13 @@ flight (two SMEM slots, one barrier per slot, TMA), S = h[c]'s [K, BV] tile and 
                                                two wgmmas into one [K, BV] accumulator (.T views, M = K)
 
 and dh0[n]'s tile = dS after the sequence's first chunk (dht[n]'s tile for an empty sequence).
+The dS chain per chunk is two dependent wgmmas (kg @ dS, then the update from bf16(-du)), as the
+forward state's; the other three are off it. Config.overlap (default) issues them in pairs and
+reads the first accumulator while the second wgmma runs (wgmma_accumulator_load(wait_n=1), as the
+fused state+output kernel does): du with dkg, the dS update with dw, then dqg alone; the peak is
+three [64 or K, *] float32 register tiles (~200 registers per thread at K = 128). overlap=False
+issues one wgmma at a time (fewer live registers); both do the same arithmetic (bit for bit in the
+simulator). Which is faster on the H200 is unmeasured.
 
 V split: du and dS are per V column, so V tiles are independent, but dqg, dkg, dw and dgc_last sum
 over V. Each program writes its tile's partial sums to a [V // BV, ...] buffer and the launcher adds
@@ -87,6 +94,7 @@ class Config:
   longest_first: bool = True    # rank r of the grid takes the r-th longest sequence
   seq_major: bool = True        # sequences on the slowest-dispatched grid axis (if N <= 65535)
   lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+  overlap: bool = True          # wgmmas issued in pairs, the first read while the second runs (docstring)
 
   def __post_init__(self):
     if self.block_v != 64:
@@ -150,7 +158,7 @@ def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chun
 
 def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
           dh0_g, du_g, dqg_g, dkg_g, dw_g, dgc_g,
-          qg_s, kg_s, w_s, h_s, vn_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV):
+          qg_s, kg_s, w_s, h_s, vn_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV, overlap):
   # GMEM: order [N], cu [N+1] int32; qg, kg, w [Ta, HV, K], h [NTa, HV, K, V], vn, do [Ta, HV, V]
   # bf16 (do scaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32;
   # du [Ta, HV, V], dqg, dkg, dw [V // BV, Ta, HV, K], dgc [V // BV, NTa, HV, K] f32.
@@ -193,17 +201,42 @@ def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
     plgpu.barrier_wait(bars.at[slot])
     qg, kg, w, S, vn, sdo = (x.at[slot] for x in (qg_s, kg_s, w_s, h_s, vn_s, do_s))
 
-    du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
-    du_g[rows, i_h, cols] = du
-    dub_s[...] = (-du).astype(BF16)
-    plgpu.commit_smem()
-    dkg_g[i_v, rows, i_h, :] = _mm(vn, dsb_s.T, (BT, K))
-    dqg_g[i_v, rows, i_h, :] = _mm(sdo, S.T, (BT, K))
-    dw_g[i_v, rows, i_h, :] = _mm(dub_s, S.T, (BT, K))
-
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of dS
+    if not overlap:
+      du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
+      du_g[rows, i_h, cols] = du
+      dub_s[...] = (-du).astype(BF16)
+      plgpu.commit_smem()
+      dkg_g[i_v, rows, i_h, :] = _mm(vn, dsb_s.T, (BT, K))
+      dqg_g[i_v, rows, i_h, :] = _mm(sdo, S.T, (BT, K))
+      dw_g[i_v, rows, i_h, :] = _mm(dub_s, S.T, (BT, K))
+      dgc_g[i_v, c, i_h, :] = decay * jnp.sum(_load(S).astype(F32) * dS, axis=1)
+      dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + _acc([(qg.T, sdo), (w.T, dub_s)], (K, BV))
+      plgpu.wgmma_wait(0)        # no wgmma may stay in flight across the loop's back-edge
+      return dS
+
+    def first(acc_u, acc_k):     # du (on the dS chain), then dkg while du is formed and stored
+      plgpu.wgmma(acc_u, kg, dsb_s)
+      plgpu.wgmma(acc_k, vn, dsb_s.T)
+      du = _load(dv_s.at[slot]) + plgpu.wgmma_accumulator_load(acc_u, wait_n=1)
+      dub_s[...] = (-du).astype(BF16)
+      plgpu.commit_smem()
+      du_g[rows, i_h, cols] = du
+      dkg_g[i_v, rows, i_h, :] = acc_k[...]
+
+    pl.run_scoped(first, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, K), F32))
     dgc_g[i_v, c, i_h, :] = decay * jnp.sum(_load(S).astype(F32) * dS, axis=1)
-    dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + _acc([(qg.T, sdo), (w.T, dub_s)], (K, BV))
+
+    def second(acc_s, acc_w):    # the dS update (on the chain), then dw while dS is formed
+      plgpu.wgmma(acc_s, qg.T, sdo)
+      plgpu.wgmma(acc_s, w.T, dub_s)
+      plgpu.wgmma(acc_w, dub_s, S.T)
+      dS_new = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + plgpu.wgmma_accumulator_load(acc_s, wait_n=1)
+      dw_g[i_v, rows, i_h, :] = acc_w[...]
+      return dS_new
+
+    dS = pl.run_scoped(second, plgpu.ACC((K, BV), F32), plgpu.ACC((BT, K), F32))
+    dqg_g[i_v, rows, i_h, :] = _mm(sdo, S.T, (BT, K))   # off the chain: S and do only
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return dS
 
@@ -257,7 +290,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   else:
     grid, names = (NV, HV, N), ("v", "h", "r")
   sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
-  body = lambda *refs: _body(*refs, BT=BT, BV=BV)
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV, overlap=config.overlap)
   f = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((N, HV, K, V), F32),          # dh0
