@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda.stages import bwd_dh, state
+from kda.stages import bwd_dav, bwd_dh, state
 from kda.stages.bwd_dh import mosaic_gpu as mgd
 from tests.stages import bwd_setup
 from tests.stages.test_output_mosaic import lowered_smem_bytes
@@ -319,3 +319,25 @@ def test_bwd_dh_lowers_for_cuda_many_sequences_and_f32_inputs():
                          ids=["K128-V128", "K64-V64", "K128-V64"])
 def test_bwd_dh_matches_reference_long_sequences(lens, K, V):
   check(lens, K, V, seed=1)
+
+
+def test_bwd_dh_on_forward_records():
+  """Inputs as test_bwd_dh builds them: the forward references' records (bwd_setup.forward_records:
+  make_inputs data, partial chunks, an empty sequence), S1's dv, random do and dht; qg, kg, w, h,
+  v_new rounded to bf16 for both sides."""
+  s = bwd_setup.forward_records(lens=(1, 63, 0, 65), K=64, V=64, chunk_size=BT, gate="plain")
+  kg, w, u, gi, gc, h0, acu = s.rec["inputs"]["state"]
+  qg, h, Aqk, v_new = s.rec["inputs"]["output"]
+  do, dht = bwd_setup.randn(30, u.shape, h0.shape)
+  dv = bwd_dav.reference.apply(v_new, Aqk, do, chunk_size=BT).dv
+  rnd = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+  args = (rnd(qg), rnd(kg), rnd(w), gi, gc, rnd(h), rnd(v_new), do, dv, dht, acu)
+  assert s.plan.scale == 64 ** -0.5       # the scale run_kernel passes
+  out, _ = run_kernel(args)
+  ref = _reference(s.plan.scale)(*args)
+  errs = errors(out, ref)
+  print("\n  forward records: " + ", ".join(f"{k} max {e[0]:.2e} norm {e[1]:.2e}" for k, e in errs.items()))
+  for name, (emax, enorm) in errs.items():
+    assert np.isfinite(emax) and emax <= TOL["max"] and enorm <= TOL["norm"], (name, emax, enorm)
+  empty = np.asarray(s.layout.lens) == 0
+  np.testing.assert_array_equal(np.asarray(out.dh0)[empty], np.asarray(dht)[empty])

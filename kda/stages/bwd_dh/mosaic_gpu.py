@@ -7,10 +7,10 @@ layout), starting from dht[n]'s tile. Per chunk c (last first), with chunk c - 1
 flight (two SMEM slots, one barrier per slot, TMA), S = h[c]'s [K, BV] tile and dS = dS_next:
 
     du       = dv + kg @ bf16(dS)              wgmma [64, K] @ [K, BV]
-    dkg     += v_new @ bf16(dS)^T              wgmma [64, BV] @ [BV, K]  (dS_s.T view)
-    dqg     += sdo @ S^T                       wgmma [64, BV] @ [BV, K]  (h_s.T view), sdo = bf16(scale * do)
-    dw      += bf16(-du) @ S^T                 wgmma [64, BV] @ [BV, K]
-    dgc     += decay * sum_V(S * dS)           registers (S loaded from its swizzled tile)
+    dkg[vt]  = v_new @ bf16(dS)^T              wgmma [64, BV] @ [BV, K]  (dS_s.T view)
+    dqg[vt]  = sdo @ S^T                       wgmma [64, BV] @ [BV, K]  (h_s.T view), sdo = bf16(scale * do)
+    dw[vt]   = bf16(-du) @ S^T                 wgmma [64, BV] @ [BV, K]
+    dgc[vt]  = decay * sum_BV(S * dS)          registers (S loaded from its swizzled tile)
     dS        = decay[:, None] * dS + qg^T @ sdo + w^T @ bf16(-du)
                                                two wgmmas into one [K, BV] accumulator (.T views, M = K)
 
@@ -44,7 +44,8 @@ Padding rows inside a sequence's chunks go through the same formulas as real row
 reference does). Nothing of qg, kg, w, h, v_new, do or the gates is read at the tail.
 
 What is bf16 (wgmma operands; float32 operands would run as tf32): qg, kg, w, h, v_new (the dtype
-policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them), sdo = bf16(scale *
+policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them; note that the
+pipeline's bwd_recompute returns them in float32 today, so there the predicate refuses), sdo = bf16(scale *
 do) (cast with the scale folded in, in the launcher; do arrives float32), and the in-kernel operand
 copies bf16(dS) and bf16(-du). dS, dv, du, the decay exp(gc_last) (formed in the launcher from each
 chunk's last gate row, kda.stages.state.chunk_decay) and all accumulators and outputs are float32.
