@@ -67,6 +67,21 @@ def head_dims_reason(K, V):
   return None
 
 
+def tile_shapes(chunk_size, k_name, kx, v_name, vx):
+  """The predicates' common prologue: chunk 64, `kx` [1, Ta, HV, K], `vx` [1, Ta, HV, V] with K, V
+  head dims the kernels take -> (reason or None, (Ta, HV, K, V) or None)."""
+  if chunk_size != 64:
+    return f"chunk_size must be 64, got {chunk_size}", None
+  if kx.ndim != 4 or kx.shape[0] != 1:
+    return f"{k_name} must be [1, Ta, HV, K], got shape {kx.shape}", None
+  _, Ta, HV, K = kx.shape
+  if vx.ndim != 4 or vx.shape[:3] != (1, Ta, HV):
+    return f"{v_name} must be [1, Ta, HV, V] with {k_name}'s Ta, HV, got {vx.shape}", None
+  V = vx.shape[-1]
+  reason = head_dims_reason(K, V)
+  return reason, (None if reason else (Ta, HV, K, V))
+
+
 def sequence_order(aligned_cu, longest_first=True):
   """[N] int32: the sequence each grid rank takes, the longest first (stable), so the programs of
   the longest sequence start first and the short ones fill in behind them."""

@@ -79,7 +79,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, head_dims_reason, sequence_order
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes
 from kda._mosaic_gpu import acc as _acc
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
@@ -109,17 +109,10 @@ _POLICY_BF16 = ("qg", "kg", "w", "h", "v_new")   # rounded to bf16 as wgmma oper
 def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size,
              **_) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
-  if chunk_size != 64:
-    return f"chunk_size must be 64, got {chunk_size}"
-  if qg.ndim != 4 or qg.shape[0] != 1:
-    return f"qg must be [1, Ta, HV, K], got shape {qg.shape}"
-  _, Ta, HV, K = qg.shape
-  if v_new.ndim != 4 or v_new.shape[:3] != (1, Ta, HV):
-    return f"v_new must be [1, Ta, HV, V] with qg's Ta, HV, got {v_new.shape}"
-  V = v_new.shape[-1]
-  reason = head_dims_reason(K, V)
+  reason, dims = tile_shapes(chunk_size, "qg", qg, "v_new", v_new)
   if reason is not None:
     return reason
+  Ta, HV, K, V = dims
   if Ta % chunk_size:
     return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
   NTa = Ta // chunk_size

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.output import Out
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, head_dims_reason
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, tile_shapes
 from kda._mosaic_gpu import swz as _swz
 
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
@@ -68,17 +68,10 @@ class Config:
 def supports(qg, h, Aqk, v_new, *, scale=None, chunk_size, config=None) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
   config = config or Config()
-  if chunk_size != 64:
-    return f"chunk_size must be 64, got {chunk_size}"
-  if qg.ndim != 4 or qg.shape[0] != 1:
-    return f"qg must be [1, Ta, HV, K], got shape {qg.shape}"
-  _, Ta, HV, K = qg.shape
-  if v_new.ndim != 4 or v_new.shape[:3] != (1, Ta, HV):
-    return f"v_new must be [1, Ta, HV, V] with qg's Ta, HV, got {v_new.shape}"
-  V = v_new.shape[-1]
-  reason = head_dims_reason(K, V)
+  reason, dims = tile_shapes(chunk_size, "qg", qg, "v_new", v_new)
   if reason is not None:
     return reason
+  Ta, HV, K, V = dims
   if config.block_v > V:
     return f"block_v {config.block_v} exceeds V {V}"
   if Ta % chunk_size:

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, head_dims_reason, sequence_order
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -90,17 +90,10 @@ class Config:
 
 def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
-  if chunk_size != 64:
-    return f"chunk_size must be 64, got {chunk_size}"
-  if kg.ndim != 4 or kg.shape[0] != 1:
-    return f"kg must be [1, Ta, HV, K], got shape {kg.shape}"
-  _, Ta, HV, K = kg.shape
-  if u.ndim != 4 or u.shape[:3] != (1, Ta, HV):
-    return f"u must be [1, Ta, HV, V] with kg's Ta, HV, got {u.shape}"
-  V = u.shape[-1]
-  reason = head_dims_reason(K, V)
+  reason, dims = tile_shapes(chunk_size, "kg", kg, "u", u)
   if reason is not None:
     return reason
+  Ta, HV, K, V = dims
   if Ta % chunk_size:
     return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
   for name, x, shape in (("w", w, kg.shape), ("gc_int", gc_int, kg.shape), ("gc_frac", gc_frac, kg.shape)):
