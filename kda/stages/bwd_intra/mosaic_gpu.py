@@ -21,8 +21,17 @@ summed onto the accumulator by the launcher, one XLA add). Per program:
       W    += er * (scale dAqk_L^T @ (q el) + dAkk_L^T @ (beta k el))       (= dkAs + dkK2)
 
   four products per level (the transposes are .T views of the swizzled dA tiles), six levels in one
-  fori_loop (one copy of the code). Then, with d = scale diag(dAqk) (the pairs j == i, E = 1, no
-  gate term):
+  fori_loop (one copy of the code). Bounded chunks take fewer levels: the chunk's bounded level
+  lb (`bounded_levels`, one int per (head, chunk), computed by the launcher from a few gc rows
+  per chunk) is 5 where every 16-token half of both 32-token blocks spans <= BOUNDED_SPAN = 40 of
+  gc in every channel (ordinary gates: two levels, the exact 64 and the 32-token blocks), else 4
+  where every 8-token half of the 16-token blocks does (e.g. safe_gate's -5 per token: three
+  levels), else 0 (six exact levels). The level lb is factored through each block's middle row at
+  every row (el, er in [e^-40, e^40]; dA_L masked to every strict pair of the block). The span is
+  half the forward's 80: the dA operands are unbounded cotangents (e^80 times them may overflow)
+  and the lo half of a split operand k e^-80 would be subnormal (bf16 precision only; a first try
+  with 80 measured 6.9e-4 on dbeta). Config(bounded="never"): six levels always.
+  Then, with d = scale diag(dAqk) (the pairs j == i, E = 1, no gate term):
 
       dq  = dq_acc  + dqAs + d k                   dk  = dk_acc + W + d q + beta G
       dgc = dgc_acc + q dqAs - k W + k beta G      dbeta_part = sum_c k G
@@ -31,14 +40,22 @@ summed onto the accumulator by the launcher, one XLA add). Per program:
 
 SMEM per program (K-independent: one slab): q, k, the masked dA tile's split, the right-hand
 operands k er and (q el, then beta k el), each split: 8 swizzled [64, 64] bf16 tiles (64 KiB), and
-gc's two parts (32 KiB): 98 KiB, two CTAs per SM (test_bwd_intra_mosaic.py asserts it as lowered).
+gc's two parts (32 KiB): 100360 bytes as lowered (barrier, alignment), two CTAs per SM
+(test_bwd_intra_mosaic.py asserts it).
 
 Precision: every wgmma has hi + lo bf16 splits of both float32 operands (kda._mosaic_gpu.split,
 three wgmmas: hi hi, hi lo, lo hi; ~2^-16 relative), float32 accumulation; the decay factors and
 all sums outside the tensor cores are float32 (approx_math: Mosaic GPU's ex2.approx, ~2^-22
 relative). q, k enter as bf16: float32 q, k are rounded to bf16 by the launcher (their float32
 accuracy needs the reference stage), everything else is float32. Measured against the float32
-reference on bf16 q, k (simulator; test_bwd_intra_mosaic.py): see TOL there.
+reference on bf16 q, k (simulator, both paths, K = 64 and 128, ordinary and floored -inf gates):
+the worst (chunk, head) block's max|d| / max|ref| <= 1.5e-5 per field, ||d|| / ||ref|| <= 5.5e-6
+(test_bwd_intra_mosaic.py, TOL there). Unverified on hardware: registers per thread (three
+[64, 64] float32 sums live across the level loop) and the speed; DEVICE_UNVERIFIED in
+kda.pipeline keeps impl=None off this kernel until tools.gpu_check_bwd has run it on an H200.
+
+Simulator note: its callbacks run jax ops, so eager jax ops dispatched while a simulated kernel is
+still running can deadlock (block_until_ready first).
 
 The stage's predicate `takes` refuses what the kernel cannot do (chunk_size != 64, K not 64 / 128,
 shapes, non-float dtypes) with the reason.
@@ -59,16 +76,23 @@ from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_intra import Out
 from kda.stages.gate import exponent
+from kda.stages.intra import to_chunks
 
 BT = 64
 SLAB = 64                 # columns of K per program
 LEVELS = 6                # s = 64, 32, ..., 2
+BOUNDED_SPAN = 40.0       # the bounded level's factors lie in [e^-40, e^40] (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Switches of the bwd_intra kernel."""
+  bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
+
+  def __post_init__(self):
+    if self.bounded not in ("auto", "never"):
+      raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
 
 
 def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
@@ -114,9 +138,26 @@ def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale,
   return None
 
 
-def _body(q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
+def bounded_levels(gc_int, gc_frac):
+  """[HV * NTa] int32, row-major (head, chunk): the chunk's bounded level lb (module docstring): 5
+  where every 16-token half of both 32-token blocks spans <= BOUNDED_SPAN of gc in every channel,
+  else 4 where every 8-token half of the four 16-token blocks does, else 0 (NaN gates included)."""
+  gi, gf = (to_chunks(x.astype(F32), BT) for x in (gc_int, gc_frac))    # [NTa, BT, HV, K]
+  at = lambda r: (gi[:, r], gf[:, r])
+
+  def fits(size):
+    span = jnp.zeros(gi.shape[:1] + gi.shape[2:], F32)
+    for a in range(0, BT, size):
+      m, e = a + size // 2, a + size - 1
+      span = jnp.maximum(span, jnp.maximum(exponent(*at(a), *at(m)), exponent(*at(m), *at(e))))
+    return jnp.all(span <= BOUNDED_SPAN, axis=-1)                       # [NTa, HV]; NaN -> False
+  lb = jnp.where(fits(32), 5, jnp.where(fits(16), 4, 0))
+  return lb.T.reshape(-1).astype(jnp.int32)
+
+
+def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
           oq_g, ok_g, og_g, odb_g,
-          q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar, *, scale):
+          q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar, *, scale, bounded):
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
@@ -142,9 +183,12 @@ def _body(q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
   def prod(lhs_h, lhs_l, rhs_h, rhs_l):
     return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l), (lhs_l, rhs_h)], shape)
 
-  def level(t, carry):
+  def level(ls, carry, both_sides):
+    """Level s = 2**ls onto the sums (P, G, W); ls and both_sides may be traced. Exact levels: el on
+    second halves, er on first halves, the pairs (i second, j first half of a block); the bounded
+    level (both_sides): el, er at every row (exponents within +-BOUNDED_SPAN), every strict pair of
+    a block."""
     p_acc, g_acc, w_acc = carry
-    ls = LEVELS - t                      # block size 2**ls (traced)
     size = 1 << ls
     half = size >> 1
     blk = row >> ls
@@ -153,11 +197,12 @@ def _body(q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
       return tuple(jnp.where(blk == b, x, y) for x, y in zip(g_row((b << ls) + half), R))
     R = lax.fori_loop(1, BT >> ls, pick, g_row(half))       # the block's r, per row
     G = (_load(gi_s), _load(gf_s))
+    same = blk == (col >> ls)
     second = (row & (size - 1)) >= half
-    e = jnp.exp(jnp.where(second, exponent(*G, *R), exponent(*R, *G)))   # exponent <= 0
-    el = jnp.where(second, e, 0.0)
-    er = jnp.where(second, 0.0, e)
-    pair = (blk == (col >> ls)) & second & ((col & (size - 1)) < half)  # the level's (i, j)
+    # exp(-inf) = 0 off the rows a factor belongs to: no exponent > 0 reaches exp on exact levels
+    el = jnp.exp(jnp.where(second | both_sides, exponent(*G, *R), -jnp.inf))
+    er = jnp.exp(jnp.where(second & ~both_sides, -jnp.inf, exponent(*R, *G)))
+    pair = same & (col < row) & (both_sides | (second & ((col & (size - 1)) < half)))   # the level's (i, j)
     kx = _load(k_s).astype(F32)
     qx = _load(q_s).astype(F32)
     # dAqk's pairs: dqAs and dkAs
@@ -175,25 +220,32 @@ def _body(q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
     wb = prod(dh_s.T, dl_s.T, xh_s, xl_s)
     return p_acc + el * p, g_acc + el * g, w_acc + er * (wa + wb)
 
-  zero = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
-  P, G, W = lax.fori_loop(0, LEVELS, level, (zero, zero, zero))
+  def finish(carry):
+    P, G, W = carry
+    kx = _load(k_s).astype(F32)
+    qx = _load(q_s).astype(F32)
+    d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
+    bG = beta * G
+    at = lambda ref: ref.at[rows, i_h, cols]
+    oq_g[rows, i_h, cols] = _load(at(aq_g)) + (P + d * kx)
+    ok_g[rows, i_h, cols] = _load(at(ak_g)) + (W + d * qx + bG)
+    og_g[rows, i_h, cols] = _load(at(ag_g)) + (qx * P - kx * W + kx * bG)
+    odb_g[s, i_h, rows] = jnp.sum(kx * G, axis=1)
 
-  kx = _load(k_s).astype(F32)
-  qx = _load(q_s).astype(F32)
-  d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
-  bG = beta * G
-  at = lambda ref: ref.at[rows, i_h, cols]
-  oq_g[rows, i_h, cols] = _load(at(aq_g)) + (P + d * kx)
-  ok_g[rows, i_h, cols] = _load(at(ak_g)) + (W + d * qx + bG)
-  og_g[rows, i_h, cols] = _load(at(ag_g)) + (qx * P - kx * W + kx * bG)
-  odb_g[s, i_h, rows] = jnp.sum(kx * G, axis=1)
+
+  zero = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
+  # lb: the chunk's bounded level (5 or 4: exact levels 64 .. 2**(lb + 1), then lb both-sided) or 0
+  # (six exact levels)
+  lb = flag_g[i_h * (b_g.shape[1] // BT) + c] if bounded else 0
+  n = jnp.where(lb > 0, LEVELS + 1 - lb, LEVELS) if bounded else LEVELS
+  finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), (zero, zero, zero)))
 
 
 def _kernel(Ta, HV, K, *, scale, interpret, config):
   nslab = K // SLAB
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
   return plgpu.kernel(
-      functools.partial(_body, scale=scale),
+      functools.partial(_body, scale=scale, bounded=config.bounded == "auto"),
       out_type=(out((Ta, HV, K)), out((Ta, HV, K)), out((Ta, HV, K)), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
       scratch_types=[
@@ -218,7 +270,11 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale,
   q, k = (x[0].astype(BF16) for x in (q, k))
   beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config)
-  oq, ok, og, odb = f(q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
+  if config.bounded == "auto":
+    flag = bounded_levels(gc_int, gc_frac)        # [HV * NTa]: 5, 4 or 0 (six exact levels)
+  else:
+    flag = jnp.zeros((HV * (Ta // BT),), jnp.int32)
+  oq, ok, og, odb = f(flag, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
                       f32(dgc))
   db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
   return Out(oq[None], ok[None], db, og[None])
