@@ -316,7 +316,8 @@ def test_takes_and_supports():
   assert mgb.takes(*good, **kw) is None and mgb.supports(*good, **kw) is None
   assert bwd_intra.STAGE.supports["mosaic_gpu"] is mgb.takes and bwd_intra.STAGE.mosaic_gpu is mgb.apply
   f32 = [good[0].astype(F32), good[1].astype(F32)] + good[2:]
-  assert mgb.takes(*f32, **kw) is None
+  assert "takes bfloat16 q, k" in mgb.takes(*f32, **kw)        # float32 keeps the reference
+  assert mgb.supports(*f32, **kw) is None                        # apply itself would round to bf16
   zeros = lambda *a, **k: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*a, **k)]
   with_ = lambda i, x: good[:i] + [x] + good[i + 1:]
   refused = {
@@ -338,7 +339,7 @@ def test_takes_and_supports():
     assert reason in (mgb.takes(*args, **kwargs) or ""), reason
     with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu bwd_intra kernel: {reason}")):
       mgb.apply(*args, interpret=True, **kwargs)
-  assert "float32 q, got float16" in mgb.takes(*with_(0, good[0].astype(jnp.float16)), **kw)
+  assert "bfloat16 or float32 q, got float16" in mgb.takes(*with_(0, good[0].astype(jnp.float16)), **kw)
   assert "floating dAkk, got int32" in mgb.takes(*with_(6, good[6].astype(jnp.int32)), **kw)
   # the pipeline: an impl dict naming bwd_intra runs the kernel or raises the predicate's reason;
   # impl=None leaves it out until it is checked on an H200 (DEVICE_UNVERIFIED)

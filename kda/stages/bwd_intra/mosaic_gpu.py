@@ -117,17 +117,6 @@ def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, sca
   for name, shape in want.items():
     if tuple(given[name].shape) != tuple(shape):
       return f"{name} must have shape {tuple(shape)}, got {tuple(given[name].shape)}"
-  return None
-
-
-def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
-          **_) -> Optional[str]:
-  """The stage's predicate: `supports`, q and k in bfloat16 or float32 (rounded to bf16), the
-  other arrays floating point (taken in float32)."""
-  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
-                    chunk_size=chunk_size)
-  if reason is not None:
-    return reason
   for name, x in (("q", q), ("k", k)):
     if jnp.dtype(x.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
       return f"mosaic_gpu bwd_intra takes bfloat16 or float32 {name}, got {jnp.dtype(x.dtype).name}"
@@ -135,6 +124,20 @@ def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale,
                   ("dq", dq), ("dk", dk), ("dbeta", dbeta), ("dgc", dgc)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
+  return None
+
+
+def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
+          **_) -> Optional[str]:
+  """The stage's predicate: `supports`, and q, k in bfloat16 (the dtype policy: float32 inputs keep
+  float32 gradients on the reference; `apply` itself rounds float32 q, k to bf16)."""
+  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
+                    chunk_size=chunk_size)
+  if reason is not None:
+    return reason
+  bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
+  if bad:
+    return f"mosaic_gpu bwd_intra takes bfloat16 q, k (float32 would be rounded to bfloat16), got {', '.join(bad)}"
   return None
 
 
@@ -261,8 +264,8 @@ def _kernel(Ta, HV, K, *, scale, interpret, config):
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
           interpret=False, config=None):
   config = config or Config()
-  reason = takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
-                 chunk_size=chunk_size)
+  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
+                    chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_intra kernel: {reason}")
   _, Ta, HV, K = k.shape

@@ -186,7 +186,8 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed):
       plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
     plgpu.barrier_wait(bar)
     if packed:      # rows past the chunk's tokens belong to other sequences (or none): zeros
-      # whole tiles: a column slice of plain SMEM loads wrong on the H200 (right in the simulator)
+      # whole tiles: a column slice of a plain bf16 tile loads wrong on the H200 (right in the
+      # simulator; plain float32 gc tiles slice fine there)
       real = _iota(0, (BT, K)) < cnt
       for land, dst in zip(landing, (q_s, k_s)):
         dst[...] = jnp.where(real, _load(land), jnp.zeros((), BF16))
