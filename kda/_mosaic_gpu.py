@@ -82,6 +82,14 @@ def tile_shapes(chunk_size, k_name, kx, v_name, vx):
   return reason, (None if reason else (Ta, HV, K, V))
 
 
+def tail_share(cu_g, N, NTa, r, BT=64):
+  """(first, count): the chunks at or past aligned_cu[-1] (read from the GMEM ref cu_g [N+1]) that
+  grid rank r of N takes, round-robin, the shortest sequence's rank first: chunks first,
+  first + N, ..., count of them."""
+  first = cu_g[N] // BT + (N - 1 - r)
+  return first, jnp.maximum(NTa - first + N - 1, 0) // N
+
+
 def sequence_order(aligned_cu, longest_first=True):
   """[N] int32: the sequence each grid rank takes, the longest first (stable), so the programs of
   the longest sequence start first and the short ones fill in behind them."""

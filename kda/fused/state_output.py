@@ -88,7 +88,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tail_share
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -263,8 +263,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
     if packed:
       return zero_gaps()
     # chunks past aligned_cu[-1] round-robin over the N programs of this (head, V tile)
-    first = cu_g[N] // BT + (N - 1 - r)
-    count = jnp.maximum(NTa - first + N - 1, 0) // N
+    first, count = tail_share(cu_g, N, NTa, r, BT)
     zeros = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG).astype(o_g.dtype)
 
     @pl.when(count > 0)

@@ -79,7 +79,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes, tail_share
 from kda._mosaic_gpu import acc as _acc
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
@@ -239,8 +239,7 @@ def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
   # the shortest sequence's program first: du = dv, the partial sums 0.
-  first = cu_g[N] // BT + (N - 1 - r)
-  count = jnp.maximum(NTa - first + N - 1, 0) // N
+  first, count = tail_share(cu_g, N, NTa, r, BT)
   zk = plgpu.layout_cast(jnp.zeros((BT, K), F32), WG)
   zr = plgpu.layout_cast(jnp.zeros((K,), F32), ROW)
 

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes, tail_share
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -194,8 +194,7 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
   # the shortest sequence's program first; each stores the same zeroed tiles, so SMEM is written once.
-  first = cu_g[N] // BT + (N - 1 - r)
-  count = jnp.maximum(NTa - first + N - 1, 0) // N
+  first, count = tail_share(cu_g, N, NTa, r, BT)
   zh = plgpu.layout_cast(jnp.zeros((K, BV), F32), WG)
   zv = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG)
 
