@@ -221,15 +221,16 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
 
 
 def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-            record: bool = False):
+            record: bool = False, packed: bool = True):
   """Packed inputs [1, T, ...] -> (o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] f32, records).
 
   records maps each stage name to its output record (and "valid" to the [1, Ta] real-token mask,
   "inputs" to {stage: positional args}, the keywords being forward_kwargs) when `record` is set,
   else it holds "intra" alone (what saved() reads). Record mode runs every stage unfused; otherwise
-  the fused group PACKED (packed_forward) runs where it applies.
+  the fused group PACKED (packed_forward) runs where it applies, unless `packed` is False (the same
+  kernels on the aligned layout: tools.gpu_check compares the two).
   """
-  if not record:
+  if packed and not record:
     out = packed_forward(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias)
     if out is not None:
       return out
