@@ -159,19 +159,20 @@ def prepare(plan: Plan, layout: Layout, q, k, v, g, beta):
   """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs."""
   q, k, v, g, beta = (padding.align_with(layout, x) for x in (q, k, v, g, beta))
   valid = padding.valid_mask(layout)[None]                       # [1, Ta]
-  q, k = _normalize(plan, q, k)                                  # after align: padding stays 0
-  rep = v.shape[2] // q.shape[2]
-  if rep > 1:                                                    # GVA: value head j reads head j // rep
-    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+  q, k = _query_keys(plan, q, k, v.shape[2])                     # after align: padding stays 0
   if plan.use_gate_in_kernel:
     g = padding.neutralize_gate(g, valid)
   return q, k, v, g, beta, valid
 
 
-def _normalize(plan: Plan, q, k):
-  """use_qk_l2norm on q, k (aligned or packed: a zero row stays zero)."""
+def _query_keys(plan: Plan, q, k, HV):
+  """prepare's per-token steps on q, k, aligned or packed: use_qk_l2norm (a zero row stays zero),
+  then the GVA repeat (value head j reads head j // (HV // H))."""
   if plan.use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
+  rep = HV // q.shape[2]
+  if rep > 1:
+    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
   return q, k
 
 
@@ -185,10 +186,9 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
   if any(plan.impl(n) != "mosaic_gpu" for n in FORWARD_STAGES):
     return None
   S = jax.ShapeDtypeStruct
-  rep = v.shape[2] // q.shape[2]
   HV, Ta, BT = v.shape[2], layout.Ta, plan.chunk_size
-  aligned = lambda x, last=(): S((1, Ta) + x.shape[2:] if not last else (1, Ta) + last, x.dtype)
-  qs = aligned(q, (HV, q.shape[3]))
+  aligned = lambda x: S((1, Ta) + x.shape[2:], x.dtype)          # what prepare would hand the stages
+  qs = S((1, Ta, HV, q.shape[3]), q.dtype)
   gi = S((1, Ta, HV, k.shape[3]), jnp.float32)
   gate_args = (aligned(g), S((1, Ta), jnp.bool_), A_log, dt_bias)
   intra_args = (qs, qs, aligned(v), aligned(beta), gi, gi, layout.aligned_cu)
@@ -206,9 +206,7 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
   gkw = forward_kwargs(plan, "gate")
   if gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw) is not None:
     return None
-  q, k = _normalize(plan, q, k)
-  if rep > 1:                                                    # GVA: value head j reads head j // rep
-    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+  q, k = _query_keys(plan, q, k, HV)
   if intra_mgpu.packed_supports(q, k, v, beta, gi, gi, layout.aligned_cu, rows, **forward_kwargs(plan, "intra")):
     return None
   gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret, **gkw)
