@@ -214,6 +214,17 @@ def test_bench_smoke_table_and_pieces(tmp_path, capsys):
   assert {"prepare", "unalign"} <= set(pieces) and any(p.startswith("intra (") for p in pieces)
 
 
+def test_bench_backward_pieces():
+  """tools.bench's backward pieces on a tiny CPU run: every backward stage with the implementation
+  the pipeline picks (the reference on a CPU), the glue and the whole backward, all timed."""
+  from kda import pipeline
+  from tools import bench
+  pieces = bench.backward_stage_times("A", "plain", reps=1, total=128)
+  want = {f"{n} (reference)" for n in pipeline.BACKWARD_STAGES}
+  want |= {"backward (whole, pipeline.backward)", "glue: prepare + its vjp", "glue: align do"}
+  assert set(pieces) == want and all(ms > 0 for ms in pieces.values())
+
+
 def test_bench_packed_pieces_compose_to_the_forward():
   """tools.bench's packed-group pieces (the GPU default's, simulator here) give chunk_kda's o and
   final state when chained."""

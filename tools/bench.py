@@ -146,6 +146,50 @@ def stage_times(name, gate, reps, total=TOTAL):
   return out
 
 
+def backward_stage_times(name, gate, reps, total=TOTAL):
+  """Median ms of each piece of the default (impl=None) backward, each jitted on its own on the
+  inputs the staged backward hands it (recorded by pipeline.backward(record=True)): the whole
+  pipeline.backward, every backward stage with the implementation the pipeline chooses, and the
+  glue (prepare's vjp, aligning do). Pieces run apart, so their sum exceeds the whole call."""
+  from kda import padding, pipeline, stages
+  (q, k, v, g, beta), kw, do = make_inputs(name, gate, total=total)
+  B, T = q.shape[:2]
+  cu = kw.get("cu_seqlens")
+  if cu is None:
+    q, k, v, g, beta, do = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta, do))
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    T = B * T
+  plan = pipeline.make_plan(scale=q.shape[-1] ** -0.5, chunk_size=64,
+                            use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
+                            lower_bound=kw.get("lower_bound"))
+  A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
+  lay = lambda cu: padding.layout_from_cu_seqlens(cu, T, plan.chunk_size)
+  h0 = jnp.zeros((cu.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
+  dht = jnp.zeros_like(h0)
+  x = (q, k, v, g, beta, h0, A_log, dt_bias)
+  saved = jax.jit(lambda cu, x: pipeline.saved(pipeline.forward(plan, lay(cu), *x)[2]))(cu, x)
+  out = {}
+
+  def piece(label, fn, *args):
+    f = jax.jit(fn)
+    res = f(*args)
+    out[label] = timeit(f, *args, reps=reps)
+    return res
+
+  _, rec = piece("backward (whole, pipeline.backward)", lambda cu, x, s, do: pipeline.backward(
+      plan, lay(cu), *x, s, do, dht, record=True), cu, x, saved, do)
+  piece("glue: prepare + its vjp", lambda cu, *x: jax.vjp(
+      lambda *y: pipeline.prepare(plan, lay(cu), *y)[:5], *x)[1](
+          tuple(pipeline.prepare(plan, lay(cu), *x)[:5])), cu, q, k, v, g, beta)
+  piece("glue: align do", lambda cu, do: padding.align_with(lay(cu), do.astype(jnp.float32)), cu, do)
+  for n in pipeline.BACKWARD_STAGES:
+    args, skw = rec["inputs"][n], pipeline.backward_kwargs(plan, n)
+    impl = pipeline.choose(plan, n, *args, **skw)
+    piece(f"{n} ({impl})", lambda *a, n=n, impl=impl, skw=skw: stages.get(n)(
+        impl, *a, interpret=plan.interpret, **skw), *args)
+  return out
+
+
 def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
   """The packed group's pieces (pipeline.packed_forward), each jitted apart: the layout glue
   (chunk_rows), the gate and intra kernels on the packed inputs, the fused kernel storing o packed."""
@@ -246,7 +290,8 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--no-bwd", action="store_true")
   p.add_argument("--stages", action="store_true",
-                 help="also time each piece of the default forward apart (stage_times)")
+                 help="also time each piece of the default forward (stage_times) and, unless --no-bwd, "
+                      "of the backward (backward_stage_times) apart")
   p.add_argument("--total", type=int, default=TOTAL, help="packed tokens (smaller for a smoke run)")
   p.add_argument("--peer", help="FLA's JSON (fla_bench.py --out, run_peer.sh's fla.json) from the same device run")
   p.add_argument("--jla", help="jax-linear-attention's JSON (run_peer.sh's jla.json) from the same device run")
@@ -268,12 +313,18 @@ def main(argv=None):
         pieces[var] = stage_times(name, gate, a.reps, total=a.total)
       except Exception as e:  # noqa: BLE001
         pieces[var] = {"error": f"{type(e).__name__}: {e}"[:500]}
+      if not a.no_bwd:
+        try:
+          pieces[var + " backward"] = backward_stage_times(name, gate, a.reps, total=a.total)
+        except Exception as e:  # noqa: BLE001
+          pieces[var + " backward"] = {"error": f"{type(e).__name__}: {e}"[:500]}
       print(json.dumps({"stages": var, **pieces[var]}), flush=True)
   fla = peer_figures(a.peer) if a.peer else {}
   jla = jla_figures(a.jla) if a.jla else {}
   print("\n" + table(rows, fla, jla))
   for var, pc in pieces.items():
-    print(f"\n{var} pieces of the default forward (ms, each jitted apart):")
+    what = "backward" if var.endswith(" backward") else "forward"
+    print(f"\n{var.split()[0]} pieces of the default {what} (ms, each jitted apart):")
     for label, ms in pc.items():
       print(f"  {label:34s} {ms if isinstance(ms, str) else f'{ms:8.3f}'}")
   if a.out:

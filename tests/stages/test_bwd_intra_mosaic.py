@@ -342,13 +342,13 @@ def test_takes_and_supports():
   assert "bfloat16 or float32 q, got float16" in mgb.takes(*with_(0, good[0].astype(jnp.float16)), **kw)
   assert "floating dAkk, got int32" in mgb.takes(*with_(6, good[6].astype(jnp.int32)), **kw)
   # the pipeline: an impl dict naming bwd_intra runs the kernel or raises the predicate's reason;
-  # impl=None leaves it out until it is checked on an H200 (DEVICE_UNVERIFIED)
+  # impl=None takes it on Hopper (checked on an H200 by tools.gpu_check_bwd)
   strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_intra": "mosaic_gpu"})
   assert pipeline.choose(strict, "bwd_intra", *good, **kw) == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['bwd_intra'\] = 'mosaic_gpu': K must be one of"):
     pipeline.choose(strict, "bwd_intra", *zeros(128, 2, 96), **kw)
-  assert "bwd_intra" in pipeline.DEVICE_UNVERIFIED
-  assert pipeline.default_impls(("bwd_intra",), backend="gpu", hopper=True)["bwd_intra"] == "reference"
+  assert "bwd_intra" not in pipeline.DEVICE_UNVERIFIED
+  assert pipeline.default_impls(("bwd_intra",), backend="gpu", hopper=True)["bwd_intra"] == "mosaic_gpu"
 
 
 # -- CUDA lowering and SMEM --------------------------------------------------------------------------

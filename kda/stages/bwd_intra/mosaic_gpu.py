@@ -50,9 +50,9 @@ relative). q, k enter as bf16: float32 q, k are rounded to bf16 by the launcher 
 accuracy needs the reference stage), everything else is float32. Measured against the float32
 reference on bf16 q, k (simulator, both paths, K = 64 and 128, ordinary and floored -inf gates):
 the worst (chunk, head) block's max|d| / max|ref| <= 1.5e-5 per field, ||d|| / ||ref|| <= 5.5e-6
-(test_bwd_intra_mosaic.py, TOL there). Unverified on hardware: registers per thread (three
-[64, 64] float32 sums live across the level loop) and the speed; DEVICE_UNVERIFIED in
-kda.pipeline keeps impl=None off this kernel until tools.gpu_check_bwd has run it on an H200.
+(test_bwd_intra_mosaic.py, TOL there). On the H200 (tools.gpu_check_bwd, H = 16, K = 128, T =
+32768 bf16, lengths in [64, 4096], ordinary and raw gates): <= 7.9e-6 per field against the
+reference on the same inputs, 3.1-3.8 ms.
 
 Simulator note: its callbacks run jax ops, so eager jax ops dispatched while a simulated kernel is
 still running can deadlock (block_until_ready first).
