@@ -52,10 +52,15 @@ def iota(dim, shape):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
 
 
-def split(x):
-  """float32 x -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative: operands of exact-ish wgmmas."""
-  hi = x.astype(BF16)
-  return hi, (x - hi.astype(F32)).astype(BF16)
+def split(x, parts=2):
+  """float32 x -> `parts` bf16 terms summing to x, to ~2^-16 relative for (hi, lo) and ~2^-24 for
+  three: operands of exact-ish wgmmas."""
+  out = []
+  for _ in range(parts - 1):
+    hi = x.astype(BF16)
+    out.append(hi)
+    x = x - hi.astype(F32)
+  return (*out, x.astype(BF16))
 
 
 def head_dims_reason(K, V):

@@ -55,6 +55,7 @@ class Out(NamedTuple):
   dAkk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower (row i of chunk c at token c*BT + i)
 
 
-from kda.stages.bwd_wy import reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_wy import mosaic_gpu, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply)
+STAGE = Stage(NAME, reference=reference.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})

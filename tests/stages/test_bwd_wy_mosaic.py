@@ -1,0 +1,260 @@
+"""The Mosaic GPU bwd_wy kernel against the bwd_wy reference: simulator runs on CPU, CUDA lowering,
+SMEM as lowered, the stage's predicate.
+
+Inputs: test_intra_mosaic.make_case's aligned layouts (bf16 q, k, v; padding rows after every
+sequence and a whole padding chunk; ordinary gates, or strong ones with floored -inf gates, gc down
+to about -8000), Ainv from the intra reference on them rounded to bf16 (what the forward kernels
+save), and random S2 cotangents dqg, dkg, dw, du, dgc_last, zero at padding rows as S2 hands them
+over. The reference gets the same bf16 values (upcast), so what is left is the kernel's own
+rounding: hi + lo bf16 splits of the float32 wgmma operands and float32 order of summation.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import pipeline
+from kda.stages import bwd_wy, intra
+from kda.stages.bwd_wy import mosaic_gpu as mgw
+from kda.stages.intra import chunk_decays, from_chunks, to_chunks
+from tests.stages import bwd_setup
+from tests.stages.test_bwd_intra_mosaic import errors as _errors, fmt
+from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS, make_case
+from tests.stages.test_output_mosaic import lowered_smem_bytes
+
+BT = 64
+F32, BF16 = jnp.float32, jnp.bfloat16
+FIELDS = bwd_wy.Out._fields
+HI = jax.lax.Precision.HIGHEST
+
+# Kernel vs reference, per field: (the worst (chunk, head) block's max|d| / max|ref|, ||d|| / ||ref||).
+# Measured maxima over every case below (default and large) in the comments; the bounds keep 5x or
+# more. A wrong formula fails them by orders of magnitude (test_tolerances_catch_wrong_formulas).
+TOL = {
+    "dq": (1e-5, 1e-5),        # measured 0 (one float32 product, as the reference)
+    "dk": (2e-5, 5e-6),        # measured 3.6e-6, 1.0e-6
+    "dv": (3e-5, 1.5e-5),      # measured 5.6e-6, 2.5e-6
+    "dbeta": (3e-5, 1.5e-5),   # measured 4.8e-6, 2.6e-6
+    "dgc": (2e-5, 6e-6),       # measured 3.2e-6, 1.2e-6
+    "dg_state": (1e-6, 1e-7),  # measured 1.1e-7, 1.2e-8 (L's operand in three bf16 terms)
+    "dAkk": (6e-5, 3e-5),      # measured 1.1e-5, 5.7e-6
+}
+
+CASES = {
+    # id: lens, Ta, HV, K, V; 3 chunks: padding rows in a partial chunk, the last chunk all padding
+    "K64-V64-HV2-40_64": ([40, 64], 192, 2, 64, 64),
+    "K128-V64-HV1-100": ([100], 192, 1, 128, 64),
+    "K64-V128-HV2-64_50": ([64, 50], 192, 2, 64, 128),
+    "K128-V128-HV1-130": ([130], 192, 1, 128, 128),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def make_inputs(case, gates, seed=60):
+  """The stage's arguments (q, k, v, Ainv bf16; the rest float32) and the [Ta] real-token mask."""
+  lens, Ta, HV, K, V = CASES[case]
+  (q, k, v, beta, gi, gf), valid = make_case(lens, Ta, HV, K, V, gates)
+  Ainv = intra.reference.apply(q, k, v, beta, gi, gf, scale=K ** -0.5, chunk_size=BT).Ainv.astype(BF16)
+  NTa = Ta // BT
+  dqg, dkg, dw, du = bwd_setup.randn(seed, q.shape, k.shape, k.shape, v.shape)
+  live = jnp.asarray(valid)[None, :, None, None]
+  dqg, dkg, dw, du = (jnp.where(live, x, 0.0) for x in (dqg, dkg, dw, du))
+  (dgc_last,) = bwd_setup.randn(seed + 1, (1, NTa, HV, K))
+  return (q, k, v, beta, gi, gf, Ainv, dqg, dkg, dw, du, dgc_last), valid
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+  return jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True))
+
+
+@functools.lru_cache(maxsize=None)
+def run_case(case, gates):
+  args, valid = make_inputs(case, gates)
+  got = jax.block_until_ready(_kernel()(*args))
+  want = jax.jit(functools.partial(bwd_wy.reference.apply, chunk_size=BT))(*args)
+  return args, valid, got, want
+
+
+def errors(got, want):
+  return _errors(got, want, FIELDS)
+
+
+def failures(errs):
+  return [n for n, e in errs.items() if e[0] > TOL[n][0] or e[1] > TOL[n][1]]
+
+
+DEFAULT = {("K64-V64-HV2-40_64", "strong"), ("K128-V128-HV1-130", "ordinary")}
+MATRIX = [(c, g) for c in CASES for g in ("ordinary", "strong")]
+
+
+@pytest.mark.parametrize("case,gates", [pytest.param(*m, marks=() if m in DEFAULT else pytest.mark.large)
+                                        for m in MATRIX], ids=[f"{c}-{g}" for c, g in MATRIX])
+def test_kernel_matches_reference(case, gates):
+  args, valid, got, want = run_case(case, gates)
+  errs = errors(got, want)
+  print(f"\n  {case} {gates}: {fmt(errs)}")
+  assert np.any(np.asarray(args[4]) != 0) == (gates == "strong")
+  for name in FIELDS:
+    x, w = getattr(got, name), getattr(want, name)
+    assert x.dtype == F32 and x.shape == w.shape, (name, x.dtype, x.shape, w.shape)
+    assert bool(jnp.all(jnp.isfinite(x))), f"{name}: not finite"
+  bad = failures(errs)
+  assert not bad, f"{bad} beyond TOL: {fmt(errs)}"
+
+
+def _variant(q, k, v, beta, gi, gf, Ainv, dqg, dkg, dw, du, dgc_last, *, inclusive=False, transposed=True,
+             drop_v_dbeta=False, diag=False):
+  """The reference's formulas with one thing wrong: dg_state's cumsum inclusive, dAkk without its
+  transposes (Ainv dAinv Ainv), dbeta without its v part, or dAkk's diagonal kept."""
+  ein = lambda s, *a: jnp.einsum(s, *a, precision=HI)
+  q, k, v, beta, gi, gf, Ainv, dqg, dkg, dw, du = (
+      to_chunks(x.astype(F32), BT) for x in (q, k, v, beta, gi, gf, Ainv, dqg, dkg, dw, du))
+  b = beta[..., None]
+  eg, el = chunk_decays(gi, gf)
+  kg, kb, vb = k * el, b * k * eg, b * v
+  dkb = ein("cihj,cihk->cjhk", Ainv, dw)
+  dvb = ein("cihj,cihv->cjhv", Ainv, du)
+  dAinv = ein("cihk,cjhk->cihj", dw, kb) + ein("cihv,cjhv->cihj", du, vb)
+  if transposed:
+    M = ein("ciha,cihb->cahb", Ainv, ein("cihj,cbhj->cihb", dAinv, Ainv))
+  else:
+    M = ein("caih,cihb->cahb", jnp.moveaxis(Ainv, 2, 3), ein("cihj,cjhb->cihb", dAinv, Ainv))
+  i, j = np.arange(BT)[None, :, None, None], np.arange(BT)[None, None, None, :]
+  dAkk = jnp.where((i >= j) if diag else (i > j), -M, 0.0)
+  dbeta = jnp.sum(dkb * k * eg, -1) + (0.0 if drop_v_dbeta else jnp.sum(dvb * v, -1))
+  x = dkg * kg
+  before = jnp.cumsum(x, axis=1) - (0.0 if inclusive else x)
+  return bwd_wy.Out(*(from_chunks(y) for y in (
+      dqg * eg, dkg * el + dkb * b * eg, dvb * b, dbeta, dqg * q * eg + dkb * kb,
+      before + dgc_last[0][:, None], dAkk)))
+
+
+@pytest.mark.parametrize("case,gates", [("K64-V64-HV2-40_64", "ordinary"),
+                                        pytest.param("K128-V128-HV1-130", "strong", marks=pytest.mark.large)])
+def test_tolerances_catch_wrong_formulas(case, gates):
+  """TOL is tight enough: the kernel's outputs fail against subtly wrong formulas; the right one
+  (_variant unchanged) passes."""
+  args, _, got, _ = run_case(case, gates)
+  assert not failures(errors(got, _variant(*args))), case
+  wrong = {"inclusive cumsum": (dict(inclusive=True), {"dg_state"}),
+           "dAkk untransposed": (dict(transposed=False), {"dAkk"}),
+           "dbeta without v": (dict(drop_v_dbeta=True), {"dbeta"}),
+           "dAkk diagonal kept": (dict(diag=True), {"dAkk"})}
+  for label, (kw, must_fail) in wrong.items():
+    errs = errors(got, _variant(*args, **kw))
+    print(f"\n  {case} {gates} vs {label}: {fmt(errs)}")
+    assert must_fail <= set(failures(errs)), (label, failures(errs))
+
+
+def test_padding_rows():
+  """At padding rows (q = k = v = beta = 0 and S2's cotangents 0 there) dq, dk, dv, dbeta, dgc are
+  exactly 0 in the kernel as in the reference; dg_state carries dgc_last there (bwd_gate drops it)."""
+  args, valid, got, want = run_case("K64-V64-HV2-40_64", "strong")
+  pad = ~valid
+  for name in ("dq", "dk", "dv", "dbeta", "dgc"):
+    assert not np.asarray(getattr(got, name))[0, pad].any(), name
+    assert not np.asarray(getattr(want, name))[0, pad].any(), name
+  assert np.asarray(got.dg_state)[0, pad].any()
+
+
+@pytest.mark.large
+def test_float32_inputs_are_rounded_to_bf16():
+  """float32 q, k, v, Ainv (here bf16-exact values) are cast in the launcher: the same bits."""
+  args, _, got, _ = run_case("K64-V64-HV2-40_64", "ordinary")
+  up = tuple(x.astype(F32) if i in (0, 1, 2, 6) else x for i, x in enumerate(args))
+  f32 = jax.block_until_ready(_kernel()(*up))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(f32, name)), np.asarray(getattr(got, name)), name)
+
+
+# -- the predicate -----------------------------------------------------------------------------------
+
+def _abstract(Ta, HV, K, V, dt=BF16):
+  S = jax.ShapeDtypeStruct
+  xk, xv = S((1, Ta, HV, K), F32), S((1, Ta, HV, V), F32)
+  return (S((1, Ta, HV, K), dt), S((1, Ta, HV, K), dt), S((1, Ta, HV, V), dt), S((1, Ta, HV), F32),
+          xk, xk, S((1, Ta, HV, BT), dt), xk, xk, xk, xv, S((1, Ta // BT, HV, K), F32))
+
+
+def test_takes_and_supports():
+  kw = dict(chunk_size=BT)
+  good = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 64, 128)]
+  assert mgw.takes(*good, **kw) is None and mgw.supports(*good, **kw) is None
+  assert bwd_wy.STAGE.supports["mosaic_gpu"] is mgw.takes and bwd_wy.STAGE.mosaic_gpu is mgw.apply
+  f32 = [x.astype(F32) for x in good]
+  assert "takes bfloat16 q, k, v, Ainv" in mgw.takes(*f32, **kw)   # float32 keeps the reference
+  assert mgw.supports(*f32, **kw) is None                            # apply itself would round
+  zeros = lambda *a: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*a)]
+  with_ = lambda i, x: good[:i] + [x] + good[i + 1:]
+  refused = {
+      "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
+      "K must be one of (64, 128), got 96": (zeros(128, 2, 96, 64), kw),
+      "V must be one of (64, 128), got 32": (zeros(128, 2, 64, 32), kw),
+      "Ta must be a multiple of 64, got 100": ([x[:, :100] if x.ndim < 4 or x.shape[1] == 128 else x
+                                                for x in good], kw),
+      "dgc_last must have shape": (with_(11, good[11][:, :1]), kw),
+      "Ainv must have shape": (with_(6, good[6][..., :32]), kw),
+      "du must have shape": (with_(10, good[10][..., :64]), kw),
+  }
+  for reason, (args, kwargs) in refused.items():
+    assert reason in (mgw.supports(*args, **kwargs) or ""), (reason, mgw.supports(*args, **kwargs))
+    with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu bwd_wy kernel: {reason}")):
+      mgw.apply(*args, interpret=True, **kwargs)
+  assert "takes floating dw, got int32" in mgw.supports(*with_(9, good[9].astype(jnp.int32)), **kw)
+  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_wy": "mosaic_gpu"})
+  assert pipeline.choose(strict, "bwd_wy", *good, **kw) == "mosaic_gpu"
+  with pytest.raises(ValueError, match=r"impl\['bwd_wy'\] = 'mosaic_gpu': mosaic_gpu bwd_wy takes bfloat16"):
+    pipeline.choose(strict, "bwd_wy", *f32, **kw)
+  assert pipeline.default_impls(("bwd_wy",), backend="gpu", hopper=True)["bwd_wy"] == "mosaic_gpu"
+
+
+# -- CUDA lowering and SMEM --------------------------------------------------------------------------
+
+def test_kernel_lowers_for_cuda():
+  """Lowered for CUDA from the CPU with 70000 chunks (on grid x) and float32 q, k, v, Ainv (the
+  launcher's casts): one Mosaic GPU kernel."""
+  f = functools.partial(mgw.apply, chunk_size=BT)
+  txt = jax.jit(f).trace(*_abstract(70000 * BT, 2, 128, 64, dt=F32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+@pytest.mark.parametrize("K,V,want", [(128, 128, 100360), (64, 64, 75784)])
+def test_kernel_smem(K, V, want):
+  """Two CTAs per SM: q, k, v slabs, Ainv, four work tiles and L, [64, 64] bf16 each (8 KiB), and
+  the barrier and alignment."""
+  smem = lowered_smem_bytes(functools.partial(mgw.apply, chunk_size=BT), *_abstract(4096, 16, K, V))
+  print(f"\n  bwd_wy K={K} V={V}: SMEM {smem} bytes as lowered")
+  tiles = 2 * K // 64 + V // 64 + 6
+  assert tiles * 8192 < smem <= tiles * 8192 + 4096
+  assert smem <= SMEM_TWO_CTAS and smem == want
+
+
+@pytest.mark.large
+def test_chunk_kda_grad_with_the_kernel():
+  """kda.chunk_kda's gradient with bwd_wy's kernel (simulator) against bwd_wy's reference, bf16 inputs,
+  the intra kernel in the forward in both (it saves the bf16 Ainv the kernel takes): the pipeline's
+  wiring (argument order, dg_state, dAkk into bwd_intra)."""
+  import kda
+  from tests import cases
+  inp = cases.make_inputs(3, lens=[45, 80, 0, 20], H=2, HV=2, K=64, V=64, gate="plain")
+  x = tuple(y.astype(BF16) for y in (inp.q, inp.k, inp.v)) + (inp.g, inp.beta.astype(BF16))
+  wo = jax.random.normal(jax.random.PRNGKey(9), inp.v.shape)
+
+  def grads(impl):
+    def loss(q, k, v, g, beta):
+      o, _ = kda.chunk_kda(q, k, v, g, beta, initial_state=inp.initial_state, cu_seqlens=inp.cu_seqlens,
+                           chunk_size=BT, impl=impl)
+      return jnp.sum(o.astype(F32) * wo)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*x)
+
+  got, want = grads({"bwd_wy": "mosaic_gpu", "intra": "mosaic_gpu"}), grads({"intra": "mosaic_gpu"})
+  # the gradients return in the inputs' bf16: the kernel's ~1e-5 differences flip a rounding now
+  # and then (one bf16 ulp, 2^-8 of an element; measured 3.4e-4 of the max on dv)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+    bwd_setup.close(name, a.astype(F32), b.astype(F32), tol=4e-3)
