@@ -309,3 +309,31 @@ def test_chunk_rows_of_segment_ids():
   idx = np.asarray(padding.align_index(layout))
   p = np.arange(idx.size)
   np.testing.assert_array_equal(np.where(p % 16 < count[p // 16], src[p // 16] + p % 16, layout.T), idx)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_align_and_unalign_transpose_each_other(traced):
+  """The vjp of align_with is unalign_with and vice versa (an exact transpose: <align x, y> ==
+  <x, unalign y>), with padding slots, an empty sequence and tokens of no sequence (their gradient
+  is exactly 0); and it is a gather, not autodiff's scatter-add."""
+  lens, T, BT = [5, 0, 70, 20], 100, 32
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+  def run(cu):
+    lay = padding.layout_from_cu_seqlens(cu, T, BT)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, T, 3))
+    y = jax.random.normal(jax.random.PRNGKey(1), (1, lay.Ta, 3))
+    ax, a_vjp = jax.vjp(lambda x: padding.align_with(lay, x), x)
+    uy, u_vjp = jax.vjp(lambda y: padding.unalign_with(lay, y), y)
+    return (jnp.vdot(ax, y), jnp.vdot(x, uy), a_vjp(y)[0], uy, u_vjp(x)[0],
+            padding.align_with(lay, x))
+
+  f = jax.jit(run) if traced else run
+  lhs, rhs, ga, uy, gu, ax = f(cu)
+  np.testing.assert_allclose(float(lhs), float(rhs), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(ga), np.asarray(uy))
+  np.testing.assert_array_equal(np.asarray(gu), np.asarray(ax))
+  assert not np.asarray(ga)[0, sum(lens):].any()              # tokens of no sequence: exactly 0
+  lay = padding.layout_from_cu_seqlens(cu, T, BT)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(padding.align_with(lay, x) ** 2)))(jnp.ones((1, T, 3))))
+  assert "scatter-add" not in jaxpr and "scatter_add" not in jaxpr

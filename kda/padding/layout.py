@@ -114,14 +114,34 @@ def unalign_index(layout: Layout):
   return idx.at[src].set(dest, mode="drop")   # padding slots have src == T: dropped
 
 
+@jax.custom_vjp
+def _moved(x, index, inverse):
+  """x[:, index] (0 where index is out of range). `index` is injective on its in-range entries and
+  `inverse` its inverse (out of range where no entry points), so the transpose is the gather
+  ct[:, inverse], not the scatter-add autodiff would make (atomics over unknown duplicates)."""
+  return jnp.take(x, index, axis=1, mode="fill", fill_value=0)
+
+
+def _moved_fwd(x, index, inverse):
+  return _moved(x, index, inverse), (index, inverse)
+
+
+def _moved_bwd(res, ct):
+  index, inverse = res
+  return jnp.take(ct, inverse, axis=1, mode="fill", fill_value=0), None, None
+
+
+_moved.defvjp(_moved_fwd, _moved_bwd)
+
+
 def align_with(layout: Layout, x):
-  """x [1, T, ...] -> [1, Ta, ...] with zeros at padding positions."""
-  return jnp.take(x, align_index(layout), axis=1, mode="fill", fill_value=0)
+  """x [1, T, ...] -> [1, Ta, ...] with zeros at padding positions (its transpose is unalign_with)."""
+  return _moved(x, align_index(layout), unalign_index(layout))
 
 
 def unalign_with(layout: Layout, x):
-  """x [1, Ta, ...] -> [1, T, ...]; tokens of no sequence get exact zeros."""
-  return jnp.take(x, unalign_index(layout), axis=1, mode="fill", fill_value=0)
+  """x [1, Ta, ...] -> [1, T, ...]; tokens of no sequence get exact zeros (transpose: align_with)."""
+  return _moved(x, unalign_index(layout), align_index(layout))
 
 
 def packed_owned_mask(layout: Layout):
