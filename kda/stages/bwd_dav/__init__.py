@@ -5,8 +5,8 @@ Per chunk and value head, with do the output cotangent (aligned like the forward
     dAqk = tril(do @ v_new^T)      j <= i only: Aqk is causal, its upper part is no variable
     dv   = Aqk^T @ do              the v_new cotangent through o; bwd_dh adds the state's part
 
-In:  v_new [1, Ta, HV, V] f32, Aqk [1, Ta, HV, BT] f32 (row i of chunk c at token c*BT + i),
-     do [1, Ta, HV, V].
+In:  v_new [1, Ta, HV, V], Aqk [1, Ta, HV, BT] (row i of chunk c at token c*BT + i; both bf16 from
+     the kernels, float32 from the references), do [1, Ta, HV, V] float32.
 Out: dAqk [1, Ta, HV, BT] float32 (same row layout as Aqk), dv [1, Ta, HV, V] float32.
 Padding: do = 0 at padding tokens (aligned) and v_new = 0 there, so padding rows and columns of dAqk
 are 0; Aqk's padding rows and columns are 0, so dv = 0 at padding tokens.
@@ -27,6 +27,7 @@ class Out(NamedTuple):
   dv: jax.Array    # [1, Ta, HV, V] float32
 
 
-from kda.stages.bwd_dav import reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_dav import mosaic_gpu, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply)
+STAGE = Stage(NAME, reference=reference.apply, mosaic_gpu=mosaic_gpu.apply,
+              supports={"mosaic_gpu": mosaic_gpu.takes})

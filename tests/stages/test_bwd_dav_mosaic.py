@@ -1,0 +1,239 @@
+"""The Mosaic GPU bwd_dav kernel against the bwd_dav reference: simulator runs on CPU, CUDA
+lowering, SMEM as lowered, the stage's predicate.
+
+Inputs: test_output.stage_inputs' aligned layouts (seeded random Aqk, lower triangular with its
+diagonal as intra makes it, and v_new; both 0 at padding rows and Aqk at padding columns; padding
+rows after every sequence and a whole padding chunk) and a random float32 do, 0 at padding tokens
+as pipeline.backward aligns it. v_new and Aqk in bf16 (what the forward's kernels hand over) or
+float32; the reference gets the same values (upcast), so what is left is the kernel's own rounding:
+the hi + lo bf16 split of do (and of float32 v_new, Aqk; ~2^-16 relative) and float32 summation.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import pipeline
+from kda.stages import bwd_dav
+from kda.stages.bwd_dav import mosaic_gpu as mgv
+from tests.stages import bwd_setup
+from tests.stages.test_bwd_intra_mosaic import errors as _errors, fmt
+from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
+from tests.stages.test_output import stage_inputs
+from tests.stages.test_output_mosaic import lowered_smem_bytes
+
+BT = 64
+F32, BF16 = jnp.float32, jnp.bfloat16
+FIELDS = bwd_dav.Out._fields
+
+# Kernel vs reference, per dtype of v_new, Aqk and field: (the worst (chunk, head) block's
+# max|d| / max|ref|, ||d|| / ||ref|| over the whole array). Measured maxima over every case below
+# (default and large) in the comments; the bounds keep 5x or more. A missing tril or diagonal, a
+# transposed product or operands rounded to bf16 (no split) fail them by orders of magnitude
+# (test_tolerances_catch_wrong_formulas).
+TOL = {
+    "bfloat16": {"dAqk": (2e-5, 1.5e-5),      # measured 3.0e-6, 2.5e-6
+                 "dv": (2.5e-5, 1.5e-5)},     # measured 4.9e-6 (the pipeline case), 2.5e-6
+    "float32": {"dAqk": (3e-5, 2.5e-5),       # measured 5.9e-6, 4.7e-6
+                "dv": (3.5e-5, 2.5e-5)},      # measured 6.5e-6, 4.5e-6
+}
+
+CASES = {
+    # id: lens, HV, V; Ta = 2 or 3 chunks: partial chunks and a whole padding chunk
+    "V64-HV2-30_20": ([30, 20], 2, 64),
+    "V128-HV1-100": ([100], 1, 128),
+    "V128-HV2-50": ([50], 2, 128),
+    "V64-HV1-64": ([64], 1, 64),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def make_inputs(case, dtype, seed=60):
+  """(v_new, Aqk, do) and the [Ta] real-token mask."""
+  lens, HV, V = CASES[case]
+  _, _, Aqk, v_new, valid = stage_inputs(seed, lens, HV=HV, K=64, V=V, BT=BT)
+  (do,) = bwd_setup.randn(seed + 1, v_new.shape)
+  do = jnp.where(jnp.asarray(valid)[None, :, None, None], do, 0.0)
+  return (v_new.astype(dtype), Aqk.astype(dtype), do), valid
+
+
+_kernel = jax.jit(functools.partial(mgv.apply, chunk_size=BT, interpret=True))
+_reference = jax.jit(functools.partial(bwd_dav.reference.apply, chunk_size=BT))
+
+
+@functools.lru_cache(maxsize=None)
+def run_case(case, dtype):
+  """(args, valid, kernel Out, reference Out, kernel seconds)."""
+  args, valid = make_inputs(case, dtype)
+  t0 = time.time()
+  got = jax.block_until_ready(_kernel(*args))
+  return args, valid, got, _reference(*args), time.time() - t0
+
+
+def errors(got, want):
+  return _errors(got, want, FIELDS)
+
+
+def failures(errs, dtype):
+  return [n for n, e in errs.items() if e[0] > TOL[dtype][n][0] or e[1] > TOL[dtype][n][1]]
+
+
+DTYPES = {"bfloat16": BF16, "float32": F32}
+DEFAULT = {("V64-HV2-30_20", "bfloat16"), ("V128-HV1-100", "bfloat16"), ("V128-HV2-50", "float32"),
+           ("V64-HV1-64", "float32")}
+MATRIX = [(c, d) for c in CASES for d in DTYPES]
+
+
+@pytest.mark.parametrize("case,dtype", [pytest.param(*m, marks=() if m in DEFAULT else pytest.mark.large)
+                                        for m in MATRIX], ids=[f"{c}-{d}" for c, d in MATRIX])
+def test_kernel_matches_reference(case, dtype):
+  args, valid, got, want, secs = run_case(case, DTYPES[dtype])
+  errs = errors(got, want)
+  print(f"\n  {case} {dtype} ({secs:.2f}s): {fmt(errs)}")
+  for name in FIELDS:
+    x, w = getattr(got, name), getattr(want, name)
+    assert x.dtype == F32 and x.shape == w.shape, (name, x.dtype, x.shape)
+  assert not failures(errs, dtype), f"beyond TOL: {fmt(errs)}"
+  # exact zeros: above the diagonal, at padding rows and columns of dAqk, at padding rows of dv
+  dA, dv = (np.asarray(x)[0] for x in got)
+  assert np.abs(dA).max() > 0 and np.abs(dv).max() > 0
+  np.testing.assert_array_equal(dA, np.asarray(bwd_setup.mask_rows(got.dAqk, BT, strict=False))[0])
+  col_pad = ~valid.reshape(-1, BT)[np.arange(len(valid)) // BT]        # [Ta, BT]: column j of row t's chunk
+  assert not dA[~valid].any() and not np.where(col_pad[:, None, :], dA, 0.0).any()
+  assert not dv[~valid].any()
+
+
+def _variant(v_new, Aqk, do, *, diag=True, tril=True, transpose_A=True, no_split=False):
+  """The stage's formula in float64 numpy with one thing wrong: no diagonal or no tril in dAqk,
+  Aqk @ do for Aqk^T @ do, or the operands rounded to bf16 (a kernel without the hi + lo split)."""
+  if no_split:
+    v_new, Aqk, do = (x.astype(BF16) for x in (v_new, Aqk, do))
+  v, A, d = (np.asarray(bwd_setup.chunk_mats(x.astype(F32), BT), np.float64) for x in (v_new, Aqk, do))
+  dA = d @ np.swapaxes(v, -1, -2)                                        # [NTa, HV, BT(i), BT(j)]
+  i, j = np.arange(BT)[:, None], np.arange(BT)[None, :]
+  if tril:
+    dA = np.where((j < i) | ((j == i) & diag), dA, 0.0)
+  dv = (np.swapaxes(A, -1, -2) if transpose_A else A) @ d
+  return bwd_dav.Out(*(bwd_setup.row_layout(jnp.asarray(x, F32)) for x in (dA, dv)))
+
+
+@pytest.mark.parametrize("case,dtype", [("V64-HV2-30_20", "bfloat16"),
+                                        pytest.param("V128-HV2-50", "float32", marks=pytest.mark.large)])
+def test_tolerances_catch_wrong_formulas(case, dtype):
+  """TOL is tight enough: the kernel's outputs fail against references of subtly wrong formulas;
+  the right formula (this _variant unchanged) passes."""
+  args, _, got, _, _ = run_case(case, DTYPES[dtype])
+  assert not failures(errors(got, _variant(*args)), dtype), case
+  wrong = {"diagonal missing": (dict(diag=False), {"dAqk"}), "tril missing": (dict(tril=False), {"dAqk"}),
+           "Aqk not transposed": (dict(transpose_A=False), {"dv"}),
+           "operands in bf16 (no split)": (dict(no_split=True), {"dAqk", "dv"})}
+  for label, (kw, must_fail) in wrong.items():
+    errs = errors(got, _variant(*args, **kw))
+    print(f"\n  {case} {dtype} vs {label}: {fmt(errs)}")
+    assert must_fail <= set(failures(errs, dtype)), (case, label, fmt(errs))
+
+
+# -- the predicate -----------------------------------------------------------------------------------
+
+def _abstract(Ta, HV, V, dtype=BF16):
+  S = jax.ShapeDtypeStruct
+  return S((1, Ta, HV, V), dtype), S((1, Ta, HV, BT), dtype), S((1, Ta, HV, V), F32)
+
+
+def test_takes_and_supports():
+  kw = dict(chunk_size=BT)
+  zeros = lambda *a, **k: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*a, **k)]
+  good = zeros(128, 2, 64)
+  assert mgv.takes(*good, **kw) is None and mgv.supports(*good, **kw) is None
+  assert bwd_dav.STAGE.supports["mosaic_gpu"] is mgv.takes and bwd_dav.STAGE.mosaic_gpu is mgv.apply
+  f32 = zeros(128, 2, 64, dtype=F32)
+  assert "takes bfloat16 v_new, Aqk (float32 keeps the reference), got v_new float32, Aqk float32" in mgv.takes(*f32, **kw)
+  assert "got Aqk float32" in mgv.takes(good[0], f32[1], good[2], **kw)
+  assert mgv.supports(*f32, **kw) is None                        # apply itself takes float32
+  with_ = lambda i, x: good[:i] + [x] + good[i + 1:]
+  refused = {
+      "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
+      "V must be one of (64, 128), got 96": (zeros(128, 2, 96), kw),
+      "V must be one of (64, 128), got 32": (zeros(64, 1, 32), kw),
+      "Ta must be a multiple of 64, got 100": ([x[:, :100] for x in good], kw),
+      "v_new must be [1, Ta, HV, V]": ([jnp.concatenate([x, x]) for x in good], kw),
+      "Aqk must have shape (1, 128, 2, 64)": (with_(1, good[1][..., :32]), kw),
+      "do must have shape (1, 128, 2, 64)": (with_(2, good[2][:, :64]), kw),
+      "mosaic_gpu bwd_dav takes floating do, got int32": (with_(2, good[2].astype(jnp.int32)), kw),
+      "mosaic_gpu bwd_dav takes floating Aqk, got int32": (with_(1, good[1].astype(jnp.int32)), kw),
+  }
+  for reason, (args, kwargs) in refused.items():
+    assert reason in (mgv.supports(*args, **kwargs) or ""), (reason, mgv.supports(*args, **kwargs))
+    assert reason in (mgv.takes(*args, **kwargs) or ""), reason
+    with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu bwd_dav kernel: {reason}")):
+      mgv.apply(*args, interpret=True, **kwargs)
+  big = _abstract(128, mgv.MAX_GRID_YZ + 1, 64)
+  assert "HV must be <= 65535" in mgv.supports(*big, **kw)
+  # the pipeline: an impl dict naming bwd_dav runs the kernel or raises the predicate's reason;
+  # impl=None takes it on Hopper
+  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_dav": "mosaic_gpu"})
+  assert pipeline.choose(strict, "bwd_dav", *good, **kw) == "mosaic_gpu"
+  with pytest.raises(ValueError, match=r"impl\['bwd_dav'\] = 'mosaic_gpu': V must be one of"):
+    pipeline.choose(strict, "bwd_dav", *zeros(128, 2, 96), **kw)
+  with pytest.raises(ValueError, match=r"impl\['bwd_dav'\] = 'mosaic_gpu': .*takes bfloat16 v_new"):
+    pipeline.choose(strict, "bwd_dav", *f32, **kw)
+  assert "bwd_dav" not in pipeline.DEVICE_UNVERIFIED
+  assert pipeline.default_impls(("bwd_dav",), backend="gpu", hopper=True)["bwd_dav"] == "mosaic_gpu"
+  assert pipeline.default_impls(("bwd_dav",), backend="gpu", hopper=False)["bwd_dav"] == "reference"
+
+
+# -- CUDA lowering and SMEM --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("V,dtype", [(128, "bfloat16"), (64, "float32"),
+                                     pytest.param(64, "bfloat16", marks=pytest.mark.large),
+                                     pytest.param(128, "float32", marks=pytest.mark.large)])
+def test_kernel_lowers_for_cuda(V, dtype):
+  """One Mosaic GPU kernel, lowered for CUDA from the CPU with 70000 chunks (on grid x)."""
+  f = functools.partial(mgv.apply, chunk_size=BT)
+  txt = jax.jit(f).trace(*_abstract(70000 * BT, 2, V, DTYPES[dtype])).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+@pytest.mark.parametrize("V,want", [(64, 49152), (128, 81920)])
+def test_kernel_smem(V, want):
+  """Two CTAs per SM: the hi and lo parts of do, v_new [64, V] and Aqk [64, 64], six swizzled bf16
+  tiles: 48 KiB at V = 64, 80 KiB at V = 128 as lowered (no barrier: nothing comes by TMA)."""
+  smem = lowered_smem_bytes(functools.partial(mgv.apply, chunk_size=BT), *_abstract(4096, 16, V))
+  print(f"\n  bwd_dav V={V}: SMEM {smem} bytes as lowered")
+  assert smem <= SMEM_TWO_CTAS
+  assert smem == want
+
+
+@pytest.mark.large
+def test_pipeline_hands_the_kernel_bf16_and_it_takes_them():
+  """pipeline.backward with impl="mosaic_gpu" (simulator) on bf16 inputs: the forward's intra kernel
+  saves Aqk and S0's kernels recompute v_new in bf16, so bwd_dav runs the kernel (the predicate
+  takes the call), and its record matches the reference on the same inputs within TOL."""
+  from kda import padding
+  from tests import cases
+  inp = cases.make_inputs(3, lens=[45, 80, 0, 20], H=2, HV=2, K=64, V=64, dtype=BF16)
+  T = inp.q.shape[1]
+  plan = pipeline.make_plan(scale=0.125, chunk_size=BT, impl="mosaic_gpu", interpret=True)
+  (do,) = bwd_setup.randn(4, inp.v.shape)
+  dht = jnp.zeros(inp.initial_state.shape, F32)
+  x = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state, inp.A_log, inp.dt_bias)
+
+  @jax.jit
+  def recorded(x, cu, do, dht):
+    layout = padding.layout_from_cu_seqlens(cu, T, BT)
+    _, _, frec = pipeline.forward(plan, layout, *x)
+    return pipeline.backward(plan, layout, *x, pipeline.saved(frec), do, dht, record=True)[1]
+
+  rec = jax.block_until_ready(recorded(x, inp.cu_seqlens, do, dht))
+  args = rec["inputs"]["bwd_dav"]
+  assert [jnp.dtype(a.dtype) for a in args] == [jnp.dtype(BF16), jnp.dtype(BF16), jnp.dtype(F32)]
+  assert pipeline.choose(plan, "bwd_dav", *args, chunk_size=BT) == "mosaic_gpu"
+  errs = errors(rec["bwd_dav"], _reference(*args))
+  print(f"\n  pipeline bwd_dav record vs reference: {fmt(errs)}")
+  assert not failures(errs, "bfloat16"), fmt(errs)
