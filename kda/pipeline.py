@@ -308,10 +308,9 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   tokens of no sequence: they are never read. records is as in forward (stage outputs and
   "inputs") when `record` is set, else empty.
   """
-  f32 = jnp.float32
   (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
   valid = padding.valid_mask(layout)[None]
-  do = padding.align_with(layout, do.astype(f32))               # the transpose of unalign_with
+  do = padding.align_with(layout, do)       # the transpose of unalign_with; in o's dtype (stages upcast)
   inputs = {}
 
   def run(name, *args):

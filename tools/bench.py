@@ -181,7 +181,7 @@ def backward_stage_times(name, gate, reps, total=TOTAL):
   piece("glue: prepare + its vjp", lambda cu, *x: jax.vjp(
       lambda *y: pipeline.prepare(plan, lay(cu), *y)[:5], *x)[1](
           tuple(pipeline.prepare(plan, lay(cu), *x)[:5])), cu, q, k, v, g, beta)
-  piece("glue: align do", lambda cu, do: padding.align_with(lay(cu), do.astype(jnp.float32)), cu, do)
+  piece("glue: align do", lambda cu, do: padding.align_with(lay(cu), do), cu, do)
   for n in pipeline.BACKWARD_STAGES:
     args, skw = rec["inputs"][n], pipeline.backward_kwargs(plan, n)
     impl = pipeline.choose(plan, n, *args, **skw)

@@ -28,7 +28,7 @@ from tools.trace import make_inputs
 CASES = {"long": (64, 4096), "short": (1, 128)}
 # Inputs a backward kernel takes in bf16 under the dtype policy (positions): the reference records
 # them in float32, so the kernel is checked with those cast (what S0's kernels would hand it).
-BF16_ARGS = {"bwd_dav": (0, 1), "bwd_dh": (0, 1, 2, 5, 6)}
+BF16_ARGS = {"bwd_dav": (0, 1), "bwd_dh": (0, 1, 2, 5, 6), "bwd_wy": (0, 1, 2, 6)}
 
 
 def _rel(got, want):
