@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kda import padding
-from kda.fused import state_output
+from kda.fused import dh_wy, state_output
 from kda.padding import Layout
 from kda import stages
 from kda.stages.base import resolve
@@ -31,7 +31,11 @@ from kda.stages.intra import mosaic_gpu as intra_mgpu
 FORWARD_STAGES = ("gate", "intra", "state", "output")
 # Fused groups (DESIGN.md): consecutive stages -> {backend: (kernel, predicate)}. The composer calls
 # the fused kernel when every member selects that backend and the predicate takes the call.
-FUSED = {("state", "output"): {"mosaic_gpu": (state_output.mosaic_gpu, state_output.takes)}}
+FUSED = {("state", "output"): {"mosaic_gpu": (state_output.mosaic_gpu, state_output.takes)},
+         ("bwd_dh", "bwd_wy"): {"mosaic_gpu": (dh_wy.mosaic_gpu, dh_wy.takes)}}
+# Fused groups not yet compiled and checked on an H200 (tools.gpu_check_bwd): impl=None runs their
+# members unfused; impl="mosaic_gpu" (or a dict) fuses them.
+UNVERIFIED_GROUPS: frozenset[tuple[str, ...]] = frozenset({("bwd_dh", "bwd_wy")})
 # The whole forward with align / unalign folded into the kernels (packed_forward): mosaic_gpu only.
 PACKED = ("align",) + FORWARD_STAGES + ("unalign",)
 BACKWARD_STAGES = ("bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate")
@@ -45,7 +49,7 @@ def is_hopper(device=None) -> bool:
 
 # Stages whose mosaic_gpu kernel has passed the simulator and the CUDA lowering but not yet
 # tools.gpu_check on an H200: impl=None leaves them out (an explicit impl="mosaic_gpu" runs them).
-DEVICE_UNVERIFIED: frozenset[str] = frozenset()
+DEVICE_UNVERIFIED: frozenset[str] = frozenset({"bwd_gate"})
 
 
 def default_impls(names, backend: str | None = None, hopper: bool | None = None) -> dict[str, str]:
@@ -119,8 +123,12 @@ def choose(plan: Plan, name: str, *args, **kwargs) -> str:
 def fused_kernel(plan: Plan, group: tuple[str, ...], first_args, *args, **kwargs):
   """The fused kernel of `group` for this call, or None: every member must select the same backend
   (the first member decided on `first_args`, the others by the plan: their inputs exist only
-  unfused) and the group's predicate must take `args`, `kwargs`. Record mode never fuses."""
-  first = choose(plan, group[0], *first_args, **forward_kwargs(plan, group[0]))
+  unfused) and the group's predicate must take `args`, `kwargs`. Record mode never fuses; impl=None
+  leaves the groups of UNVERIFIED_GROUPS unfused."""
+  if plan.auto and group in UNVERIFIED_GROUPS:
+    return None
+  kw = forward_kwargs if group[0] in FORWARD_STAGES else backward_kwargs
+  first = choose(plan, group[0], *first_args, **kw(plan, group[0]))
   if any(plan.impl(n) != first for n in group[1:]):
     return None
   kernel, takes = FUSED.get(group, {}).get(first, (None, None))
@@ -321,14 +329,22 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
            layout.aligned_cu)
   av = run("bwd_dav", rc.v_new, saved.Aqk, do)
   gc = (rc.gc_int, rc.gc_frac)
-  ds = run("bwd_dh", rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
-  wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
+  dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
+  wy_extra = (qa, ka, va, ba, saved.Ainv)
+  fused = None if record else fused_kernel(plan, ("bwd_dh", "bwd_wy"), dh_args, *dh_args, *wy_extra,
+                                           chunk_size=plan.chunk_size)
+  if fused is not None:        # S2's per-V-tile partial sums go to S3's kernel unsummed
+    dh0, wy = fused(*dh_args, *wy_extra, scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret)
+  else:
+    ds = run("bwd_dh", *dh_args)
+    wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
+    dh0 = ds.dh0
   it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
   gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
       (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
-  grads = Grads(dq, dk, dv, dg, dbeta, ds.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
+  grads = Grads(dq, dk, dv, dg, dbeta, dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
   records: dict[str, Any] = {}
   if record:
     records = {"valid": valid, "bwd_recompute": rc, "bwd_dav": av, "bwd_dh": ds, "bwd_wy": wy,

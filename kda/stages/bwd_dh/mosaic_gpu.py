@@ -258,6 +258,17 @@ def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
           interpret=False, config=None):
+  out = partials(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, scale=scale,
+                 chunk_size=chunk_size, interpret=interpret, config=config)
+  part = lambda x: (x[0] if x.shape[0] == 1 else x.sum(axis=0))[None]   # the V tiles' partial sums
+  return out._replace(dqg=part(out.dqg), dkg=part(out.dkg), dw=part(out.dw), dgc_last=part(out.dgc_last))
+
+
+def partials(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
+             interpret=False, config=None):
+  """`apply` without the launcher's sums over V tiles: an Out whose dqg, dkg, dw are
+  [V // 64, Ta, HV, K] and dgc_last [V // 64, NTa, HV, K], one partial sum per V tile (what the
+  fused group bwd_dh -> bwd_wy hands to the bwd_wy kernel, which adds them as it loads them)."""
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -268,8 +279,8 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   N = aligned_cu.shape[0] - 1
   NTa, NV = Ta // BT, V // BV
   if N == 0:                                  # no program to launch; every chunk is tail
-    zk = jnp.zeros((1, Ta, HV, K), F32)
-    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
+    zk = jnp.zeros((NV, Ta, HV, K), F32)
+    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((NV, NTa, HV, K), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
   order = sequence_order(aligned_cu, config.longest_first)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
@@ -306,5 +317,4 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   dh0, du, dqg, dkg, dw, dgc = f(order, aligned_cu, qg, kg, w, h, v_new, sdo, dv, decay, dht.astype(F32))
-  part = lambda x: (x[0] if NV == 1 else x.sum(axis=0))[None]       # the V tiles' partial sums
-  return Out(dh0, du[None], part(dqg), part(dkg), part(dw), part(dgc))
+  return Out(dh0, du[None], dqg, dkg, dw, dgc)

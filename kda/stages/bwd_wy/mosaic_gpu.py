@@ -124,6 +124,8 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   l_s[...] = jnp.where(strict, 1.0, 0.0).astype(BF16)       # L: the exclusive row cumsum
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   at = lambda ref, j: ref.at[rows, h, slab(j)]
+  # S2's terms come as P partial sums (one per V tile of the bwd_dh kernel; P = 1 unfused): added here
+  parts = lambda ref, j: functools.reduce(jnp.add, [_load(ref.at[p, rows, h, slab(j)]) for p in range(ref.shape[0])])
   last = lambda ref, j: lax.broadcast_in_dim(_load(ref.at[c * BT + BT - 1, h, slab(j)], COL), shape, [1])
 
   def put(x, *tiles):
@@ -144,13 +146,13 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     put(beta * vx, t2, t3)                                   # vb
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
   for j in range(nk):
-    put(_load(at(dw_g, j)), t0, t1)                          # dw
+    put(parts(dw_g, j), t0, t1)                              # dw
     dkb = _acc([(aT, t0), (aT, t1)], shape)
     gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
-    dqg, dkg = _load(at(dqg_g, j)), _load(at(dkg_g, j))
+    dqg, dkg = parts(dqg_g, j), parts(dkg_g, j)
     keg = kx * eg
     kb = beta * keg
     oq_g[rows, h, slab(j)] = dqg * eg
@@ -161,7 +163,8 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
     put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
     before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-    ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(_load(dgl_g.at[c, h, slab(j)], COL), shape, [1])
+    dgl = functools.reduce(jnp.add, [_load(dgl_g.at[p, c, h, slab(j)], COL) for p in range(dgl_g.shape[0])])
+    ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
   put(dAinv, t0, t1)
   p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
   put(p, t2, t3)
@@ -193,17 +196,39 @@ def _kernel(Ta, HV, K, V, *, interpret, config):
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size,
           interpret=False, config=None):
-  config = config or Config()
   reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last,
                     chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
+  return _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last,
+                 interpret=interpret, config=config)
+
+
+def from_partials(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size,
+                  interpret=False, config=None):
+  """`apply` with S2's dqg, dkg, dw [P, Ta, HV, K] and dgc_last [P, NTa, HV, K] as P partial sums
+  (bwd_dh.mosaic_gpu.partials: one per V tile), added by the kernel as it loads them: the same as
+  `apply` on their sums up to float32 order."""
+  P = dqg.shape[0]
+  one = lambda x: x[:1]
+  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, one(dqg), one(dkg), one(dw), du, one(dgc_last),
+                    chunk_size=chunk_size)
+  if reason is None and not all(x.shape[0] == P for x in (dkg, dw, dgc_last)):
+    reason = f"dqg, dkg, dw, dgc_last must hold the same number of parts, got {dqg.shape}, {dkg.shape}, {dw.shape}, {dgc_last.shape}"
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
+  return _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last,
+                 interpret=interpret, config=config)
+
+
+def _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, interpret, config):
+  config = config or Config()
   _, Ta, HV, K = k.shape
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
   f = _kernel(Ta, HV, K, V, interpret=interpret, config=config)
   dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
-      bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac), f32(dqg),
-      f32(dkg), f32(dw), f32(du), f32(dgc_last))
+      bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
+      *(x.astype(F32) for x in (dqg, dkg, dw)), f32(du), dgc_last.astype(F32))
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
