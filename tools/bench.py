@@ -92,25 +92,32 @@ def memory_mb(fn, *args):
     return None, None
 
 
+def _default_call(name, gate, total):
+  """The pieces' common setup: the shape's inputs packed [1, T, ...] (fixed-length rows packed as
+  chunk_kda does), their cu_seqlens, the default plan, a layout builder and zero initial states."""
+  from kda import padding, pipeline
+  (q, k, v, g, beta), kw, do = make_inputs(name, gate, total=total)
+  B, T = q.shape[:2]
+  cu = kw.get("cu_seqlens")
+  if cu is None:
+    q, k, v, g, beta, do = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta, do))
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    T = B * T
+  plan = pipeline.make_plan(scale=q.shape[-1] ** -0.5, chunk_size=64,
+                            use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
+                            lower_bound=kw.get("lower_bound"))
+  lay = lambda cu: padding.layout_from_cu_seqlens(cu, T, plan.chunk_size)
+  h0 = jnp.zeros((cu.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
+  return (q, k, v, g, beta), do, cu, plan, lay, h0, kw.get("A_log"), kw.get("dt_bias")
+
+
 def stage_times(name, gate, reps, total=TOTAL):
   """Median ms of each piece of the default (impl=None) forward, each jitted on its own on the
   previous pieces' outputs, cu_seqlens traced: prepare (align, l2norm, GVA, gate neutralisation),
   every forward stage with the implementation the pipeline chooses for it, the fused group where
   the pipeline would fuse, and unalign. Pieces run apart, so their sum exceeds the whole call."""
   from kda import padding, pipeline, stages
-  (q, k, v, g, beta), kw, _ = make_inputs(name, gate, total=total)
-  B, T = q.shape[:2]
-  cu = kw.get("cu_seqlens")
-  if cu is None:                                 # fixed-length rows, packed as chunk_kda does
-    q, k, v, g, beta = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta))
-    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-    T = B * T
-  plan = pipeline.make_plan(scale=q.shape[-1] ** -0.5, chunk_size=64,
-                            use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
-                            lower_bound=kw.get("lower_bound"))
-  A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
-  lay = lambda cu: padding.layout_from_cu_seqlens(cu, T, plan.chunk_size)
-  h0 = jnp.zeros((cu.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
+  (q, k, v, g, beta), _, cu, plan, lay, h0, A_log, dt_bias = _default_call(name, gate, total)
   out = {}
 
   def piece(label, fn, *args):
@@ -152,19 +159,7 @@ def backward_stage_times(name, gate, reps, total=TOTAL):
   pipeline.backward, every backward stage with the implementation the pipeline chooses, and the
   glue (prepare's vjp, aligning do). Pieces run apart, so their sum exceeds the whole call."""
   from kda import padding, pipeline, stages
-  (q, k, v, g, beta), kw, do = make_inputs(name, gate, total=total)
-  B, T = q.shape[:2]
-  cu = kw.get("cu_seqlens")
-  if cu is None:
-    q, k, v, g, beta, do = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta, do))
-    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-    T = B * T
-  plan = pipeline.make_plan(scale=q.shape[-1] ** -0.5, chunk_size=64,
-                            use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
-                            lower_bound=kw.get("lower_bound"))
-  A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
-  lay = lambda cu: padding.layout_from_cu_seqlens(cu, T, plan.chunk_size)
-  h0 = jnp.zeros((cu.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
+  (q, k, v, g, beta), do, cu, plan, lay, h0, A_log, dt_bias = _default_call(name, gate, total)
   dht = jnp.zeros_like(h0)
   x = (q, k, v, g, beta, h0, A_log, dt_bias)
   saved = jax.jit(lambda cu, x: pipeline.saved(pipeline.forward(plan, lay(cu), *x)[2]))(cu, x)
