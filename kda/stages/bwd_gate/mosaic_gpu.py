@@ -1,0 +1,201 @@
+"""bwd_gate (S5): the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.bwd_gate.
+
+Kernel: the forward gate kernel's row scan (kda.stages.gate.mosaic_gpu) run backwards. The [1, Ta,
+HV, K] arrays as [Ta, C] matrices (C = HV * K, a free reshape), one program (one warpgroup) per
+(128-column group j, chunk c). TMA brings the chunk's [64, 128] tiles of the raw gate g (in its own
+dtype), dgc and dg_state (float32) and its [64] valid flags (float32) into plain SMEM; then the
+warpgroup walks the rows in REVERSE (r = 63 .. 0), one thread per column (`WG_STRIDED` [128]
+vectors), carrying acc = dgc[r] + ... + dgc[63] (the reverse chunk-local cumsum), and per row:
+
+    dg_act = acc + dg_state[r]
+    g_act  = the forward kernel's activation of g[r] (its `_softplus`; sigmoid), before the floor
+    live   = valid[r] & (g_act >= GATE_FLOOR)       (gate.passes_floor: NaN and -inf gates are not live)
+    use_gate_in_kernel=False:  dg = where(live, dg_act, 0)
+    lower_bound unset:  dx = where(live, -a * sigmoid(x) * dg_act, 0),  dA = where(live, g_act * dg_act, 0)
+    lower_bound set:    dz = where(live, g_act * (1 - s) * dg_act, 0),  dx = a * dz,  dA = z * dz
+
+with x = g + dt_bias, a = exp(A_log) (per column, C-long vectors the launcher builds as the gate
+launcher does, exp formed there with the reference's XLA op), z = a * x (x without A_log), s =
+sigmoid(z), g_act = -a * softplus(x) or lower_bound * s. The selects come after the products, as in
+the reference: a floored gate (softplus(x) = inf) gives 0, not inf * 0, and padding rows (valid
+False, g maybe NaN) give exactly 0. Each row of dg leaves from registers straight to GMEM (512
+contiguous bytes); the program carries per-column sums of dx (for ddt_bias) and of dA (for dA_log)
+and stores them as per-(chunk, column) partials [NTa, C] float32 (only those the call needs), which
+the launcher sums over the chunks (and, for dA_log, over each head's K columns) in XLA.
+
+Grid: (ceil(C / 128), NTa) with names ("j", "c"), as the forward gate kernel: the chunk axis on
+CUDA's x, which has no 65535 limit. C that is not a multiple of 128 is zero-padded in the launcher
+(copies in and out; the stage's predicate `takes` refuses those calls, so impl=None runs the
+reference there).
+
+SMEM per program: the g tile (16 KiB bf16, 32 KiB f32), the dgc and dg_state tiles (2 x 32 KiB), the
+flags and a barrier: 82952 bytes (bf16 g) / 99336 bytes (f32 g) as lowered
+(test_bwd_gate_mosaic.py asserts it), two CTAs (two warpgroups) per SM. Untried alternative for the
+H200: dgc and dg_state rows straight from GMEM (16 / 32 KiB SMEM, more CTAs per SM).
+
+Precision: everything is float32 elementwise, so the kernel takes float32 gates too (the stage's
+predicate: the gradient is as accurate as the reference's). What differs from the reference: the
+reverse cumsum adds the rows in sequence where XLA's cumsum adds in a tree (float32 rounding), the
+kernel's softplus (log1p from log and a series, a few ulp) and the order of the dA_log / ddt_bias
+sums. Measured in the simulator (test_bwd_gate_mosaic.py, TOL there, every form, bf16 and float32
+gates, extreme gates): dg <= 3.6e-7 of its (chunk, head) block's max|ref| (1.4e-7 in norm), dA_log
+<= 5.3e-7 and ddt_bias <= 2.9e-7 of their max|ref|; with use_gate_in_kernel=False dg is the float32
+sequential reverse sum bit for bit. The reference's quirks are kept: with lower_bound and A_log, a
+raw gate of +-inf gives z * dz = inf * 0 = NaN in dA_log, in both.
+Not yet run on an H200: the stage is in kda.pipeline.DEVICE_UNVERIFIED until tools.gpu_check_bwd
+passes there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda._mosaic_gpu import F32
+from kda._pallas import pad_dim
+from kda.stages.bwd_gate import Out
+from kda.stages.gate import mosaic_gpu as gate_kernel, passes_floor
+from kda.stages.gate.mosaic_gpu import COLS, LINE, _softplus
+
+BT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Switches of the bwd_gate kernel (the tile is one chunk by 128 columns)."""
+  lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+  unroll: int = 4               # rows per iteration of the reverse scan (ILP across the exps)
+
+  def __post_init__(self):
+    if self.unroll < 1 or BT % self.unroll:
+      raise ValueError(f"unroll must divide the chunk's {BT} rows, got {self.unroll}")
+
+
+def supports(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
+             **_) -> Optional[str]:
+  """None if `apply` takes this call, else the reason in words."""
+  reason = gate_kernel.supports(g, valid, A_log, dt_bias, chunk_size=chunk_size,
+                                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  if reason is not None:      # the forward kernel's: chunk 64, g [1, Ta, HV, K], valid, the activation's
+    return reason
+  for name, x in (("dgc", dgc), ("dg_state", dg_state)):
+    if x.shape != g.shape or jnp.dtype(x.dtype) != jnp.dtype(F32):
+      return f"{name} must be float32{list(g.shape)} (g's shape), got {jnp.dtype(x.dtype).name}{list(x.shape)}"
+  return None
+
+
+def takes(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
+          **_) -> Optional[str]:
+  """The stage's predicate: `supports`, and HV * K a multiple of 128 (else `apply` pads the columns,
+  copies the reference does without). Float32 gates are taken: the kernel's math is float32
+  elementwise, as accurate as the reference's (no bf16 operands anywhere)."""
+  reason = supports(g, valid, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
+                    use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  if reason is None and (g.shape[2] * g.shape[3]) % COLS:
+    reason = (f"mosaic_gpu bwd_gate takes HV * K a multiple of {COLS} (one thread per column), got "
+              f"{g.shape[2]} * {g.shape[3]}")
+  return reason
+
+
+def _body(*refs, act, lower_bound, has_a, has_bias, unroll):
+  # GMEM in: g [Ta, C] (its dtype), valid [Ta] f32, dgc, dg_state [Ta, C] f32, (a [C] f32), (bias [C]
+  # f32). GMEM out: dg [Ta, C] f32, (ddt_bias partials [NTa, C]), (dA_log partials [NTa, C]). SMEM:
+  # the g, dgc, dg_state tiles [BT, 128], valid [BT], a barrier.
+  refs = list(refs)
+  take = lambda cond: refs.pop(0) if cond else None
+  g_g, valid_g, dgc_g, dgs_g = (refs.pop(0) for _ in range(4))
+  a_g, bias_g = take(has_a), take(has_bias)
+  dg_g = refs.pop(0)
+  sdx_g, sda_g = take(has_bias), take(has_a)
+  g_s, valid_s, dgc_s, dgs_s, bar = refs
+  j, c = lax.axis_index("j"), lax.axis_index("c")
+  start = pl.multiple_of(c * BT, BT)
+  cols = pl.ds(pl.multiple_of(j * COLS, COLS), COLS)
+  rows = pl.ds(start, BT)
+  plgpu.copy_gmem_to_smem(g_g.at[rows, cols], g_s, bar)
+  plgpu.copy_gmem_to_smem(valid_g.at[rows], valid_s, bar)
+  plgpu.copy_gmem_to_smem(dgc_g.at[rows, cols], dgc_s, bar)
+  plgpu.copy_gmem_to_smem(dgs_g.at[rows, cols], dgs_s, bar)
+  line = lambda ref: plgpu.load(ref, layout=LINE, optimized=False)
+  a = line(a_g.at[cols]) if has_a else None
+  bias = line(bias_g.at[cols]) if has_bias else None
+  plgpu.barrier_wait(bar)
+
+  def step(i, carry):
+    r = BT - 1 - i
+    acc, sdx, sda = carry
+    acc = acc + line(dgc_s.at[r])
+    dg_act = acc + line(dgs_s.at[r])
+    x = line(g_s.at[r]).astype(F32)
+    if act:
+      if has_bias:
+        x = x + bias
+      if lower_bound is None:
+        g_act = -a * _softplus(x)
+      else:
+        z = x if a is None else a * x
+        s = jax.nn.sigmoid(z)
+        g_act = lower_bound * s
+    else:
+      g_act = x
+    # Broadcast explicitly: Warpgroup semantics has no implicit scalar broadcast.
+    live = lax.broadcast(valid_s[r] > 0.0, (COLS,)) & passes_floor(g_act)
+    mask = lambda v: jnp.where(live, v, 0.0)     # a select, after the products (NaN, inf * 0)
+    if not act:
+      dx = mask(dg_act)
+    elif lower_bound is None:
+      dx = mask(-a * jax.nn.sigmoid(x) * dg_act)
+      dA = mask(g_act * dg_act) if has_a else None
+    else:
+      dz = mask(g_act * (1.0 - s) * dg_act)
+      dx = dz if a is None else a * dz
+      dA = mask(z * dz) if has_a else None
+    dg_g[start + r, cols] = dx
+    return acc, (sdx + dx if has_bias else sdx), (sda + dA if has_a else sda)
+
+  zero = plgpu.layout_cast(jnp.zeros((COLS,), F32), LINE)
+  _, sdx, sda = lax.fori_loop(0, BT, step, (zero, zero, zero), unroll=unroll)
+  if has_bias:
+    sdx_g[c, cols] = sdx
+  if has_a:
+    sda_g[c, cols] = sda
+
+
+def apply(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
+          interpret=False, config=None):
+  reason = supports(g, valid, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
+                    use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu bwd_gate kernel: {reason}")
+  config = config or Config()
+  _, Ta, HV, K = g.shape
+  C, NTa = HV * K, Ta // chunk_size
+  Cp = -(-C // COLS) * COLS
+  wide = lambda x: pad_dim(x.reshape(-1, C), 1, Cp)   # -> [rows, Cp]: columns padded with zeros, cut off after
+  has_a = use_gate_in_kernel and A_log is not None
+  has_bias = use_gate_in_kernel and dt_bias is not None
+  args = [wide(g), valid[0].astype(F32), wide(dgc), wide(dg_state)]
+  if has_a:
+    args.append(wide(jnp.repeat(jnp.exp(A_log.astype(F32)), K))[0])
+  if has_bias:
+    args.append(wide(dt_bias.astype(F32))[0])
+  out_type = [jax.ShapeDtypeStruct((Ta, Cp), F32)] + [jax.ShapeDtypeStruct((NTa, Cp), F32)] * (has_bias + has_a)
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  body = functools.partial(_body, act=use_gate_in_kernel, has_a=has_a, has_bias=has_bias, unroll=config.unroll,
+                           lower_bound=None if lower_bound is None else float(lower_bound))
+  scratch = [plgpu.SMEM((BT, COLS), g.dtype), plgpu.SMEM((BT,), F32), plgpu.SMEM((BT, COLS), F32),
+             plgpu.SMEM((BT, COLS), F32), plgpu.Barrier(num_arrivals=4)]
+  f = plgpu.kernel(body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
+                   scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+                   interpret=plgpu.InterpretGPUParams() if interpret else None)
+  dg, *parts = f(*args)
+  dg = dg[:, :C].reshape(1, Ta, HV, K)
+  ddt_bias = jnp.sum(parts.pop(0)[:, :C], axis=0) if has_bias else None
+  dA_log = jnp.sum(parts.pop(0)[:, :C].reshape(NTa, HV, K), axis=(0, 2)) if has_a else None
+  return Out(dg, dA_log, ddt_bias)
