@@ -184,3 +184,26 @@ def test_gate_in_kernel_extremes(impl):
   for name, x in zip(("dg", "dA_log"), grads):
     assert bool(jnp.all(jnp.isfinite(x[:, :T] if name == "dg" else x))), f"{name} is not finite"
   assert not np.any(np.asarray(grads[0])[0, 40, :, :5]), "raw +inf gate: gradient is not 0"
+
+
+def test_lower_bound_gate_with_infinite_raw_gates():
+  """lower_bound * sigmoid(exp(A_log) * x) with raw gates of +-inf: sigmoid saturates, so their
+  A_log and dt_bias gradients are the limit 0 (z * s (1 - s) -> 0), not inf * 0 = NaN. Every
+  gradient is finite and equal to that with raw gates of +-1e30 (which saturate the same in float32)."""
+  inp = _inputs()
+  raw = np.array(inp.g)
+  raw[0, 40, :, :5] = np.inf
+  raw[0, 41, :, 3:9] = -np.inf
+  big = np.where(np.isinf(raw), np.sign(raw) * 1e30, raw)
+  A_log = jnp.asarray([0.5, -1.0])
+  kw = dict(use_gate_in_kernel=True, lower_bound=-5.0)
+
+  def grads(g):
+    loss = lambda g, a: _loss(*_call(inp, g, "reference", A_log=a, **kw))
+    return jax.grad(loss, argnums=(0, 1))(jnp.asarray(g), A_log)
+
+  got, want = grads(raw), grads(big)
+  for name, x, w in zip(("dg", "dA_log"), got, want):
+    x, w = np.asarray(x), np.asarray(w)
+    assert np.all(np.isfinite(x)), f"{name} is not finite"
+    np.testing.assert_allclose(x, w, rtol=1e-6, atol=1e-6 * np.abs(w).max(), err_msg=name)

@@ -40,8 +40,8 @@ kernel's softplus (log1p from log and a series, a few ulp) and the order of the 
 sums. Measured in the simulator (test_bwd_gate_mosaic.py, TOL there, every form, bf16 and float32
 gates, extreme gates): dg <= 3.6e-7 of its (chunk, head) block's max|ref| (1.4e-7 in norm), dA_log
 <= 5.3e-7 and ddt_bias <= 2.9e-7 of their max|ref|; with use_gate_in_kernel=False dg is the float32
-sequential reverse sum bit for bit. The reference's quirks are kept: with lower_bound and A_log, a
-raw gate of +-inf gives z * dz = inf * 0 = NaN in dA_log, in both.
+sequential reverse sum bit for bit. With lower_bound and A_log, a raw gate of +-inf (z = +-inf,
+dz = 0) adds 0 to dA_log, the limit of z * s (1 - s), as the reference does (not inf * 0 = NaN).
 Not yet run on an H200: the stage is in kda.pipeline.DEVICE_UNVERIFIED until tools.gpu_check_bwd
 passes there.
 """
@@ -155,7 +155,7 @@ def _body(*refs, act, lower_bound, has_a, has_bias, unroll):
     else:
       dz = mask(g_act * (1.0 - s) * dg_act)
       dx = dz if a is None else a * dz
-      dA = mask(z * dz) if has_a else None
+      dA = jnp.where(dz != 0.0, z * dz, 0.0) if has_a else None   # z = +-inf: the limit 0, not inf * 0
     dg_g[start + r, cols] = dx
     return acc, (sdx + dx if has_bias else sdx), (sda + dA if has_a else sda)
 

@@ -37,7 +37,7 @@ def apply(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_ke
     s = jax.nn.sigmoid(z)
     dz = jnp.where(live, lower_bound * s * (1.0 - s) * dg_act, 0.0)
     dx = dz if a is None else a * dz
-    dA = jnp.where(live, z * dz, 0.0)
+    dA = jnp.where(live & (dz != 0.0), z * dz, 0.0)   # z = +-inf has s (1 - s) = 0: the limit is 0, not inf * 0
   dA_log = None if A_log is None else jnp.sum(dA, axis=(0, 1, 3))
   ddt_bias = None if dt_bias is None else jnp.sum(dx, axis=(0, 1)).reshape(HV * K)
   return Out(dx, dA_log, ddt_bias)
