@@ -12,7 +12,7 @@ vectors), carrying acc = dgc[r] + ... + dgc[63] (the reverse chunk-local cumsum)
     live   = valid[r] & (g_act >= GATE_FLOOR)       (gate.passes_floor: NaN and -inf gates are not live)
     use_gate_in_kernel=False:  dg = where(live, dg_act, 0)
     lower_bound unset:  dx = where(live, -a * sigmoid(x) * dg_act, 0),  dA = where(live, g_act * dg_act, 0)
-    lower_bound set:    dz = where(live, g_act * (1 - s) * dg_act, 0),  dx = a * dz,  dA = z * dz
+    lower_bound set:    dz = where(live, g_act * (1 - s) * dg_act, 0),  dx = a * dz,  dA = z * dz (0 where dz = 0)
 
 with x = g + dt_bias, a = exp(A_log) (per column, C-long vectors the launcher builds as the gate
 launcher does, exp formed there with the reference's XLA op), z = a * x (x without A_log), s =
