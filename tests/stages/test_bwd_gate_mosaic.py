@@ -155,7 +155,8 @@ CASES = [
     ("sigmoid-noA-f32-HV2-K64", [64, 64], 2, 64, F32, "sigmoid-noA"),
     ("sigmoid-noA-nobias-bf16-HV1-K128", [90], 1, 128, BF16, "sigmoid-noA-nobias"),
 ]
-LARGE = ("identity-bf16-HV1-K128", "softplus-nobias-f32-HV1-K128", "sigmoid-nobias-f32-HV2-K64")   # CI budget
+LARGE = ("identity-bf16-HV1-K128", "softplus-nobias-f32-HV1-K128", "sigmoid-nobias-f32-HV2-K64",
+         "softplus-bf16-HV2-K64", "sigmoid-noA-f32-HV2-K64")   # CI budget
 
 
 @pytest.mark.parametrize("lens,HV,K,dtype,form",
@@ -170,7 +171,9 @@ def test_kernel_matches_reference(lens, HV, K, dtype, form):
     check_scan_exact(got, args)
 
 
-@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=True), mgb.Config(unroll=1), mgb.Config(unroll=8)],
+@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=True),
+                                    pytest.param(mgb.Config(unroll=1), marks=pytest.mark.large),
+                                    pytest.param(mgb.Config(unroll=8), marks=pytest.mark.large)],
                          ids=["lane", "no-unroll", "unroll8"])
 def test_kernel_configs(config):
   args, kw = make_case([50], 2, 64, F32, "softplus")
@@ -324,12 +327,14 @@ def test_takes_and_supports():
 LOWER = [(form, dtype, HV, K) for form in FORMS for dtype, HV, K in ((BF16, 16, 128), (F32, 2, 64))]
 
 
-@pytest.mark.parametrize("form,dtype,HV,K", LOWER,
+@pytest.mark.parametrize("form,dtype,HV,K",
+                         [pytest.param(*c, marks=pytest.mark.large) if c[1] == F32 else c for c in LOWER],
                          ids=[f"{f}-{jnp.dtype(d).name}-HV{hv}-K{k}" for f, d, hv, k in LOWER])
 def test_kernel_lowers_for_cuda(form, dtype, HV, K):
   _lower(form, dtype, HV, K, None)
 
 
+@pytest.mark.large
 @pytest.mark.parametrize("config", [mgb.Config(lane_semantics=True), mgb.Config(unroll=8)], ids=["lane", "unroll8"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_kernel_configs_lower_for_cuda(config, dtype):
