@@ -31,6 +31,13 @@ CASES = {"long": (64, 4096), "short": (1, 128)}
 BF16_ARGS = {"bwd_dav": (0, 1), "bwd_dh": (0, 1, 2, 5, 6), "bwd_wy": (0, 1, 2, 6)}
 
 
+def _variants():
+  """Config variants of the backward kernels checked and timed besides their defaults (stage ->
+  {label: config}): the candidates for the next default."""
+  from kda.stages.bwd_recompute import mosaic_gpu as recompute
+  return {"bwd_recompute": {"wy_from_saved": recompute.Config(wy_from_saved=True)}}
+
+
 def _rel(got, want):
   got, want = np.asarray(jnp.asarray(got, jnp.float32)), np.asarray(jnp.asarray(want, jnp.float32))
   return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30)) if want.size else 0.0
@@ -67,13 +74,16 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret):
     if why is not None:
       out["stages"][name] = {"refused": why}
       continue
-    kernel = jax.jit(lambda *a, st=st, kw=kw: st("mosaic_gpu", *a, interpret=interpret, **kw))
     ref = jax.jit(lambda *a, st=st, kw=kw: st("reference", *a, **kw))
-    got = kernel(*args)
-    errs = {f: _rel(getattr(got, f), getattr(rec[name], f)) for f in rec[name]._fields
-            if getattr(rec[name], f) is not None}
-    out["stages"][name] = {"max_rel": errs, "kernel_ms": bench.timeit(kernel, *args, reps=reps),
-                           "reference_ms": bench.timeit(ref, *args, reps=reps)}
+    for label, cfg in {"": None, **_variants().get(name, {})}.items():
+      extra = {} if cfg is None else {"config": cfg}
+      kernel = jax.jit(lambda *a, st=st, kw=kw, extra=extra: st("mosaic_gpu", *a, interpret=interpret, **kw, **extra))
+      got = kernel(*args)
+      errs = {f: _rel(getattr(got, f), getattr(rec[name], f)) for f in rec[name]._fields
+              if getattr(rec[name], f) is not None}
+      key = f"{name} [{label}]" if label else name
+      out["stages"][key] = {"max_rel": errs, "kernel_ms": bench.timeit(kernel, *args, reps=reps)}
+    out["stages"][name]["reference_ms"] = bench.timeit(ref, *args, reps=reps)
   kw = dict(cu_seqlens=inp.cu_seqlens, output_final_state=True, use_gate_in_kernel=raw, chunk_size=64)
 
   def loss(impl):

@@ -83,3 +83,53 @@ def test_recompute_lowers_for_cuda():
   f = lambda *a: mgr.apply(*a, chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) >= 4
+
+
+@pytest.mark.parametrize("K,V,gate_kind", [(128, 64, "plain"), pytest.param(64, 128, "raw", marks=pytest.mark.large)])
+def test_wy_from_saved_matches_the_reference(K, V, gate_kind):
+  """Config(wy_from_saved=True): w, u, qg, kg from the saved bf16 Ainv (one kernel) against the
+  reference S0 on the same bf16-exact Ainv (what it computes from): bf16 output rounding only; h,
+  v_new through the same state kernel; then the whole stage against the default composition."""
+  plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(K, V, gate_kind)
+  kw = pipeline.backward_kwargs(plan, "bwd_recompute")
+  f32 = lambda x: x.astype(jnp.float32)
+  gt = gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=kw["use_gate_in_kernel"],
+                            lower_bound=kw["lower_bound"])
+  Ainv = intra.reference.apply(f32(q), f32(k), f32(v), beta, gt.gc_int, gt.gc_frac, scale=1.0,
+                               chunk_size=BT).Ainv.astype(jnp.bfloat16)
+  args = (q, k, v, g, beta, valid, A_log, dt_bias, Ainv, h0, layout.aligned_cu)
+  want = jax.jit(functools.partial(bwd_recompute.reference.apply, **kw))(
+      f32(q), f32(k), f32(v), *args[3:8], f32(Ainv), *args[9:])
+  got = jax.jit(functools.partial(mgr.apply, interpret=True, config=mgr.Config(wy_from_saved=True), **kw))(*args)
+  # the WY fields: bf16 stores (2^-9 of a value) and the split operands (~2^-16); measured <= 2.7e-3
+  tol = dict(TOL, w=8e-3, u=8e-3, qg=8e-3, kg=8e-3)
+  pad = ~np.asarray(valid[0])
+  for name in bwd_recompute.Out._fields:
+    a, b = (np.asarray(jnp.asarray(getattr(x, name), jnp.float32)) for x in (got, want))
+    assert a.shape == b.shape, name
+    err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if np.abs(b).max() else float(np.abs(a).max())
+    print(f"  {name}: {err:.2e}")
+    assert err <= tol[name], (name, err)
+    if name in ("w", "u", "qg", "kg", "v_new"):
+      assert getattr(got, name).dtype == jnp.bfloat16, name
+      assert np.all(a[0, pad] == 0), f"{name} is not 0 at padding tokens"
+  # a wrong Ainv (its transpose) must fail the WY fields' tolerance
+  bad = jax.jit(functools.partial(mgr.wy_from_saved, interpret=True))(
+      q, k, v, beta, got.gc_int, got.gc_frac, bwd_setup_transpose(Ainv))
+  assert float(jnp.max(jnp.abs(f32(bad[0]) - f32(got.w)))) > 3 * tol["w"] * float(jnp.max(jnp.abs(f32(got.w))))
+
+
+def bwd_setup_transpose(A):
+  """[1, Ta, HV, BT] row layout -> each chunk's matrix transposed."""
+  from tests.stages import bwd_setup
+  return bwd_setup.row_layout(jnp.swapaxes(bwd_setup.chunk_mats(A, BT), -1, -2))
+
+
+def test_wy_from_saved_lowers_for_cuda():
+  S = jax.ShapeDtypeStruct
+  Ta, HV, K, V = 70000 * BT, 2, 128, 128
+  bf, f = jnp.bfloat16, jnp.float32
+  args = (S((1, Ta, HV, K), bf), S((1, Ta, HV, K), bf), S((1, Ta, HV, V), bf), S((1, Ta, HV), bf),
+          S((1, Ta, HV, K), f), S((1, Ta, HV, K), f), S((1, Ta, HV, BT), bf))
+  txt = jax.jit(mgr.wy_from_saved).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1

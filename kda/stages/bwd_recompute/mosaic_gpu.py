@@ -3,23 +3,51 @@
 The forward's own Mosaic GPU kernels, run again on the saved inputs: the gate kernel (gc in two
 parts), the intra kernels (w, u, qg, kg; they also form Akk, Aqk and the inverse again, which costs
 one solve but gives Ainv bit for bit as the forward stored it, the same kernel on the same inputs)
-and the state kernel (h, v_new). The saved Ainv is not read. Outputs follow the dtype policy: gc
+and the state kernel (h, v_new). By default the saved Ainv is not read. Outputs follow the dtype policy: gc
 float32; w, u, qg, kg, h, v_new bf16, as the forward's kernels store them for bf16 inputs (the
 backward stages upcast what they read). `takes` is the conjunction of the three kernels'
 predicates (bf16 q, k, v; chunk_size 64; K, V in {64, 128}).
+
+Config(wy_from_saved=True) (not the default yet: not run on an H200): the intra kernels are
+replaced by one kernel that forms w, u, qg, kg from the SAVED Ainv (bf16, as the forward's intra
+kernel stores it), as the reference S0 does: no Akk, no scores, no solve. One program per (value
+head, chunk), grid (HV, NTa): q, k, v and Ainv by TMA into swizzled bf16 tiles (per 64-column
+slab), gc's two parts from GMEM into registers; eg = exp(gc), el = exp(gc_last - gc) (exponents
+<= 0), w = Ainv @ (beta k eg) and u = Ainv @ (beta v) as wgmmas on hi + lo bf16 splits of the
+right-hand side (Ainv exact), qg = q eg, kg = k el; all four rounded to bf16 and stored from
+swizzled SMEM tiles by TMA. SMEM at K = V = 128: 12 [64, 64] bf16 tiles (96 KiB), two CTAs per SM.
+Against the forward's w, u (formed from its float32 in-kernel inverse) the difference is the bf16
+rounding of Ainv, ~2^-9 relative, the same the reference S0 sees on the saved bf16 Ainv.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kda._mosaic_gpu import BF16, COL, F32, ROW
+from kda._mosaic_gpu import acc as _acc, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_recompute import Out
+from kda.stages.gate import exponent
 from kda.stages.gate import mosaic_gpu as gate_mgpu
 from kda.stages.intra import mosaic_gpu as intra_mgpu
 from kda.stages.state import mosaic_gpu as state_mgpu
 
 _BF16 = "bfloat16"
+BT = SLAB = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Switches of the bwd_recompute composition."""
+  wy_from_saved: bool = False   # w, u, qg, kg from the saved Ainv (one kernel) instead of the intra kernels
+  approx_math: bool = True      # the wy kernel's exp: Mosaic GPU's ex2.approx (~2^-22 relative)
 
 
 def takes(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
@@ -38,17 +66,91 @@ def takes(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   return state_mgpu.takes(kb, kb, S(v.shape, _BF16), gc, gc, initial_state, aligned_cu, chunk_size=chunk_size)
 
 
+def _wy_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
+             q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar, *, nk, nv):
+  h, c = lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  slab = lambda j: pl.ds(j * SLAB, SLAB)
+  for j in range(nk):
+    plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], q_s.at[j], bar)
+    plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], k_s.at[j], bar)
+  for j in range(nv):
+    plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
+  plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
+  shape = (BT, SLAB)
+  beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
+  last = lambda ref, j: lax.broadcast_in_dim(_load(ref.at[c * BT + BT - 1, h, slab(j)], COL), shape, [1])
+
+  def times_a(x):              # Ainv @ x, x float32 as a hi + lo split (Ainv is bf16: exact)
+    t0[...], t1[...] = _split(x)
+    plgpu.commit_smem()
+    return _acc([(a_s, t0), (a_s, t1)], shape)
+
+  plgpu.barrier_wait(bar)
+  for j in range(nv):
+    u_s.at[j][...] = times_a(beta * _load(v_s.at[j]).astype(F32)).astype(BF16)
+  for j in range(nk):
+    gi, gf = _load(gi_g.at[rows, h, slab(j)]), _load(gf_g.at[rows, h, slab(j)])
+    eg = jnp.exp(exponent(gi, gf))
+    el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
+    kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
+    w_s.at[j][...] = times_a(beta * kx * eg).astype(BF16)
+    q_s.at[j][...] = (qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
+    k_s.at[j][...] = (kx * el).astype(BF16)
+  plgpu.commit_smem()
+  for j in range(nk):
+    for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g)):
+      plgpu.copy_smem_to_gmem(src.at[j], dst.at[rows, h, slab(j)])
+  for j in range(nv):
+    plgpu.copy_smem_to_gmem(u_s.at[j], u_g.at[rows, h, slab(j)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math):
+  nk, nv = K // SLAB, V // SLAB
+  out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
+  return plgpu.kernel(
+      functools.partial(_wy_body, nk=nk, nv=nv),
+      out_type=(out(K), out(V), out(K), out(K)),                  # w, u, qg, kg
+      grid=(HV, Ta // BT), grid_names=("h", "c"),
+      scratch_types=[_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
+                     _swz((BT, BT)),                                                     # Ainv
+                     _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),                         # w, u
+                     _swz((BT, SLAB)), _swz((BT, SLAB)),                                 # split operand
+                     plgpu.Barrier(num_arrivals=2 * nk + nv + 1)],
+      compiler_params=plgpu.CompilerParams(approx_math=approx_math),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+
+
+def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, *, interpret=False, approx_math=True):
+  """(w, u, qg, kg) [1, Ta, HV, D] bf16 from the saved Ainv: reference.wy_from_inverse's formulas
+  on the Mosaic GPU kernel (module docstring, Config.wy_from_saved). q, k, v, Ainv are cast to bf16."""
+  _, Ta, HV, K = k.shape
+  V = v.shape[-1]
+  bf = lambda x: x[0].astype(BF16)
+  f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=approx_math)
+  outs = f(bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
+  return tuple(x[None] for x in outs)
+
+
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
-          use_gate_in_kernel, lower_bound, interpret=False):
-  del Ainv       # formed again by the intra kernels, bit for bit
+          use_gate_in_kernel, lower_bound, interpret=False, config=None):
+  config = config or Config()
   reason = takes(q, k, v, g, beta, valid, A_log, dt_bias, None, initial_state, aligned_cu, chunk_size=chunk_size,
                  use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_recompute: {reason}")
   gt = gate_mgpu.apply(g, valid, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
                        lower_bound=lower_bound, interpret=interpret)
-  it = intra_mgpu.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, aligned_cu, scale=1.0, chunk_size=chunk_size,
+  if config.wy_from_saved and Ainv is not None:
+    w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, interpret=interpret,
+                                 approx_math=config.approx_math)
+  else:            # the forward's intra kernels again: Ainv formed anew, bit for bit as the forward's
+    it = intra_mgpu.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, aligned_cu, scale=1.0, chunk_size=chunk_size,
+                          interpret=interpret)
+    w, u, qg, kg = it.w, it.u, it.qg, it.kg
+  st = state_mgpu.apply(kg, w, u, gt.gc_int, gt.gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
                         interpret=interpret)
-  st = state_mgpu.apply(it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
-                        interpret=interpret)
-  return Out(gt.gc_int, gt.gc_frac, it.w, it.u, it.qg, it.kg, st.h, st.v_new)
+  return Out(gt.gc_int, gt.gc_frac, w, u, qg, kg, st.h, st.v_new)
