@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kda import pipeline
 from kda.fused import dh_wy
@@ -110,7 +111,9 @@ def test_pipeline_fuses_only_where_asked_and_verified():
   assert dh_wy.takes(*args, *extra, chunk_size=BT) is None
 
 
+@pytest.mark.large
 def test_fused_lowers_for_cuda():
+  """Both kernels lower for CUDA inside the group (each is also lowered by its own stage's tests)."""
   args, extra = _inputs(128, 128)
   S = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   f = functools.partial(dh_wy.mosaic_gpu, scale=128 ** -0.5, chunk_size=BT)
