@@ -7,6 +7,7 @@ back in registers (which waits for the wgmma).
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -102,3 +103,17 @@ def sequence_order(aligned_cu, longest_first=True):
   if not longest_first:
     return jnp.arange(N, dtype=jnp.int32)
   return jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
+
+
+def copy_chunk_slabs(pairs, rows, h, bar, slab=64):
+  """TMA one chunk's rows of head h into SMEM by 64-column slabs: each (gmem [Ta, HV, D], smem
+  [D // slab, BT, slab]) pair, every copy arriving on `bar` (one arrival per slab)."""
+  for g, s in pairs:
+    for j in range(s.shape[0]):
+      plgpu.copy_gmem_to_smem(g.at[rows, h, pl.ds(j * slab, slab)], s.at[j], bar)
+
+
+def last_row(ref, c, h, cols, shape, BT=64):
+  """Row BT - 1 of chunk c (head h, columns cols) of a GMEM [Ta, HV, D] ref, broadcast over the rows
+  of a WGMMA `shape` tile (e.g. gc at the chunk's last token)."""
+  return lax.broadcast_in_dim(load(ref.at[c * BT + BT - 1, h, cols], COL), shape, [1])

@@ -111,6 +111,16 @@ def _default_call(name, gate, total):
   return (q, k, v, g, beta), do, cu, plan, lay, h0, kw.get("A_log"), kw.get("dt_bias")
 
 
+def _timer(out, reps):
+  """piece(label, fn, *args): jit fn, run it, time it into out[label] (median ms); returns its result."""
+  def piece(label, fn, *args):
+    f = jax.jit(fn)
+    res = f(*args)
+    out[label] = timeit(f, *args, reps=reps)
+    return res
+  return piece
+
+
 def stage_times(name, gate, reps, total=TOTAL):
   """Median ms of each piece of the default (impl=None) forward, each jitted on its own on the
   previous pieces' outputs, cu_seqlens traced: prepare (align, l2norm, GVA, gate neutralisation),
@@ -119,12 +129,7 @@ def stage_times(name, gate, reps, total=TOTAL):
   from kda import padding, pipeline, stages
   (q, k, v, g, beta), _, cu, plan, lay, h0, A_log, dt_bias = _default_call(name, gate, total)
   out = {}
-
-  def piece(label, fn, *args):
-    f = jax.jit(fn)
-    res = f(*args)
-    out[label] = timeit(f, *args, reps=reps)
-    return res
+  piece = _timer(out, reps)
 
   qa, ka, va, ga, ba, valid = piece("prepare", lambda cu, *x: pipeline.prepare(plan, lay(cu), *x),
                                     cu, q, k, v, g, beta)
@@ -164,12 +169,7 @@ def backward_stage_times(name, gate, reps, total=TOTAL):
   x = (q, k, v, g, beta, h0, A_log, dt_bias)
   saved = jax.jit(lambda cu, x: pipeline.saved(pipeline.forward(plan, lay(cu), *x)[2]))(cu, x)
   out = {}
-
-  def piece(label, fn, *args):
-    f = jax.jit(fn)
-    res = f(*args)
-    out[label] = timeit(f, *args, reps=reps)
-    return res
+  piece = _timer(out, reps)
 
   _, rec = piece("backward (whole, pipeline.backward)", lambda cu, x, s, do: pipeline.backward(
       plan, lay(cu), *x, s, do, dht, record=True), cu, x, saved, do)

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, ROW
+from kda._mosaic_gpu import BF16, F32, ROW, copy_chunk_slabs, last_row
 from kda._mosaic_gpu import acc as _acc, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_recompute import Out
 from kda.stages.gate import exponent
@@ -71,15 +71,11 @@ def _wy_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
-  for j in range(nk):
-    plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], q_s.at[j], bar)
-    plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], k_s.at[j], bar)
-  for j in range(nv):
-    plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
+  copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
   shape = (BT, SLAB)
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
-  last = lambda ref, j: lax.broadcast_in_dim(_load(ref.at[c * BT + BT - 1, h, slab(j)], COL), shape, [1])
+  last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
 
   def times_a(x):              # Ainv @ x, x float32 as a hi + lo split (Ainv is bf16: exact)
     t0[...], t1[...] = _split(x)

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, tile_shapes
+from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, copy_chunk_slabs, last_row, tile_shapes
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -111,11 +111,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
-  for j in range(nk):
-    plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], q_s.at[j], bar)
-    plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], k_s.at[j], bar)
-  for j in range(nv):
-    plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
+  copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
 
   shape = (BT, SLAB)
@@ -126,7 +122,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   at = lambda ref, j: ref.at[rows, h, slab(j)]
   # S2's terms come as P partial sums (one per V tile of the bwd_dh kernel; P = 1 unfused): added here
   parts = lambda ref, j: functools.reduce(jnp.add, [_load(ref.at[p, rows, h, slab(j)]) for p in range(ref.shape[0])])
-  last = lambda ref, j: lax.broadcast_in_dim(_load(ref.at[c * BT + BT - 1, h, slab(j)], COL), shape, [1])
+  last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
 
   def put(x, *tiles):
     for t, part in zip(tiles, _split(x, len(tiles))):
