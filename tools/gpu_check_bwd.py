@@ -34,8 +34,10 @@ BF16_ARGS = {"bwd_dav": (0, 1), "bwd_dh": (0, 1, 2, 5, 6), "bwd_wy": (0, 1, 2, 6
 def _variants():
   """Config variants of the backward kernels checked and timed besides their defaults (stage ->
   {label: config}): the candidates for the next default."""
+  from kda.stages.bwd_dh import mosaic_gpu as dh
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
-  return {"bwd_recompute": {"wy_from_saved": recompute.Config(wy_from_saved=True)}}
+  return {"bwd_recompute": {"wy_from_saved": recompute.Config(wy_from_saved=True)},
+          "bwd_dh": {"serial": dh.Config(overlap=False), "lane": dh.Config(lane_semantics=True)}}
 
 
 def _rel(got, want):
