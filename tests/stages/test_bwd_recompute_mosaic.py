@@ -90,7 +90,8 @@ def test_recompute_lowers_for_cuda():
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) >= 4
 
 
-@pytest.mark.parametrize("K,V,gate_kind", [(128, 64, "plain"), pytest.param(64, 128, "raw", marks=pytest.mark.large)])
+@pytest.mark.large         # a variant, not the default (CI budget); its CUDA lowering runs by default
+@pytest.mark.parametrize("K,V,gate_kind", [(128, 64, "plain"), (64, 128, "raw")])
 def test_wy_from_saved_matches_the_reference(K, V, gate_kind):
   """Config(wy_from_saved=True): w, u, qg, kg from the saved bf16 Ainv (one kernel) against the
   reference S0 on the same bf16-exact Ainv (what it computes from): bf16 output rounding only; h,
