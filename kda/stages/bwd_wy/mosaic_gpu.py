@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, copy_chunk_slabs, last_row, tile_shapes
+from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, last_row, tile_shapes
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -111,7 +111,11 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
-  copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
+  for j in range(nk):
+    plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], q_s.at[j], bar)
+    plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], k_s.at[j], bar)
+  for j in range(nv):
+    plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
 
   shape = (BT, SLAB)
@@ -120,8 +124,11 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   l_s[...] = jnp.where(strict, 1.0, 0.0).astype(BF16)       # L: the exclusive row cumsum
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   at = lambda ref, j: ref.at[rows, h, slab(j)]
-  # S2's terms come as P partial sums (one per V tile of the bwd_dh kernel; P = 1 unfused): added here
-  parts = lambda ref, j: functools.reduce(jnp.add, [_load(ref.at[p, rows, h, slab(j)]) for p in range(ref.shape[0])])
+  # S2's terms: one array each (unfused: the kernel as checked on the H200), or [P, ...] partial sums
+  # (one per V tile of the bwd_dh kernel, the fused group), added as they load
+  def parts(ref, idx, layout=WG):
+    refs = [ref.at[idx]] if ref.ndim == len(idx) else [ref.at[(p, *idx)] for p in range(ref.shape[0])]
+    return functools.reduce(jnp.add, [_load(r, layout) for r in refs])
   last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
 
   def put(x, *tiles):
@@ -142,13 +149,13 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     put(beta * vx, t2, t3)                                   # vb
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
   for j in range(nk):
-    put(parts(dw_g, j), t0, t1)                              # dw
+    put(parts(dw_g, (rows, h, slab(j))), t0, t1)             # dw
     dkb = _acc([(aT, t0), (aT, t1)], shape)
     gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
-    dqg, dkg = parts(dqg_g, j), parts(dkg_g, j)
+    dqg, dkg = parts(dqg_g, (rows, h, slab(j))), parts(dkg_g, (rows, h, slab(j)))
     keg = kx * eg
     kb = beta * keg
     oq_g[rows, h, slab(j)] = dqg * eg
@@ -159,7 +166,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
     put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
     before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-    dgl = functools.reduce(jnp.add, [_load(dgl_g.at[p, c, h, slab(j)], COL) for p in range(dgl_g.shape[0])])
+    dgl = parts(dgl_g, (c, h, slab(j)), COL)
     ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
   put(dAinv, t0, t1)
   p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
@@ -226,5 +233,5 @@ def _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *,
   f = _kernel(Ta, HV, K, V, interpret=interpret, config=config)
   dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
       bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
-      *(x.astype(F32) for x in (dqg, dkg, dw)), f32(du), dgc_last.astype(F32))
+      *(x.astype(F32)[0] if x.shape[0] == 1 else x.astype(F32) for x in (dqg, dkg, dw, du, dgc_last)))
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
