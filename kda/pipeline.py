@@ -49,7 +49,7 @@ def is_hopper(device=None) -> bool:
 
 # Stages whose mosaic_gpu kernel has passed the simulator and the CUDA lowering but not yet
 # tools.gpu_check on an H200: impl=None leaves them out (an explicit impl="mosaic_gpu" runs them).
-DEVICE_UNVERIFIED: frozenset[str] = frozenset({"bwd_gate"})
+DEVICE_UNVERIFIED: frozenset[str] = frozenset()
 
 
 def default_impls(names, backend: str | None = None, hopper: bool | None = None) -> dict[str, str]:

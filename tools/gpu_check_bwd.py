@@ -36,8 +36,8 @@ def _variants():
   {label: config}): the candidates for the next default."""
   from kda.stages.bwd_dh import mosaic_gpu as dh
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
-  return {"bwd_recompute": {"wy_from_saved": recompute.Config(wy_from_saved=True)},
-          "bwd_dh": {"serial": dh.Config(overlap=False), "lane": dh.Config(lane_semantics=True)}}
+  return {"bwd_recompute": {"intra": recompute.Config(wy_from_saved=False)},
+          "bwd_dh": {"overlap": dh.Config(overlap=True), "lane": dh.Config(lane_semantics=True)}}
 
 
 def _rel(got, want):

@@ -72,7 +72,9 @@ def test_impl_none_picks_mosaic_gpu_on_hopper_and_falls_back_when_refused(monkey
   names = stages.names()
   assert pipeline.default_impls(names, backend="gpu", hopper=True)["state"] == "mosaic_gpu"
   assert pipeline.default_impls(names, backend="gpu", hopper=True)["intra"] == "pallas"
-  assert pipeline.default_impls(names, backend="gpu", hopper=True)["bwd_gate"] == "reference"   # DEVICE_UNVERIFIED
+  monkeypatch.setattr(pipeline, "DEVICE_UNVERIFIED", frozenset({"bwd_gate"}))
+  assert pipeline.default_impls(names, backend="gpu", hopper=True)["bwd_gate"] == "reference"
+  assert pipeline.default_impls(names, backend="gpu", hopper=True)["bwd_dav"] == "mosaic_gpu"
   assert pipeline.default_impls(names, backend="gpu", hopper=False)["state"] == "pallas"
   assert pipeline.default_impls(names, backend="cpu", hopper=True)["state"] == "reference"
   auto = pipeline.Plan(1.0, 64, False, False, None, (("state", "mosaic_gpu"),), True)

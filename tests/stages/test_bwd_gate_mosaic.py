@@ -309,7 +309,7 @@ def test_takes_and_supports():
   with pytest.raises(ValueError, match="unroll"):
     mgb.Config(unroll=3)
   # the pipeline: an impl dict naming bwd_gate runs the kernel or raises the predicate's reason;
-  # impl=None leaves it out on Hopper while it is in DEVICE_UNVERIFIED (not yet run on an H200)
+  # impl=None takes it on Hopper (checked on an H200: not in DEVICE_UNVERIFIED)
   strict = pipeline.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl={"bwd_gate": "mosaic_gpu"})
   bkw = pipeline.backward_kwargs(strict, "bwd_gate")
   assert pipeline.choose(strict, "bwd_gate", *good, **bkw) == "mosaic_gpu"
@@ -318,8 +318,8 @@ def test_takes_and_supports():
   loose = pipeline.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl="mosaic_gpu")
   assert pipeline.choose(loose, "bwd_gate", *good, **bkw) == "mosaic_gpu"
   assert pipeline.choose(loose, "bwd_gate", *narrow, **bkw) == "reference"
-  assert "bwd_gate" in pipeline.DEVICE_UNVERIFIED
-  assert pipeline.default_impls(("bwd_gate",), backend="gpu", hopper=True)["bwd_gate"] == "reference"
+  assert "bwd_gate" not in pipeline.DEVICE_UNVERIFIED
+  assert pipeline.default_impls(("bwd_gate",), backend="gpu", hopper=True)["bwd_gate"] == "mosaic_gpu"
 
 
 # -- CUDA lowering and SMEM --------------------------------------------------------------------------
