@@ -148,7 +148,7 @@ def emulate(args, scale, mutant=None):
         dkg[rows, i] = vn[0, rows, i] @ dSb.T
         dqg[rows, i] = sdo[rows, i] @ S.T
         dw[rows, i] = ndu @ S.T
-        dgc[c, i] = (1.0 if mutant == "dgc_no_decay" else d) * np.sum(S * dS, axis=1)
+        dgc[c, i] = (1.0 if mutant == "dgc_no_decay" else d) * np.sum(S * dSb, axis=1)
         keep = dS if mutant == "no_decay" else d[:, None] * dS
         dS = keep + qg[0, rows, i].T @ sdo[rows, i] + sign * (w[0, rows, i].T @ ndu)
       dh0[n, i] = dS
@@ -200,17 +200,6 @@ def test_bwd_dh_never_reads_the_tail():
                          ids=["seq-minor-grid", "lane", "input-order"])
 def test_bwd_dh_matches_reference_configs(config):
   check(LENS, 64, 64, config=config, emulation=False)
-
-
-@pytest.mark.parametrize("K,V", [(64, 64), pytest.param(128, 128, marks=pytest.mark.large)],
-                         ids=["K64-V64", "K128-V128"])
-def test_bwd_dh_serial_equals_overlap(K, V):
-  """Config(overlap=False) (one wgmma at a time) does the same arithmetic as the default."""
-  args, _, _ = make_case(LENS, K, V)
-  serial, _ = run_kernel(args, mgd.Config(overlap=False))
-  default, _ = run_kernel(args)
-  for name in FIELDS:
-    np.testing.assert_array_equal(np.asarray(getattr(serial, name)), np.asarray(getattr(default, name)), name)
 
 
 def test_bwd_dh_bf16_inputs():
@@ -274,8 +263,8 @@ def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
           S((N, HV, K, V), f32), S((N + 1,), jnp.int32))
 
 
-# SMEM as lowered (bytes, barriers and alignment included), per K; V does not change it
-SMEM_AS_LOWERED = {64: 150544, 128: 224272}
+# SMEM of the walk kernel as lowered (bytes, barriers and alignment included), per K; V does not change it
+SMEM_AS_LOWERED = {64: 115728, 128: 173072}   # the walk kernel (the terms kernel needs less)
 
 
 def lower_check(K, V, config):
@@ -300,12 +289,6 @@ def test_bwd_dh_lowers_for_cuda(K, V):
                          ids=["K128-V128", "K64-V64"])
 def test_bwd_dh_lowers_for_cuda_lane(K, V):
   lower_check(K, V, mgd.Config(lane_semantics=True))
-
-
-@pytest.mark.parametrize("K,V", [(128, 128), pytest.param(64, 64, marks=pytest.mark.large)],
-                         ids=["K128-V128", "K64-V64"])
-def test_bwd_dh_lowers_for_cuda_serial(K, V):
-  lower_check(K, V, mgd.Config(overlap=False))
 
 
 def test_bwd_dh_lowers_for_cuda_many_sequences_and_f32_inputs():

@@ -71,6 +71,7 @@ roundings the kernel agrees to <= 4.5e-4 (summation order flipping a bf16 roundi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -79,7 +80,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes, tail_share
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_order, tile_shapes, tail_share
 from kda._mosaic_gpu import acc as _acc
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
@@ -95,7 +96,6 @@ class Config:
   longest_first: bool = True    # rank r of the grid takes the r-th longest sequence
   seq_major: bool = True        # sequences on the slowest-dispatched grid axis (if N <= 65535)
   lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
-  overlap: bool = False         # wgmmas issued in pairs, the first read while the second runs (docstring)
 
   def __post_init__(self):
     if self.block_v != 64:
@@ -103,6 +103,7 @@ class Config:
 
 
 _DTYPES = (jnp.dtype(BF16), jnp.dtype(F32))
+SLAB = 64
 _POLICY_BF16 = ("qg", "kg", "w", "h", "v_new")   # rounded to bf16 as wgmma operands
 
 
@@ -150,14 +151,14 @@ def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chun
   return reason
 
 
-def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
-          dh0_g, du_g, dqg_g, dkg_g, dw_g, dgc_g,
-          qg_s, kg_s, w_s, h_s, vn_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV, overlap):
-  # GMEM: order [N], cu [N+1] int32; qg, kg, w [Ta, HV, K], h [NTa, HV, K, V], vn, do [Ta, HV, V]
-  # bf16 (do scaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32;
-  # du [Ta, HV, V], dqg, dkg, dw [V // BV, Ta, HV, K], dgc [V // BV, NTa, HV, K] f32.
+def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
+               dh0_g, du_g, dh_g,
+               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV):
+  # GMEM: order [N], cu [N+1] int32; qg, kg, w [Ta, HV, K], do [Ta, HV, V] bf16 (do scaled);
+  # dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V] f32;
+  # dh [NTa, HV, K, V] bf16 (dS_next of every chunk; unwritten at the tail).
   N = order_g.shape[0]
-  NTa, K = h_g.shape[0], h_g.shape[2]
+  NTa, K = dec_g.shape[0], dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
   i_n = order_g[r]
   bos, eos = cu_g[i_n], cu_g[i_n + 1]
@@ -171,8 +172,6 @@ def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
     plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(kg_g.at[rows, i_h, :], kg_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(w_g.at[rows, i_h, :], w_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(h_g.at[c, i_h, :, cols], h_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(vn_g.at[rows, i_h, cols], vn_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(do_g.at[rows, i_h, cols], do_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(dv_g.at[rows, i_h, cols], dv_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(dec_g.at[c, i_h, :], dec_s.at[slot], bar)
@@ -190,47 +189,18 @@ def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
 
     c = c_last - j
     rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's dh store has read dsb_s
     dsb_s[...] = dS.astype(BF16)
-    plgpu.commit_smem()          # before the wgmmas read it
+    plgpu.commit_smem()          # before the wgmmas and the TMA store read it
+    plgpu.copy_smem_to_gmem(dsb_s, dh_g.at[c, i_h, :, cols])
     plgpu.barrier_wait(bars.at[slot])
-    qg, kg, w, S, vn, sdo = (x.at[slot] for x in (qg_s, kg_s, w_s, h_s, vn_s, do_s))
-
+    qg, kg, w, sdo = (x.at[slot] for x in (qg_s, kg_s, w_s, do_s))
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of dS
-    if not overlap:
-      du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
-      du_g[rows, i_h, cols] = du
-      dub_s[...] = (-du).astype(BF16)
-      plgpu.commit_smem()
-      dkg_g[i_v, rows, i_h, :] = _mm(vn, dsb_s.T, (BT, K))
-      dqg_g[i_v, rows, i_h, :] = _mm(sdo, S.T, (BT, K))
-      dw_g[i_v, rows, i_h, :] = _mm(dub_s, S.T, (BT, K))
-      dgc_g[i_v, c, i_h, :] = decay * jnp.sum(_load(S).astype(F32) * dS, axis=1)
-      dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + _acc([(qg.T, sdo), (w.T, dub_s)], (K, BV))
-      plgpu.wgmma_wait(0)        # no wgmma may stay in flight across the loop's back-edge
-      return dS
-
-    def first(acc_u, acc_k):     # du (on the dS chain), then dkg while du is formed and stored
-      plgpu.wgmma(acc_u, kg, dsb_s)
-      plgpu.wgmma(acc_k, vn, dsb_s.T)
-      du = _load(dv_s.at[slot]) + plgpu.wgmma_accumulator_load(acc_u, wait_n=1)
-      dub_s[...] = (-du).astype(BF16)
-      plgpu.commit_smem()
-      du_g[rows, i_h, cols] = du
-      dkg_g[i_v, rows, i_h, :] = acc_k[...]
-
-    pl.run_scoped(first, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, K), F32))
-    dgc_g[i_v, c, i_h, :] = decay * jnp.sum(_load(S).astype(F32) * dS, axis=1)
-
-    def second(acc_s, acc_w):    # the dS update (on the chain), then dw while dS is formed
-      plgpu.wgmma(acc_s, qg.T, sdo)
-      plgpu.wgmma(acc_s, w.T, dub_s)
-      plgpu.wgmma(acc_w, dub_s, S.T)
-      dS_new = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + plgpu.wgmma_accumulator_load(acc_s, wait_n=1)
-      dw_g[i_v, rows, i_h, :] = acc_w[...]
-      return dS_new
-
-    dS = pl.run_scoped(second, plgpu.ACC((K, BV), F32), plgpu.ACC((BT, K), F32))
-    dqg_g[i_v, rows, i_h, :] = _mm(sdo, S.T, (BT, K))   # off the chain: S and do only
+    du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
+    dub_s[...] = (-du).astype(BF16)
+    plgpu.commit_smem()
+    du_g[rows, i_h, cols] = du
+    dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + _acc([(qg.T, sdo), (w.T, dub_s)], (K, BV))
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return dS
 
@@ -238,37 +208,57 @@ def _body(order_g, cu_g, qg_g, kg_g, w_g, h_g, vn_g, do_g, dv_g, dec_g, dht_g,
   dh0_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, dS)
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
-  # the shortest sequence's program first: du = dv, the partial sums 0.
+  # the shortest sequence's program first: du = dv (the terms kernel writes their zeros).
   first, count = tail_share(cu_g, N, NTa, r, BT)
-  zk = plgpu.layout_cast(jnp.zeros((BT, K), F32), WG)
-  zr = plgpu.layout_cast(jnp.zeros((K,), F32), ROW)
 
   def tail(j, carry):
-    c = first + j * N
-    rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+    rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
     du_g[rows, i_h, cols] = _load(dv_g.at[rows, i_h, cols])
-    dkg_g[i_v, rows, i_h, :] = zk
-    dqg_g[i_v, rows, i_h, :] = zk
-    dw_g[i_v, rows, i_h, :] = zk
-    dgc_g[i_v, c, i_h, :] = zr
     return carry
 
   lax.fori_loop(0, count, tail, 0)
+  plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
+
+
+def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g,
+                h_s, dh_s, vn_s, do_s, dub_s, bar, *, BT, nv):
+  # GMEM: cu [N+1] int32; h, dh [NTa, HV, K, V], vn, do [Ta, HV, V] bf16 (do scaled); du [Ta, HV, V],
+  # dec [NTa, HV, K] f32; out dqg, dkg, dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs.
+  N = cu_g.shape[0] - 1
+  K = h_g.shape[2]
+  i_h, c = lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  slab = lambda j: pl.ds(j * SLAB, SLAB)
+  live = c < cu_g[N] // BT       # chunks at or past aligned_cu[-1]: nothing is read, zeros out
+
+  @pl.when(live)
+  def _():
+    for j in range(nv):
+      plgpu.copy_gmem_to_smem(h_g.at[c, i_h, :, slab(j)], h_s.at[j], bar)
+      plgpu.copy_gmem_to_smem(dh_g.at[c, i_h, :, slab(j)], dh_s.at[j], bar)
+    copy_chunk_slabs(((vn_g, vn_s), (do_g, do_s)), rows, i_h, bar)
+    for j in range(nv):
+      dub_s.at[j][...] = (-_load(du_g.at[rows, i_h, slab(j)])).astype(BF16)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(bar)
+    dqg_g[rows, i_h, :] = _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
+    dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
+    dw_g[rows, i_h, :] = _acc([(dub_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
+    prod = sum(jnp.sum(_load(h_s.at[j]).astype(F32) * _load(dh_s.at[j]).astype(F32), axis=1)
+               for j in range(nv))
+    dgc_g[c, i_h, :] = _load(dec_g.at[c, i_h, :], ROW) * prod
+
+  @pl.when(jnp.logical_not(live))
+  def _():
+    zk = plgpu.layout_cast(jnp.zeros((BT, K), F32), WG)
+    dqg_g[rows, i_h, :] = zk
+    dkg_g[rows, i_h, :] = zk
+    dw_g[rows, i_h, :] = zk
+    dgc_g[c, i_h, :] = plgpu.layout_cast(jnp.zeros((K,), F32), ROW)
 
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
           interpret=False, config=None):
-  out = partials(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, scale=scale,
-                 chunk_size=chunk_size, interpret=interpret, config=config)
-  part = lambda x: (x[0] if x.shape[0] == 1 else x.sum(axis=0))[None]   # the V tiles' partial sums
-  return out._replace(dqg=part(out.dqg), dkg=part(out.dkg), dw=part(out.dw), dgc_last=part(out.dgc_last))
-
-
-def partials(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
-             interpret=False, config=None):
-  """`apply` without the launcher's sums over V tiles: an Out whose dqg, dkg, dw are
-  [V // 64, Ta, HV, K] and dgc_last [V // 64, NTa, HV, K], one partial sum per V tile (what the
-  fused group bwd_dh -> bwd_wy hands to the bwd_wy kernel, which adds them as it loads them)."""
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -279,8 +269,8 @@ def partials(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, s
   N = aligned_cu.shape[0] - 1
   NTa, NV = Ta // BT, V // BV
   if N == 0:                                  # no program to launch; every chunk is tail
-    zk = jnp.zeros((NV, Ta, HV, K), F32)
-    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((NV, NTa, HV, K), F32))
+    zk = jnp.zeros((1, Ta, HV, K), F32)
+    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
   order = sequence_order(aligned_cu, config.longest_first)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
@@ -288,33 +278,48 @@ def partials(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, s
   h = h[0].astype(BF16)
   sdo = (do[0].astype(F32) * scale).astype(BF16)
   dv = dv[0].astype(F32)
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  interp = plgpu.InterpretGPUParams() if interpret else None
 
   if config.seq_major and N <= MAX_GRID_YZ:
     grid, names = (N, HV, NV), ("r", "h", "v")
   else:
     grid, names = (NV, HV, N), ("v", "h", "r")
-  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
-  body = lambda *refs: _body(*refs, BT=BT, BV=BV, overlap=config.overlap)
-  f = plgpu.kernel(
-      body,
+  walk = plgpu.kernel(
+      functools.partial(_walk_body, BT=BT, BV=BV),
       out_type=(jax.ShapeDtypeStruct((N, HV, K, V), F32),          # dh0
                 jax.ShapeDtypeStruct((Ta, HV, V), F32),            # du
-                jax.ShapeDtypeStruct((NV, Ta, HV, K), F32),        # dqg, dkg, dw: per V tile
-                jax.ShapeDtypeStruct((NV, Ta, HV, K), F32),
-                jax.ShapeDtypeStruct((NV, Ta, HV, K), F32),
-                jax.ShapeDtypeStruct((NV, NTa, HV, K), F32)),      # dgc_last: per V tile
+                jax.ShapeDtypeStruct((NTa, HV, K, V), BF16)),      # dh: dS_next per chunk
       grid=grid, grid_names=names,
       scratch_types=[
           _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, K)),    # qg, kg, w: two slots each
-          _swz((2, K, BV)),                                         # h tile (S)
-          _swz((2, BT, BV)), _swz((2, BT, BV)),                     # v_new, scale * do
+          _swz((2, BT, BV)),                                        # scale * do
           _swz((2, BT, BV), F32),                                   # dv
           plgpu.SMEM((2, K), F32),                                  # decay rows
           _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
-          plgpu.Barrier(num_arrivals=8, num_barriers=2),
+          plgpu.Barrier(num_arrivals=6, num_barriers=2),
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      interpret=interp,
   )
-  dh0, du, dqg, dkg, dw, dgc = f(order, aligned_cu, qg, kg, w, h, v_new, sdo, dv, decay, dht.astype(F32))
-  return Out(dh0, du[None], dqg, dkg, dw, dgc)
+  dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, dht.astype(F32))
+
+  nv = V // SLAB
+  terms = plgpu.kernel(
+      functools.partial(_terms_body, BT=BT, nv=nv),
+      out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
+                jax.ShapeDtypeStruct((Ta, HV, K), F32),
+                jax.ShapeDtypeStruct((Ta, HV, K), F32),
+                jax.ShapeDtypeStruct((NTa, HV, K), F32)),          # dgc_last
+      grid=(HV, NTa), grid_names=("h", "c"),
+      scratch_types=[
+          _swz((nv, K, SLAB)), _swz((nv, K, SLAB)),                 # h, dh tiles (64-column slabs)
+          _swz((nv, BT, SLAB)), _swz((nv, BT, SLAB)),               # v_new, scale * do
+          _swz((nv, BT, SLAB)),                                     # bf16(-du)
+          plgpu.Barrier(num_arrivals=4 * nv),
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=interp,
+  )
+  dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, sdo, du, decay)
+  return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])

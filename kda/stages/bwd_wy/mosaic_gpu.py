@@ -124,11 +124,6 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   l_s[...] = jnp.where(strict, 1.0, 0.0).astype(BF16)       # L: the exclusive row cumsum
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   at = lambda ref, j: ref.at[rows, h, slab(j)]
-  # S2's terms: one array each (unfused: the kernel as checked on the H200), or [P, ...] partial sums
-  # (one per V tile of the bwd_dh kernel, the fused group), added as they load
-  def parts(ref, idx, layout=WG):
-    refs = [ref.at[idx]] if ref.ndim == len(idx) else [ref.at[(p, *idx)] for p in range(ref.shape[0])]
-    return functools.reduce(jnp.add, [_load(r, layout) for r in refs])
   last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
 
   def put(x, *tiles):
@@ -149,13 +144,13 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     put(beta * vx, t2, t3)                                   # vb
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
   for j in range(nk):
-    put(parts(dw_g, (rows, h, slab(j))), t0, t1)             # dw
+    put(_load(at(dw_g, j)), t0, t1)             # dw
     dkb = _acc([(aT, t0), (aT, t1)], shape)
     gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
-    dqg, dkg = parts(dqg_g, (rows, h, slab(j))), parts(dkg_g, (rows, h, slab(j)))
+    dqg, dkg = _load(at(dqg_g, j)), _load(at(dkg_g, j))
     keg = kx * eg
     kb = beta * keg
     oq_g[rows, h, slab(j)] = dqg * eg
@@ -166,7 +161,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
     put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
     before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-    dgl = parts(dgl_g, (c, h, slab(j)), COL)
+    dgl = _load(dgl_g.at[c, h, slab(j)], COL)
     ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
   put(dAinv, t0, t1)
   p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
@@ -207,23 +202,6 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, c
                  interpret=interpret, config=config)
 
 
-def from_partials(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size,
-                  interpret=False, config=None):
-  """`apply` with S2's dqg, dkg, dw [P, Ta, HV, K] and dgc_last [P, NTa, HV, K] as P partial sums
-  (bwd_dh.mosaic_gpu.partials: one per V tile), added by the kernel as it loads them: the same as
-  `apply` on their sums up to float32 order."""
-  P = dqg.shape[0]
-  one = lambda x: x[:1]
-  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, one(dqg), one(dkg), one(dw), du, one(dgc_last),
-                    chunk_size=chunk_size)
-  if reason is None and not all(x.shape[0] == P for x in (dkg, dw, dgc_last)):
-    reason = f"dqg, dkg, dw, dgc_last must hold the same number of parts, got {dqg.shape}, {dkg.shape}, {dw.shape}, {dgc_last.shape}"
-  if reason is not None:
-    raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
-  return _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last,
-                 interpret=interpret, config=config)
-
-
 def _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, interpret, config):
   config = config or Config()
   _, Ta, HV, K = k.shape
@@ -233,5 +211,5 @@ def _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *,
   f = _kernel(Ta, HV, K, V, interpret=interpret, config=config)
   dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
       bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
-      *(x.astype(F32)[0] if x.shape[0] == 1 else x.astype(F32) for x in (dqg, dkg, dw, du, dgc_last)))
+      *(f32(x) for x in (dqg, dkg, dw, du, dgc_last)))
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
