@@ -307,11 +307,11 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
              do, dht, *, record: bool = False):
   """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
 
-  Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the only
-  [NTa, HV, K, V] buffer of the whole backward is S0's h (the state entering each chunk). S2 walks
-  the chunks in reverse carrying one [HV, K, V] state cotangent, reads h, and hands S3 everything
-  that needs h or that cotangent as O(T * K) terms (dqg, dkg, dw, du) and O(NTa * K) ones
-  (dgc_last), so no state cotangent is stored per chunk. `do` may hold anything (even NaN) at
+  Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the
+  [NTa, HV, K, V] buffers of the backward are S0's h (the state entering each chunk) and, in S2's
+  Mosaic GPU kernels, the state cotangent per chunk in bf16 (the reference S2 carries it in its
+  scan instead). S2 hands S3 everything that needs h or that cotangent as O(T * K) terms (dqg, dkg,
+  dw, du) and O(NTa * K) ones (dgc_last). `do` may hold anything (even NaN) at
   tokens of no sequence: they are never read. records is as in forward (stage outputs and
   "inputs") when `record` is set, else empty.
   """

@@ -37,7 +37,7 @@ def _variants():
   from kda.stages.bwd_dh import mosaic_gpu as dh
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
   return {"bwd_recompute": {"intra": recompute.Config(wy_from_saved=False)},
-          "bwd_dh": {"lane": dh.Config(lane_semantics=True)}}
+          "bwd_dh": {"warpgroup": dh.Config(lane_semantics=False)}}
 
 
 def _rel(got, want):

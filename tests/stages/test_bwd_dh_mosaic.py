@@ -195,9 +195,9 @@ def test_bwd_dh_never_reads_the_tail():
 
 
 @pytest.mark.parametrize("config", [mgd.Config(seq_major=False),
-                                    pytest.param(mgd.Config(lane_semantics=True), marks=pytest.mark.large),
+                                    pytest.param(mgd.Config(lane_semantics=False), marks=pytest.mark.large),
                                     pytest.param(mgd.Config(longest_first=False), marks=pytest.mark.large)],
-                         ids=["seq-minor-grid", "lane", "input-order"])
+                         ids=["seq-minor-grid", "warpgroup", "input-order"])
 def test_bwd_dh_matches_reference_configs(config):
   check(LENS, 64, 64, config=config, emulation=False)
 
@@ -287,8 +287,8 @@ def test_bwd_dh_lowers_for_cuda(K, V):
 
 @pytest.mark.parametrize("K,V", [(128, 128), pytest.param(64, 64, marks=pytest.mark.large)],
                          ids=["K128-V128", "K64-V64"])
-def test_bwd_dh_lowers_for_cuda_lane(K, V):
-  lower_check(K, V, mgd.Config(lane_semantics=True))
+def test_bwd_dh_lowers_for_cuda_warpgroup(K, V):
+  lower_check(K, V, mgd.Config(lane_semantics=False))
 
 
 def test_bwd_dh_lowers_for_cuda_many_sequences_and_f32_inputs():

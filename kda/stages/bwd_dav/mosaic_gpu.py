@@ -11,6 +11,10 @@ which has no 65535 limit, as the other backward kernels). Per program, with the 
   wgmma chain, K = V = 64 or 128), masked to j <= i in registers.
   dv = Aqk^T @ do: the LHS is the .T view of the Aqk tile.
   Both leave from registers to GMEM (float32).
+- When do, v_new and Aqk are all bf16 (pipeline.backward aligns do in o's dtype, bf16 for bf16
+  inputs), they come by TMA straight into three swizzled tiles and each product is one wgmma
+  (exact products, float32 accumulation: the reference on the same bf16 values up to summation
+  order); the split path below is for float32 operands.
 
 SMEM per program: the hi and lo parts of do, v_new [64, V] and Aqk [64, 64], six swizzled bf16
 tiles: 48 KiB at V = 64, 80 KiB at V = 128 (49152 and 81920 bytes as lowered; two CTAs per SM either
@@ -19,16 +23,14 @@ way; test_bwd_dav_mosaic.py asserts it).
 Precision: every product is three wgmmas on the hi + lo bf16 splits of its float32 operands
 (kda._mosaic_gpu.split: hi hi, hi lo, lo hi; ~2^-16 relative), float32 accumulation. bf16 v_new and
 Aqk (what the forward's kernels hand over) split exactly (lo = 0: one wgmma per product adds
-zeros, kept so that float32 v_new, Aqk stay accurate to ~2^-16); do arrives float32
-(pipeline.backward casts it) and needs the split. Measured against the float32 reference
+zeros, kept so that float32 v_new, Aqk stay accurate to ~2^-16); a float32 do needs the split. Measured against the float32 reference
 (simulator, V = 64 and 128, HV 1 and 2, 2 and 3 chunks with padding rows and columns): the worst
 (chunk, head) block's max|d| / max|ref| <= 3.0e-6 (dAqk) and 4.9e-6 (dv) with bf16 v_new, Aqk (also
 on the records of a pipeline.backward run with the forward's and S0's kernels), <= 5.9e-6 and
 6.5e-6 with float32 ones (test_bwd_dav_mosaic.py, TOL there); operands rounded to bf16 without the
 split would give 2e-3. On the H200 (tools.gpu_check_bwd, H = 16, V = 128, T = 32768, v_new and Aqk
 rounded to bf16 from the float32 record): <= 3.5e-3 (that rounding), 0.51 ms against the jnp
-reference's 1.24 ms (FLA's dAv kernel: 0.16 ms). Not tried: bf16 v_new, Aqk by TMA straight into SMEM with no lo tiles (two wgmmas
-fewer per program, less SMEM).
+reference's 1.24 ms (FLA's dAv kernel: 0.16 ms), before the all-bf16 path.
 
 The stage's predicate `takes` refuses what the kernel cannot do (chunk_size != 64, V not 64 / 128,
 shapes, non-float dtypes, HV > 65535) with the reason, and float32 v_new or Aqk (the dtype policy:
@@ -112,15 +114,33 @@ def _body(vn_g, A_g, do_g, odA_g, odv_g, doh_s, dol_s, vnh_s, vnl_s, Ah_s, Al_s)
   odv_g[rows, i_h, :] = prod(Ah_s.T, Al_s.T, doh_s, dol_s, (BT, V))   # Aqk^T @ do
 
 
+def _body_bf16(vn_g, A_g, do_g, odA_g, odv_g, do_s, vn_s, A_s, bar):
+  # every operand bf16: TMA straight into the wgmma tiles, one wgmma per product
+  i_h, c = lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  V = do_g.shape[-1]
+  for g, t in ((do_g, do_s), (vn_g, vn_s), (A_g, A_s)):
+    plgpu.copy_gmem_to_smem(g.at[rows, i_h, :], t, bar)
+  plgpu.barrier_wait(bar)
+  shape = (BT, BT)
+  dA = _acc([(do_s, vn_s.T)], shape)                          # do @ v_new^T
+  odA_g[rows, i_h, :] = jnp.where(_iota(1, shape) <= _iota(0, shape), dA, 0.0)
+  odv_g[rows, i_h, :] = _acc([(A_s.T, do_s)], (BT, V))        # Aqk^T @ do
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, V, interpret):
+def _kernel(Ta, HV, V, interpret, all_bf16=False):
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
+  if all_bf16:
+    body, scratch = _body_bf16, [_swz((BT, V)), _swz((BT, V)), _swz((BT, BT)), plgpu.Barrier(num_arrivals=3)]
+  else:
+    body, scratch = _body, [*[_swz((BT, V)) for _ in range(4)],      # do, v_new: hi, lo
+                            _swz((BT, BT)), _swz((BT, BT))]          # Aqk: hi, lo
   return plgpu.kernel(
-      _body,
+      body,
       out_type=(out((Ta, HV, BT)), out((Ta, HV, V))),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=[*[_swz((BT, V)) for _ in range(4)],      # do, v_new: hi, lo
-                     _swz((BT, BT)), _swz((BT, BT))],          # Aqk: hi, lo
+      scratch_types=scratch,
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
@@ -132,5 +152,6 @@ def apply(v_new, Aqk, do, *, chunk_size, interpret=False, config=None):
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_dav kernel: {reason}")
   _, Ta, HV, V = v_new.shape
-  dA, dv = _kernel(Ta, HV, V, bool(interpret))(v_new[0], Aqk[0], do[0])
+  all_bf16 = all(jnp.dtype(x.dtype) == jnp.dtype(BF16) for x in (v_new, Aqk, do))
+  dA, dv = _kernel(Ta, HV, V, bool(interpret), all_bf16)(v_new[0], Aqk[0], do[0])
   return Out(dA[None], dv[None])

@@ -1,72 +1,61 @@
-"""bwd_dh (S2): the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.bwd_dh.
+"""bwd_dh (S2): the Pallas Mosaic GPU (Hopper) kernels; the math is in kda.stages.bwd_dh.
 
-Kernel: one program per (sequence rank r, value head h, V tile vt of BV = 64 columns) walks its
+Two kernels: a serial walk that carries the state cotangent through each sequence's chunks and
+stores it per chunk in bf16, then a parallel one that forms every term needing h or that cotangent,
+one program per (head, chunk). Only the two dependent wgmmas of the dS chain stay in the serial loop.
+
+Walk: one program per (sequence rank r, value head h, V tile vt of BV = 64 columns) walks its
 sequence's chunks in REVERSE in a fori_loop whose trip count it reads from aligned_cu at run time
-(one compile for any lengths), carrying the state cotangent dS [K, BV] float32 in registers (WGMMA
-layout), starting from dht[n]'s tile. Per chunk c (last first), with chunk c - 1's tiles already in
-flight (two SMEM slots, one barrier per slot, TMA), S = h[c]'s [K, BV] tile and dS = dS_next:
+(one compile for any lengths), carrying dS [K, BV] float32 in registers (WGMMA layout), starting
+from dht[n]'s tile. Per chunk c (last first), with chunk c - 1's tiles already in flight (two SMEM
+slots, one barrier per slot, TMA) and dS = dS_next:
 
-    du       = dv + kg @ bf16(dS)              wgmma [64, K] @ [K, BV]
-    dkg[vt]  = v_new @ bf16(dS)^T              wgmma [64, BV] @ [BV, K]  (dS_s.T view)
-    dqg[vt]  = sdo @ S^T                       wgmma [64, BV] @ [BV, K]  (h_s.T view), sdo = bf16(scale * do)
-    dw[vt]   = bf16(-du) @ S^T                 wgmma [64, BV] @ [BV, K]
-    dgc[vt]  = decay * sum_BV(S * dS)          registers (S loaded from its swizzled tile)
-    dS        = decay[:, None] * dS + qg^T @ sdo + w^T @ bf16(-du)
-                                               two wgmmas into one [K, BV] accumulator (.T views, M = K)
+    dh[c][:, vt] = bf16(dS)                      TMA store from the wgmma operand tile
+    du            = dv + kg @ bf16(dS)           wgmma [64, K] @ [K, BV]
+    dS            = decay[:, None] * dS + qg^T @ sdo + w^T @ bf16(-du)
+                                                 two wgmmas into one [K, BV] accumulator (.T views, M = K)
 
-and dh0[n]'s tile = dS after the sequence's first chunk (dht[n]'s tile for an empty sequence).
-The dS chain per chunk is two dependent wgmmas (kg @ dS, then the update from bf16(-du)), as the
-forward state's; the other three are off it. The default issues one wgmma at a time;
-Config(overlap=True) issues them in pairs and reads the first accumulator while the second wgmma
-runs (wgmma_accumulator_load(wait_n=1)): du with dkg, the dS update with dw, then dqg alone, with
-three [64 or K, *] float32 register tiles live (~200 registers per thread at K = 128). Both do the
-same arithmetic (bit for bit in the simulator); on the H200 (shape A) one at a time takes 2.05 ms,
-in pairs 2.40 ms.
+with sdo = bf16(scale * do); dh0[n]'s tile = dS after the sequence's first chunk (dht[n]'s tile for
+an empty sequence). V tiles are independent (du and dS are per V column).
 
-V split: du and dS are per V column, so V tiles are independent, but dqg, dkg, dw and dgc_last sum
-over V. Each program writes its tile's partial sums to a [V // BV, ...] buffer and the launcher adds
-them (an XLA reduction over V // BV <= 2 tiles; none for V = 64). Chosen over one program per
-(sequence, head) holding all of V because dS [K, V] = [128, 128] float32 alone is 128 registers per
-thread of one warpgroup, with the [K, V] update accumulator another 128 (the forward state kernel
-splits V for that reason), and over atomics (nondeterministic sums; float atomics from Mosaic GPU
-untested here). The cost: at V = 128 the kernel writes dqg, dkg, dw twice and XLA reads them back,
-about 3 [Ta, HV, K] float32 arrays of extra traffic.
+Terms: one program per (head, chunk), all of V, grid (HV, NTa) with the chunks on CUDA's grid x (no
+65535 limit): h[c] and dh[c] [K, V] (64-column slabs), v_new and sdo [64, V] by TMA, bf16(-du) from
+du in registers, then
 
-Grid: (N, HV, V // BV) with names ("r", "h", "v"), longest sequence first (rank r takes the r-th
-longest, kda._mosaic_gpu.sequence_order): Mosaic GPU launches (g0, g1, g2) as CUDA (z, y, x), x
-fastest, so every (head, V tile) of the longest sequence starts first. CUDA caps z and y at 65535;
-for N > 65535 the launcher puts the sequences on x instead, as the state kernel does.
+    dqg = sdo @ h^T,  dkg = v_new @ dh^T,  dw = bf16(-du) @ h^T      wgmma chains over V's slabs
+    dgc_last = decay * sum_V(h * dh)                                  registers
+
+Chosen over keeping dS in registers and forming these terms inside the walk (the previous kernel:
+six wgmmas and three [64, K] float32 stores per serial step, per-V-tile partial sums added by XLA):
+on the H200 (shape A) that took 2.05 ms, these two 1.40 ms (Lane semantics; Warpgroup 1.51). The
+cost is dh, one [NTa, HV, K, V] bf16 buffer (as large as S0's h).
 
 Tail: the chunks at or past aligned_cu[-1] (no sequence; h = 0 there, as the state stage stores
-it) get du = dv and dqg = dkg = dw = dgc_last = 0 from the kernel itself; the N programs of each
-(head, V tile) take them round-robin (disjoint rows). aligned_cu[0] must be 0 (align's output).
-Padding rows inside a sequence's chunks go through the same formulas as real rows (as the
-reference does). Nothing of qg, kg, w, h, v_new, do or the gates is read at the tail.
+it) get du = dv from the walk (the N programs of each (head, V tile) take them round-robin) and
+dqg = dkg = dw = dgc_last = 0 from the terms kernel, which reads nothing there; dh is not written
+there. aligned_cu[0] must be 0 (align's output). Padding rows inside a sequence's chunks go through
+the same formulas as real rows (as the reference does). Nothing of qg, kg, w, h, v_new, do or the
+gates is read at the tail.
+
+Grid of the walk: (N, HV, V // BV) with names ("r", "h", "v"), longest sequence first (rank r takes
+the r-th longest, kda._mosaic_gpu.sequence_order): Mosaic GPU launches (g0, g1, g2) as CUDA
+(z, y, x), x fastest, so every (head, V tile) of the longest sequence starts first. CUDA caps z and
+y at 65535; for N > 65535 the launcher puts the sequences on x instead, as the state kernel does.
 
 What is bf16 (wgmma operands; float32 operands would run as tf32): qg, kg, w, h, v_new (the dtype
-policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them; note that the
-pipeline's bwd_recompute returns them in float32 today, so there the predicate refuses), sdo = bf16(scale *
-do) (cast with the scale folded in, in the launcher; do arrives float32), and the in-kernel operand
-copies bf16(dS) and bf16(-du). dS, dv, du, the decay exp(gc_last) (formed in the launcher from each
-chunk's last gate row, kda.stages.state.chunk_decay) and all accumulators and outputs are float32.
+policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them), sdo, the stored
+bf16(dS) and the in-kernel bf16(-du). dS, dv, du, the decay exp(gc_last) (formed in the launcher
+from each chunk's last gate row, kda.stages.state.chunk_decay) and all accumulators and outputs are
+float32.
 
-SMEM per program (bytes, BT = 64, BV = 64):
-    qg, kg, w   2 slots x [64, K] bf16 each             768 K
-    h tile      2 slots x [K, BV] bf16                  256 K
-    v_new, sdo  2 slots x [64, BV] bf16 each            32768
-    dv          2 slots x [64, BV] f32                  32768
-    decay       2 slots x [K] f32                       8 K
-    bf16(dS)    [K, BV]; bf16(-du) [64, BV]             128 K + 8192
-  Outputs go from registers straight to GMEM (no store stages: at K = 128 two input slots leave no
-  room for them). As lowered for CUDA (barriers and alignment included; limit 232448): 224272
-  (K = 128) and 150544 (K = 64), for either V: one program per SM.
+SMEM (bytes as lowered for CUDA, barriers and alignment included; limit 232448): the walk 173072 at
+K = 128 (two slots of qg, kg, w [64, K], sdo [64, 64] bf16, dv [64, 64] f32, decay; bf16(dS),
+bf16(-du)), 115728 at K = 64, either V: one program per SM. The terms kernel: h, dh, v_new, sdo,
+bf16(-du) tiles, 112 KiB at K = V = 128.
 
 Precision (simulator, against the float32 reference given the same bf16-exact qg, kg, w, h, v_new;
-tests/stages/test_bwd_dh_mosaic.py, up to 24 chunks): max|d| / max|ref| <= 2.8e-3 and ||d|| /
-||ref|| <= 1.9e-3 over all fields, the largest in dqg, dkg, dw (dqg's is the rounding of do alone),
-du ~1.2e-3, dh0 ~3e-4, dgc_last ~2e-4: the forward kernels' order (state: 1.5e-3), so bf16(dS) and
-bf16(-du) are single bf16 operands, not hi + lo splits. Against a float32 emulation of these
-roundings the kernel agrees to <= 4.5e-4 (summation order flipping a bf16 rounding now and then).
+tests/stages/test_bwd_dh_mosaic.py): max|d| / max|ref| <= 2.8e-3 over all fields (dgc_last now
+through bf16(dS): ~1.7e-3). Against a float32 emulation of these roundings <= 4.5e-4.
 """
 from __future__ import annotations
 
@@ -95,7 +84,7 @@ class Config:
   block_v: int = 64             # BV: state-cotangent columns per program (one wgmma N tile)
   longest_first: bool = True    # rank r of the grid takes the r-th longest sequence
   seq_major: bool = True        # sequences on the slowest-dispatched grid axis (if N <= 65535)
-  lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+  lane_semantics: bool = True   # Mosaic GPU LoweringSemantics.Lane (H200: 1.40 ms on A, Warpgroup 1.51)
 
   def __post_init__(self):
     if self.block_v != 64:
