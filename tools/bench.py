@@ -4,6 +4,7 @@ Shapes are the peer harness's (flash-linear-attention's chunk_kda is timed on th
   A  B=1, T=32768 packed, lengths uniform in [64, 4096] (numpy default_rng(0)), H=16, K=V=128
   B  B=1, T=32768 packed, lengths uniform in [1, 128]
   C  B=4, T=8192, no cu_seqlens
+  L  one sequence of --total tokens (the scale run: --total 262144)
 bf16 q/k/v/beta; gates "plain" (log-space logsigmoid(randn)/16) or "gate_safe" (raw gates,
 use_gate_in_kernel, safe_gate, lower_bound=-5). Times are medians over --reps runs after warm-up
 (jax.block_until_ready around each call); memory is XLA's compiled memory analysis (arguments +
@@ -43,7 +44,9 @@ def shape(name, total=TOTAL):
     return 1, total, varlen_lens(total, 1, 128)
   if name == "C":
     return 4, total // 4, None
-  raise ValueError(f"shape must be A, B or C, got {name!r}")
+  if name == "L":
+    return 1, total, [total]
+  raise ValueError(f"shape must be A, B, C or L, got {name!r}")
 
 
 def make_inputs(name, gate, seed=0, total=TOTAL):
@@ -233,7 +236,19 @@ def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
     out["compile_fwdbwd_s"] = time.perf_counter() - t0
     out["fwdbwd_ms"] = timeit(fb, *args, diff_kw, reps=reps)
     out["fwdbwd_mem_mb"], out["fwdbwd_temp_mb"] = memory_mb(fb, *args, diff_kw)
+  out["device_peak_mb"] = device_peak_mb()
   return out
+
+
+def device_peak_mb():
+  """The device allocator's peak bytes in use so far in this process (MiB), or None where the
+  backend does not report it: the whole process's peak, inputs and every call included."""
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001
+    return None
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else peak / 2**20
 
 
 def peer_figures(path):
