@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kda import padding
-from kda.fused import dh_wy, state_output
+from kda.fused import state_output
 from kda.padding import Layout
 from kda import stages
 from kda.stages.base import resolve
@@ -31,11 +31,10 @@ from kda.stages.intra import mosaic_gpu as intra_mgpu
 FORWARD_STAGES = ("gate", "intra", "state", "output")
 # Fused groups (DESIGN.md): consecutive stages -> {backend: (kernel, predicate)}. The composer calls
 # the fused kernel when every member selects that backend and the predicate takes the call.
-FUSED = {("state", "output"): {"mosaic_gpu": (state_output.mosaic_gpu, state_output.takes)},
-         ("bwd_dh", "bwd_wy"): {"mosaic_gpu": (dh_wy.mosaic_gpu, dh_wy.takes)}}
+FUSED = {("state", "output"): {"mosaic_gpu": (state_output.mosaic_gpu, state_output.takes)}}
 # Fused groups not yet compiled and checked on an H200 (tools.gpu_check_bwd): impl=None runs their
 # members unfused; impl="mosaic_gpu" (or a dict) fuses them.
-UNVERIFIED_GROUPS: frozenset[tuple[str, ...]] = frozenset({("bwd_dh", "bwd_wy")})
+UNVERIFIED_GROUPS: frozenset[tuple[str, ...]] = frozenset()
 # The whole forward with align / unalign folded into the kernels (packed_forward): mosaic_gpu only.
 PACKED = ("align",) + FORWARD_STAGES + ("unalign",)
 BACKWARD_STAGES = ("bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate")
@@ -330,15 +329,9 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   av = run("bwd_dav", rc.v_new, saved.Aqk, do)
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
-  wy_extra = (qa, ka, va, ba, saved.Ainv)
-  fused = None if record else fused_kernel(plan, ("bwd_dh", "bwd_wy"), dh_args, *dh_args, *wy_extra,
-                                           chunk_size=plan.chunk_size)
-  if fused is not None:        # S3's kernel forms S2's terms from the walk's per-chunk cotangent
-    dh0, wy = fused(*dh_args, *wy_extra, scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret)
-  else:
-    ds = run("bwd_dh", *dh_args)
-    wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
-    dh0 = ds.dh0
+  ds = run("bwd_dh", *dh_args)
+  wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
+  dh0 = ds.dh0
   it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
   gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   like = lambda d, x: None if x is None else d.astype(x.dtype)

@@ -9,5 +9,4 @@ kernel against the composition of its members' references.
 
 Groups (one module each, one function per backend, named after it, with its `takes` predicate):
 - state_output: state -> output; the state S stays in registers and neither h nor v_new is stored.
-- dh_wy: bwd_dh -> bwd_wy; S3's kernel forms S2's state terms from the walk's per-chunk cotangent.
 """

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +145,7 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
                qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV):
   # GMEM: order [N], cu [N+1] int32; qg, kg, w [Ta, HV, K], do [Ta, HV, V] bf16 (do scaled);
   # dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V] f32;
-  # dh [NTa, HV, K, V] bf16 (dS_next of every chunk; 0 at the tail).
+  # dh [NTa, HV, K, V] bf16 (dS_next of every chunk; unwritten at the tail).
   N = order_g.shape[0]
   NTa, K = dec_g.shape[0], dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
@@ -197,17 +197,12 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
   dh0_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, dS)
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
-  # the shortest sequence's program first: du = dv, dh = 0 (the terms kernel writes their zeros).
+  # the shortest sequence's program first: du = dv (the terms kernel writes their zeros).
   first, count = tail_share(cu_g, N, NTa, r, BT)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  dsb_s[...] = plgpu.layout_cast(jnp.zeros((K, BV), BF16), WG)
-  plgpu.commit_smem()
 
   def tail(j, carry):
-    c = first + j * N
-    rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+    rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
     du_g[rows, i_h, cols] = _load(dv_g.at[rows, i_h, cols])
-    plgpu.copy_smem_to_gmem(dsb_s, dh_g.at[c, i_h, :, cols])
     return carry
 
   lax.fori_loop(0, count, tail, 0)
@@ -251,21 +246,8 @@ def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dg
     dgc_g[c, i_h, :] = plgpu.layout_cast(jnp.zeros((K,), F32), ROW)
 
 
-class Walk(NamedTuple):
-  """The walk kernel's outputs and the launcher's operands that the terms (or the fused bwd_wy
-  kernel) read again: all without the leading batch axis."""
-  dh0: jax.Array      # [N, HV, K, V] float32
-  du: jax.Array       # [Ta, HV, V] float32
-  dh: jax.Array       # [NTa, HV, K, V] bf16: dS_next per chunk, 0 at the tail
-  h: jax.Array        # [NTa, HV, K, V] bf16
-  v_new: jax.Array    # [Ta, HV, V] bf16
-  sdo: jax.Array      # [Ta, HV, V] bf16: bf16(scale * do)
-  decay: jax.Array    # [NTa, HV, K] float32
-
-
-def walk(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
-         interpret=False, config=None) -> Walk:
-  """The walk kernel (module docstring) on `apply`'s arguments; N >= 1."""
+def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
+          interpret=False, config=None):
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -275,16 +257,24 @@ def walk(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale
   V = v_new.shape[-1]
   N = aligned_cu.shape[0] - 1
   NTa, NV = Ta // BT, V // BV
+  if N == 0:                                  # no program to launch; every chunk is tail
+    zk = jnp.zeros((1, Ta, HV, K), F32)
+    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
   order = sequence_order(aligned_cu, config.longest_first)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))
+  h = h[0].astype(BF16)
   sdo = (do[0].astype(F32) * scale).astype(BF16)
+  dv = dv[0].astype(F32)
+  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
+  interp = plgpu.InterpretGPUParams() if interpret else None
+
   if config.seq_major and N <= MAX_GRID_YZ:
     grid, names = (N, HV, NV), ("r", "h", "v")
   else:
     grid, names = (NV, HV, N), ("v", "h", "r")
-  f = plgpu.kernel(
+  walk = plgpu.kernel(
       functools.partial(_walk_body, BT=BT, BV=BV),
       out_type=(jax.ShapeDtypeStruct((N, HV, K, V), F32),          # dh0
                 jax.ShapeDtypeStruct((Ta, HV, V), F32),            # du
@@ -298,33 +288,11 @@ def walk(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale
           _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
           plgpu.Barrier(num_arrivals=6, num_barriers=2),
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=_semantics(config)),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=interp,
   )
-  dh0, du, dh = f(order, aligned_cu, qg, kg, w, sdo, dv[0].astype(F32), decay, dht.astype(F32))
-  return Walk(dh0, du, dh, h[0].astype(BF16), v_new, sdo, decay)
+  dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, dht.astype(F32))
 
-
-def _semantics(config):
-  return plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
-
-
-def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
-          interpret=False, config=None):
-  config = config or Config()
-  reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
-  if reason is not None:
-    raise ValueError(f"mosaic_gpu bwd_dh kernel: {reason}")
-  BT = chunk_size
-  _, Ta, HV, K = qg.shape
-  V = v_new.shape[-1]
-  N = aligned_cu.shape[0] - 1
-  NTa = Ta // BT
-  if N == 0:                                  # no program to launch; every chunk is tail
-    zk = jnp.zeros((1, Ta, HV, K), F32)
-    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
-  wk = walk(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, scale=scale, chunk_size=BT,
-            interpret=interpret, config=config)
   nv = V // SLAB
   terms = plgpu.kernel(
       functools.partial(_terms_body, BT=BT, nv=nv),
@@ -339,8 +307,8 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
           _swz((nv, BT, SLAB)),                                     # bf16(-du)
           plgpu.Barrier(num_arrivals=4 * nv),
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=_semantics(config)),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      interpret=interp,
   )
-  dqg, dkg, dw, dgc = terms(aligned_cu.astype(jnp.int32), wk.h, wk.dh, wk.v_new, wk.sdo, wk.du, wk.decay)
-  return Out(wk.dh0, wk.du[None], dqg[None], dkg[None], dw[None], dgc[None])
+  dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, sdo, du, decay)
+  return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, last_row, tile_shapes
+from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, last_row, tile_shapes
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -105,22 +105,9 @@ def takes(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, c
   return None
 
 
-def _body(*refs, nk, nv, terms=False):
-  # terms=False (the stage): S2's dqg, dkg, dw, du, dgc_last from GMEM. terms=True (the fused group
-  # bwd_dh -> bwd_wy): h and the state cotangent dh per chunk [NTa, HV, K, V] bf16, v_new and
-  # sdo = bf16(scale * do) [Ta, HV, V] bf16, du [Ta, HV, V] and the chunk decay [NTa, HV, K] f32
-  # instead, and dqg, dkg, dw, dgc_last formed here (bwd_dh.mosaic_gpu's terms kernel's formulas).
-  n_in = 13 if terms else 12
-  ins, outs, rest = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
-  q_g, k_g, v_g, a_g, b_g, gi_g, gf_g = ins[:7]
-  oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g = outs
-  q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s = rest[:9]
-  bar = rest[-1]
-  if terms:
-    h_g, dh_g, vn_g, sdo_g, du_g, dec_g = ins[7:]
-    h_s, dh_s, vn_s, sdo_s, dub_s, one_s = rest[9:15]
-  else:
-    dqg_g, dkg_g, dw_g, du_g, dgl_g = ins[7:]
+def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
+          oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
+          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
@@ -130,19 +117,11 @@ def _body(*refs, nk, nv, terms=False):
   for j in range(nv):
     plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
-  if terms:                    # h, dh as [64, 64] tiles (K slab kj, V slab vj) at kj * nv + vj
-    for kj in range(nk):
-      for vj in range(nv):
-        plgpu.copy_gmem_to_smem(h_g.at[c, h, slab(kj), slab(vj)], h_s.at[kj * nv + vj], bar)
-        plgpu.copy_gmem_to_smem(dh_g.at[c, h, slab(kj), slab(vj)], dh_s.at[kj * nv + vj], bar)
-    copy_chunk_slabs(((vn_g, vn_s), (sdo_g, sdo_s)), rows, h, bar)
 
   shape = (BT, SLAB)
   row, col = _iota(0, shape), _iota(1, shape)
   strict = col < row
   l_s[...] = jnp.where(strict, 1.0, 0.0).astype(BF16)       # L: the exclusive row cumsum
-  if terms:
-    one_s[...] = jnp.where(col >= 0, 1.0, 0.0).astype(BF16)  # ones: row sums as a product
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   at = lambda ref, j: ref.at[rows, h, slab(j)]
   last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
@@ -157,10 +136,7 @@ def _body(*refs, nk, nv, terms=False):
   dAinv = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
   dbeta = []
   for j in range(nv):
-    du = _load(at(du_g, j))
-    if terms:
-      dub_s.at[j][...] = (-du).astype(BF16)                  # bf16(-du), dw's operand
-    put(du, t0, t1)                                          # du
+    put(_load(at(du_g, j)), t0, t1)                          # du
     dvb = _acc([(aT, t0), (aT, t1)], shape)
     vx = _load(v_s.at[j]).astype(F32)
     ov_g[rows, h, slab(j)] = dvb * beta
@@ -168,22 +144,13 @@ def _body(*refs, nk, nv, terms=False):
     put(beta * vx, t2, t3)                                   # vb
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
   for j in range(nk):
-    hk = lambda ref, vj: ref.at[j * nv + vj]
-    if terms:                                                # dw = bf16(-du) @ h^T (this K slab)
-      dw = _acc([(dub_s.at[vj], hk(h_s, vj).T) for vj in range(nv)], shape)
-    else:
-      dw = _load(at(dw_g, j))
-    put(dw, t0, t1)             # dw
+    put(_load(at(dw_g, j)), t0, t1)             # dw
     dkb = _acc([(aT, t0), (aT, t1)], shape)
     gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
-    if terms:                                                # dqg = sdo @ h^T, dkg = v_new @ dh^T
-      dqg = _acc([(sdo_s.at[vj], hk(h_s, vj).T) for vj in range(nv)], shape)
-      dkg = _acc([(vn_s.at[vj], hk(dh_s, vj).T) for vj in range(nv)], shape)
-    else:
-      dqg, dkg = _load(at(dqg_g, j)), _load(at(dkg_g, j))
+    dqg, dkg = _load(at(dqg_g, j)), _load(at(dkg_g, j))
     keg = kx * eg
     kb = beta * keg
     oq_g[rows, h, slab(j)] = dqg * eg
@@ -194,15 +161,8 @@ def _body(*refs, nk, nv, terms=False):
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
     put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
     before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-    if terms:                  # + dgc_last broadcast over rows: ones @ (decay h dh)^T, split hi + lo
-      dec = lax.broadcast_in_dim(_load(dec_g.at[c, h, slab(j)], ROW), shape, [0])
-      for vj in range(nv):
-        put(dec * _load(hk(h_s, vj)).astype(F32) * _load(hk(dh_s, vj)).astype(F32), t0, t1)
-        before = before + _acc([(one_s, t0.T), (one_s, t1.T)], shape)
-      ogs_g[rows, h, slab(j)] = before
-    else:
-      dgl = _load(dgl_g.at[c, h, slab(j)], COL)
-      ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
+    dgl = _load(dgl_g.at[c, h, slab(j)], COL)
+    ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
   put(dAinv, t0, t1)
   p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
   put(p, t2, t3)
@@ -212,17 +172,11 @@ def _body(*refs, nk, nv, terms=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, interpret, config, terms=False):
+def _kernel(Ta, HV, K, V, *, interpret, config):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
-  extra = []
-  if terms:
-    extra = [_swz((nk * nv, SLAB, SLAB)), _swz((nk * nv, SLAB, SLAB)),   # h, dh tiles
-             _swz((nv, BT, SLAB)), _swz((nv, BT, SLAB)), _swz((nv, BT, SLAB)),   # v_new, sdo, bf16(-du)
-             _swz((BT, SLAB))]                                          # ones
-  arrivals = 2 * nk + nv + 1 + (2 * nk * nv + 2 * nv if terms else 0)
   return plgpu.kernel(
-      functools.partial(_body, nk=nk, nv=nv, terms=terms),
+      functools.partial(_body, nk=nk, nv=nv),
       out_type=(out(Ta, HV, K), out(Ta, HV, K), out(Ta, HV, V), out(HV, Ta), out(Ta, HV, K),
                 out(Ta, HV, K), out(Ta, HV, BT)),          # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk
       grid=(HV, Ta // BT), grid_names=("h", "c"),
@@ -231,8 +185,7 @@ def _kernel(Ta, HV, K, V, *, interpret, config, terms=False):
           _swz((BT, BT)),                                                     # Ainv
           *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
           _swz((BT, BT)),                                                     # L
-          *extra,
-          plgpu.Barrier(num_arrivals=arrivals),
+          plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
       ],
       compiler_params=plgpu.CompilerParams(approx_math=config.approx_math),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -259,21 +212,4 @@ def _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *,
   dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
       bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
       *(f32(x) for x in (dqg, dkg, dw, du, dgc_last)))
-  return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
-
-
-def with_state_terms(q, k, v, beta, gc_int, gc_frac, Ainv, h, dh, v_new, sdo, du, decay, *,
-                     interpret=False, config=None):
-  """The stage's outputs with S2's dqg, dkg, dw, dgc_last formed in this kernel (the fused group
-  bwd_dh -> bwd_wy): h, dh [NTa, HV, K, V] bf16 (S0's state and bwd_dh's walk's per-chunk state
-  cotangent, 0 at the tail), v_new, sdo = bf16(scale * do) [Ta, HV, V] bf16, du [Ta, HV, V] and
-  decay [NTa, HV, K] float32, all without the leading batch axis. q, k, v, Ainv [1, ...] bf16."""
-  config = config or Config()
-  _, Ta, HV, K = k.shape
-  V = v.shape[-1]
-  bf = lambda x: x[0].astype(BF16)
-  f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, terms=True)
-  dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
-      bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32),
-      h.astype(BF16), dh.astype(BF16), v_new.astype(BF16), sdo.astype(BF16), du.astype(F32), decay.astype(F32))
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
