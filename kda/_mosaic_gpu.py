@@ -96,6 +96,22 @@ def tail_share(cu_g, N, NTa, r, BT=64):
   return first, jnp.maximum(NTa - first + N - 1, 0) // N
 
 
+def skipping_tail(body, zeros, BT=64, axis="c"):
+  """A kernel body taking aligned_cu's GMEM ref [N+1] first: `body(*refs)` on the chunks before
+  aligned_cu[-1] (grid axis `axis` is the chunk), `zeros(*refs)` (the outputs' zeros, nothing read)
+  on the chunks at or past it, which hold no token (the tail of a static-bound layout)."""
+  def wrapped(cu_g, *refs):
+    live = lax.axis_index(axis) < cu_g[cu_g.shape[0] - 1] // BT
+    pl.when(live)(lambda: body(*refs))
+    pl.when(jnp.logical_not(live))(lambda: zeros(*refs))
+  return wrapped
+
+
+def zeros(shape, layout=None):
+  """float32 zeros in registers, WGMMA layout (or `layout`)."""
+  return plgpu.layout_cast(jnp.zeros(shape, F32), layout or WG)
+
+
 def sequence_order(aligned_cu, longest_first=True):
   """[N] int32: the sequence each grid rank takes, the longest first (stable), so the programs of
   the longest sequence start first and the short ones fill in behind them."""

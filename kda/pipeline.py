@@ -326,13 +326,14 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
 
   rc = run("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
            layout.aligned_cu)
-  av = run("bwd_dav", rc.v_new, saved.Aqk, do)
+  av = run("bwd_dav", rc.v_new, saved.Aqk, do, layout.aligned_cu)
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
   ds = run("bwd_dh", *dh_args)
-  wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last)
+  wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last,
+           layout.aligned_cu)
   dh0 = ds.dh0
-  it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc)
+  it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(

@@ -34,10 +34,17 @@ BF16_ARGS = {"bwd_dav": (0, 1), "bwd_dh": (0, 1, 2, 5, 6), "bwd_wy": (0, 1, 2, 6
 def _variants():
   """Config variants of the backward kernels checked and timed besides their defaults (stage ->
   {label: config}): the candidates for the next default."""
+  from kda.stages.bwd_dav import mosaic_gpu as dav
   from kda.stages.bwd_dh import mosaic_gpu as dh
+  from kda.stages.bwd_intra import mosaic_gpu as intra
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
-  return {"bwd_recompute": {"intra": recompute.Config(wy_from_saved=False)},
-          "bwd_dh": {"warpgroup": dh.Config(lane_semantics=False)}}
+  from kda.stages.bwd_wy import mosaic_gpu as wy
+  return {"bwd_recompute": {"intra": recompute.Config(wy_from_saved=False),
+                            "skip_tail": recompute.Config(skip_tail=True)},
+          "bwd_dav": {"skip_tail": dav.Config(skip_tail=True)},
+          "bwd_dh": {"warpgroup": dh.Config(lane_semantics=False)},
+          "bwd_wy": {"skip_tail": wy.Config(skip_tail=True)},
+          "bwd_intra": {"skip_tail": intra.Config(skip_tail=True)}}
 
 
 def _rel(got, want):

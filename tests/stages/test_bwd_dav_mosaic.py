@@ -247,3 +247,32 @@ def test_pipeline_hands_the_kernel_bf16_and_it_takes_them():
   errs = errors(rec["bwd_dav"], _reference(*args))
   print(f"\n  pipeline bwd_dav record vs reference: {fmt(errs)}")
   assert not failures(errs, "bfloat16"), fmt(errs)
+
+
+@pytest.mark.parametrize("dtype", ["all_bf16", "float32"])
+def test_skip_tail_reads_nothing_there(dtype):
+  """Config(skip_tail=True) with aligned_cu: the chunk past aligned_cu[-1] (the case's whole padding
+  chunk) gets zeros without being read (NaN there changes nothing), every other chunk the same bits
+  as without the switch; without aligned_cu the switch does nothing."""
+  args, valid, got, _, _ = run_case("V64-HV2-30_20", DTYPES[dtype])
+  acu = jnp.asarray([0, 64, 128], jnp.int32)             # lens 30, 20: the third chunk is tail
+  assert args[0].shape[1] == 3 * BT
+  tail = (jnp.arange(3 * BT) >= 128)[None, :, None, None]
+  poisoned = tuple(jnp.where(tail, jnp.nan, x).astype(x.dtype) for x in args)
+  skip = jax.jit(functools.partial(mgv.apply, chunk_size=BT, interpret=True, config=mgv.Config(skip_tail=True)))
+  out = jax.block_until_ready(skip(*poisoned, acu))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(got, name)), name)
+  same = jax.block_until_ready(skip(*args))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(same, name)), np.asarray(getattr(got, name)), name)
+  # the reference takes aligned_cu too (unused)
+  ref = bwd_dav.reference.apply(*args, acu, chunk_size=BT)
+  assert not failures(errors(out, ref), dtype)
+
+
+def test_skip_tail_lowers_for_cuda():
+  f = functools.partial(mgv.apply, chunk_size=BT, config=mgv.Config(skip_tail=True))
+  args = _abstract(4096, 2, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1

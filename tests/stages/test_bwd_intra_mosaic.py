@@ -394,3 +394,29 @@ def test_chunk_kda_grad_with_the_kernel():
   got, want = grads({"bwd_intra": "mosaic_gpu"}), grads("reference")
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
     bwd_setup.close(name, a, b, tol=1e-4)
+
+
+def test_skip_tail_reads_nothing_there():
+  """Config(skip_tail=True) with aligned_cu: the chunk past aligned_cu[-1] (the case's last, all
+  padding) gets its accumulators back, nothing else of it read (NaN there changes nothing); with
+  dAqk, dAkk 0 there, as S1 and S3 hand them over, every output is bit for bit the one without."""
+  args, _ = make_inputs("K64-HV2-40_64", "ordinary", accumulate=True)
+  tail = jnp.arange(192) >= 128
+  at_tail = lambda x: tail.reshape((1, 192) + (1,) * (x.ndim - 2))
+  args = args[:5] + tuple(jnp.where(at_tail(x), 0.0, x) for x in args[5:7]) + args[7:]
+  scale = 64 ** -0.5
+  plain = jax.block_until_ready(_kernel(scale)(*args))
+  bad = tuple(jnp.where(at_tail(x), jnp.nan, x).astype(x.dtype) if i < 7 else x for i, x in enumerate(args))
+  acu = jnp.asarray([0, 64, 128], jnp.int32)
+  out = jax.block_until_ready(_kernel(scale, mgb.Config(skip_tail=True))(*bad, acu))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(plain, name)), name)
+  ref = bwd_intra.reference.apply(*args, acu, scale=scale, chunk_size=BT)
+  assert not failures(errors(out, ref))
+
+
+def test_skip_tail_lowers_for_cuda():
+  f = functools.partial(mgb.apply, scale=0.125, chunk_size=BT, config=mgb.Config(skip_tail=True))
+  args = _abstract(4096, 2, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1

@@ -131,3 +131,30 @@ def test_wy_from_saved_lowers_for_cuda():
           S((1, Ta, HV, K), f), S((1, Ta, HV, K), f), S((1, Ta, HV, BT), bf))
   txt = jax.jit(mgr.wy_from_saved).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  txt = jax.jit(mgr.wy_from_saved).trace(*args, S((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+def test_wy_skip_tail_reads_nothing_there():
+  """wy_from_saved with aligned_cu (Config(skip_tail=True)): the chunk past aligned_cu[-1] stores
+  zeros without being read (NaN there changes nothing); zero inputs there, as align leaves them,
+  give the same bits without it."""
+  from tests.stages import bwd_setup
+  Ta, HV, K, V = 192, 1, 64, 64
+  tail = (jnp.arange(Ta) >= 128)
+  at_tail = lambda x: tail.reshape((1, Ta) + (1,) * (x.ndim - 2))
+  q, k, v, A, gi = bwd_setup.randn(3, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT), (1, Ta, HV, K))
+  (b,) = bwd_setup.randn(4, (1, Ta, HV))
+  gi = -jnp.abs(gi) * 0.05
+  gc = jnp.cumsum(gi.reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
+  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False)
+  args = [jnp.where(at_tail(x), 0.0, x) for x in (q, k, v, jax.nn.sigmoid(b), gc, jnp.zeros_like(gc), A)]
+  args = [x.astype(jnp.bfloat16) if i in (0, 1, 2, 3, 6) else x for i, x in enumerate(args)]
+  acu = jnp.asarray([0, 64, 128], jnp.int32)
+  plain = jax.block_until_ready(jax.jit(functools.partial(mgr.wy_from_saved, interpret=True))(*args))
+  bad = [jnp.where(at_tail(x), jnp.nan, x).astype(x.dtype) for x in args]
+  skip = jax.block_until_ready(jax.jit(functools.partial(mgr.wy_from_saved, interpret=True))(*bad, acu))
+  for name, x, y in zip(("w", "u", "qg", "kg"), skip, plain):
+    np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), name)
+  assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)))) > 0
+  assert not np.asarray(plain[0].astype(jnp.float32))[:, 128:].any()

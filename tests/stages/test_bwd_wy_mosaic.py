@@ -258,3 +258,30 @@ def test_chunk_kda_grad_with_the_kernel():
   # and then (one bf16 ulp, 2^-8 of an element; measured 3.4e-4 of the max on dv)
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
     bwd_setup.close(name, a.astype(F32), b.astype(F32), tol=4e-3)
+
+
+def test_skip_tail_reads_nothing_there():
+  """Config(skip_tail=True) with aligned_cu: the chunk past aligned_cu[-1] (the case's last, all
+  padding) gets zeros without being read (NaN there changes nothing); with S2's dgc_last 0 there, as
+  bwd_dh hands it, every output is bit for bit the one without the switch."""
+  args, _ = make_inputs("K64-V64-HV2-40_64", "strong")
+  acu = jnp.asarray([0, 64, 128], jnp.int32)
+  args = args[:11] + (args[11].at[:, 2].set(0.0),)
+  plain = jax.block_until_ready(_kernel()(*args))
+  tail = (jnp.arange(192) >= 128)
+  poison = lambda x: jnp.where(tail.reshape((1, 192) + (1,) * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)
+  bad = tuple(poison(x) for x in args[:11]) + (args[11].at[:, 2].set(jnp.nan),)
+  skip = jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=mgw.Config(skip_tail=True)))
+  out = jax.block_until_ready(skip(*bad, acu))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(plain, name)), name)
+  np.testing.assert_array_equal(np.asarray(skip(*args).dq), np.asarray(plain.dq))   # no aligned_cu: no skip
+  ref = bwd_wy.reference.apply(*args, acu, chunk_size=BT)
+  assert not failures(errors(out, ref))
+
+
+def test_skip_tail_lowers_for_cuda():
+  f = functools.partial(mgw.apply, chunk_size=BT, config=mgw.Config(skip_tail=True))
+  args = _abstract(4096, 2, 128, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1

@@ -39,6 +39,7 @@ itself is accurate to ~2^-16 relative, not to float32's 2^-24).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -48,14 +49,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ
+from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_dav import Out
 
 BT = 64
 
 
-def supports(v_new, Aqk, do, *, chunk_size, **_) -> Optional[str]:
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Switches of the bwd_dav kernel."""
+  # chunks at or past aligned_cu[-1] (given): zeros out, nothing read. Off until run on an H200.
+  skip_tail: bool = False
+
+
+def supports(v_new, Aqk, do, aligned_cu=None, *, chunk_size, **_) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
@@ -74,15 +82,17 @@ def supports(v_new, Aqk, do, *, chunk_size, **_) -> Optional[str]:
   for name, x in (("v_new", v_new), ("Aqk", Aqk), ("do", do)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_dav takes floating {name}, got {jnp.dtype(x.dtype).name}"
+  if aligned_cu is not None and (aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer)):
+    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
   return None
 
 
-def takes(v_new, Aqk, do, *, chunk_size, **_) -> Optional[str]:
+def takes(v_new, Aqk, do, aligned_cu=None, *, chunk_size, **_) -> Optional[str]:
   """The stage's predicate: `supports`, and v_new, Aqk in bfloat16 (the dtype policy: what the
   forward's kernels store for bf16 inputs). float32 ones come from float32 inputs, whose gradients
   keep the reference's float32 accuracy, as in the other backward kernels' predicates (`apply`
   itself takes them, to ~2^-16 relative). do may be float32 (it always arrives so)."""
-  reason = supports(v_new, Aqk, do, chunk_size=chunk_size)
+  reason = supports(v_new, Aqk, do, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("v_new", v_new), ("Aqk", Aqk))
@@ -128,14 +138,23 @@ def _body_bf16(vn_g, A_g, do_g, odA_g, odv_g, do_s, vn_s, A_s, bar):
   odv_g[rows, i_h, :] = _acc([(A_s.T, do_s)], (BT, V))        # Aqk^T @ do
 
 
+def _zeros(vn_g, A_g, do_g, odA_g, odv_g, *scratch):
+  i_h, c = lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  odA_g[rows, i_h, :] = zeros((BT, BT))
+  odv_g[rows, i_h, :] = zeros((BT, do_g.shape[-1]))
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, V, interpret, all_bf16=False):
+def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False):
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
   if all_bf16:
     body, scratch = _body_bf16, [_swz((BT, V)), _swz((BT, V)), _swz((BT, BT)), plgpu.Barrier(num_arrivals=3)]
   else:
     body, scratch = _body, [*[_swz((BT, V)) for _ in range(4)],      # do, v_new: hi, lo
                             _swz((BT, BT)), _swz((BT, BT))]          # Aqk: hi, lo
+  if skip_tail:
+    body = skipping_tail(body, _zeros)
   return plgpu.kernel(
       body,
       out_type=(out((Ta, HV, BT)), out((Ta, HV, V))),
@@ -145,13 +164,16 @@ def _kernel(Ta, HV, V, interpret, all_bf16=False):
   )
 
 
-def apply(v_new, Aqk, do, *, chunk_size, interpret=False, config=None):
-  """The stage on the kernel; `config` is accepted for the stage interface (nothing to configure)."""
-  del config
-  reason = supports(v_new, Aqk, do, chunk_size=chunk_size)
+def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, config=None):
+  """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
+  past aligned_cu[-1] get zeros without being read."""
+  config = config or Config()
+  reason = supports(v_new, Aqk, do, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_dav kernel: {reason}")
   _, Ta, HV, V = v_new.shape
   all_bf16 = all(jnp.dtype(x.dtype) == jnp.dtype(BF16) for x in (v_new, Aqk, do))
-  dA, dv = _kernel(Ta, HV, V, bool(interpret), all_bf16)(v_new[0], Aqk[0], do[0])
+  skip = config.skip_tail and aligned_cu is not None
+  cu = (aligned_cu.astype(jnp.int32),) if skip else ()
+  dA, dv = _kernel(Ta, HV, V, bool(interpret), all_bf16, skip)(*cu, v_new[0], Aqk[0], do[0])
   return Out(dA[None], dv[None])

@@ -21,7 +21,9 @@ the gate terms take the strict pairs alone.)
 Nothing is divided by beta (0 at padding) and no exp(-gc) is formed alone.
 
 In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out), dAqk, dAkk [1, Ta, HV, BT] f32,
-     and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators).
+     and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators), aligned_cu [N+1]
+     int32 (optional: an implementation may skip the chunks at or past aligned_cu[-1], where this
+     stage adds nothing).
 Out: dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV]: the accumulators plus this stage's terms; float32.
 Padding: q = k = beta = 0 at padding tokens, so every term that carries a padding token's q or k is 0;
 what lands on padding rows (dk, dbeta) is dropped by the padding layer.

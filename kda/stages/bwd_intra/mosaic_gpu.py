@@ -72,7 +72,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW
+from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_intra import Out
 from kda.stages.gate import exponent
@@ -89,14 +89,17 @@ class Config:
   """Switches of the bwd_intra kernel."""
   bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
+  # chunks at or past aligned_cu[-1] (given): the accumulators copied, nothing else read (no token
+  # there, so no term). Off until run on an H200.
+  skip_tail: bool = False
 
   def __post_init__(self):
     if self.bounded not in ("auto", "never"):
       raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
 
 
-def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
-             **_) -> Optional[str]:
+def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,
+             chunk_size, **_) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
@@ -124,14 +127,16 @@ def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, sca
                   ("dq", dq), ("dk", dk), ("dbeta", dbeta), ("dgc", dgc)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
+  if aligned_cu is not None and (aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer)):
+    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
   return None
 
 
-def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
-          **_) -> Optional[str]:
+def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,
+          chunk_size, **_) -> Optional[str]:
   """The stage's predicate: `supports`, and q, k in bfloat16 (the dtype policy: float32 inputs keep
   float32 gradients on the reference; `apply` itself rounds float32 q, k to bf16)."""
-  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
+  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
                     chunk_size=chunk_size)
   if reason is not None:
     return reason
@@ -244,11 +249,24 @@ def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
   finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), (zero, zero, zero)))
 
 
-def _kernel(Ta, HV, K, *, scale, interpret, config):
+def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g, odb_g,
+          *scratch):
+  s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
+  for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g), (ag_g, og_g)):
+    o_g[rows, i_h, cols] = _load(a_g.at[rows, i_h, cols])
+  odb_g[s, i_h, rows] = zeros((BT,), ROW)
+
+
+def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False):
   nslab = K // SLAB
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
+  body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto")
+  if skip_tail:
+    body = skipping_tail(body, _tail)
   return plgpu.kernel(
-      functools.partial(_body, scale=scale, bounded=config.bounded == "auto"),
+      body,
       out_type=(out((Ta, HV, K)), out((Ta, HV, K)), out((Ta, HV, K)), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
       scratch_types=[
@@ -261,10 +279,12 @@ def _kernel(Ta, HV, K, *, scale, interpret, config):
   )
 
 
-def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale, chunk_size,
+def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
           interpret=False, config=None):
+  """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
+  past aligned_cu[-1] get the accumulators back without anything else read."""
   config = config or Config()
-  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, scale=scale,
+  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
                     chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_intra kernel: {reason}")
@@ -272,12 +292,14 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, *, scale,
   f32 = lambda x: x[0].astype(F32)
   q, k = (x[0].astype(BF16) for x in (q, k))
   beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
-  f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config)
+  skip = config.skip_tail and aligned_cu is not None
+  f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip)
+  cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   if config.bounded == "auto":
     flag = bounded_levels(gc_int, gc_frac)        # [HV * NTa]: 5, 4 or 0 (six exact levels)
   else:
     flag = jnp.zeros((HV * (Ta // BT),), jnp.int32)
-  oq, ok, og, odb = f(flag, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
+  oq, ok, og, odb = f(*cu, flag, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
                       f32(dgc))
   db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
   return Out(oq[None], ok[None], db, og[None])

@@ -49,6 +49,9 @@ class Config:
   """Switches of the bwd_recompute composition."""
   wy_from_saved: bool = True    # w, u, qg, kg from the saved Ainv (one kernel) instead of the intra kernels
   approx_math: bool = True      # the wy kernel's exp: Mosaic GPU's ex2.approx (~2^-22 relative)
+  # the wy kernel stores zeros at the chunks at or past aligned_cu[-1], reading nothing of them.
+  # Off until run on an H200.
+  skip_tail: bool = False
 
 
 def takes(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
@@ -67,11 +70,42 @@ def takes(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   return state_mgpu.takes(kb, kb, S(v.shape, _BF16), gc, gc, initial_state, aligned_cu, chunk_size=chunk_size)
 
 
-def _wy_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
-             q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar, *, nk, nv):
+def _wy_body(*refs, nk, nv, skip_tail=False):
+  if skip_tail:                # aligned_cu's ref first: the chunks at or past aligned_cu[-1] store zeros
+    cu_g, refs = refs[0], refs[1:]
+  (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
+   q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
+  if skip_tail:
+    live = c < cu_g[cu_g.shape[0] - 1] // BT
+    pl.when(live)(lambda: _wy_compute(h, c, rows, slab, refs, nk, nv))
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+      z = plgpu.layout_cast(jnp.zeros((BT, SLAB), BF16), plgpu.Layout.WGMMA)
+      for j in range(nk):
+        w_s.at[j][...] = z
+        q_s.at[j][...] = z
+        k_s.at[j][...] = z
+      for j in range(nv):
+        u_s.at[j][...] = z
+  else:
+    _wy_compute(h, c, rows, slab, refs, nk, nv)
+  plgpu.commit_smem()
+  for j in range(nk):
+    for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g)):
+      plgpu.copy_smem_to_gmem(src.at[j], dst.at[rows, h, slab(j)])
+  for j in range(nv):
+    plgpu.copy_smem_to_gmem(u_s.at[j], u_g.at[rows, h, slab(j)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _wy_compute(h, c, rows, slab, refs, nk, nv):
+  """The wy kernel's loads and arithmetic for chunk c: w, u, qg, kg into their SMEM tiles."""
+  (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
+   q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
   copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
   shape = (BT, SLAB)
@@ -94,21 +128,14 @@ def _wy_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
     w_s.at[j][...] = times_a(beta * kx * eg).astype(BF16)
     q_s.at[j][...] = (qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
     k_s.at[j][...] = (kx * el).astype(BF16)
-  plgpu.commit_smem()
-  for j in range(nk):
-    for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g)):
-      plgpu.copy_smem_to_gmem(src.at[j], dst.at[rows, h, slab(j)])
-  for j in range(nv):
-    plgpu.copy_smem_to_gmem(u_s.at[j], u_g.at[rows, h, slab(j)])
-  plgpu.wait_smem_to_gmem(0)
 
 
 @functools.lru_cache(maxsize=None)
-def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math):
+def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
   return plgpu.kernel(
-      functools.partial(_wy_body, nk=nk, nv=nv),
+      functools.partial(_wy_body, nk=nk, nv=nv, skip_tail=skip_tail),
       out_type=(out(K), out(V), out(K), out(K)),                  # w, u, qg, kg
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
@@ -121,14 +148,17 @@ def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math):
   )
 
 
-def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, *, interpret=False, approx_math=True):
+def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, interpret=False, approx_math=True):
   """(w, u, qg, kg) [1, Ta, HV, D] bf16 from the saved Ainv: reference.wy_from_inverse's formulas
-  on the Mosaic GPU kernel (module docstring, Config.wy_from_saved). q, k, v, Ainv are cast to bf16."""
+  on the Mosaic GPU kernel (module docstring, Config.wy_from_saved). q, k, v, Ainv are cast to bf16.
+  With aligned_cu the chunks at or past aligned_cu[-1] store zeros, nothing of them read."""
   _, Ta, HV, K = k.shape
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
-  f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=approx_math)
-  outs = f(bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
+  skip = aligned_cu is not None
+  f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=approx_math, skip_tail=skip)
+  cu = (aligned_cu.astype(jnp.int32),) if skip else ()
+  outs = f(*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
   return tuple(x[None] for x in outs)
 
 
@@ -142,7 +172,8 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   gt = gate_mgpu.apply(g, valid, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
                        lower_bound=lower_bound, interpret=interpret)
   if config.wy_from_saved and Ainv is not None:
-    w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, interpret=interpret,
+    w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv,
+                                 aligned_cu if config.skip_tail else None, interpret=interpret,
                                  approx_math=config.approx_math)
   else:            # the forward's intra kernels again: Ainv formed anew, bit for bit as the forward's
     it = intra_mgpu.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, aligned_cu, scale=1.0, chunk_size=chunk_size,

@@ -28,7 +28,8 @@ BT. The Akk and Aqk paths (bwd_intra) and the cumsum / activation (bwd_gate) com
 
 In:  q, k [1, Ta, HV, K], v [1, Ta, HV, V], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32,
      Ainv [1, Ta, HV, BT] f32, and S2's dqg, dkg, dw [1, Ta, HV, K] f32, du [1, Ta, HV, V] f32,
-     dgc_last [1, NTa, HV, K] f32.
+     dgc_last [1, NTa, HV, K] f32, aligned_cu [N+1] int32 (optional: an implementation may skip
+     the chunks at or past aligned_cu[-1], whose outputs are 0).
 Out: dq, dk, dgc, dg_state [1, Ta, HV, K], dv [1, Ta, HV, V], dbeta [1, Ta, HV], dAkk [1, Ta, HV, BT];
      float32.
 Padding: q = k = v = beta = 0 and du = 0 at padding tokens (do = 0 there), so dq, dk's WY part, dv,

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, last_row, tile_shapes
+from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, last_row, skipping_tail, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -62,10 +62,12 @@ SLAB = 64                  # columns per tile
 class Config:
   """Switches of the bwd_wy kernel."""
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
+  # chunks at or past aligned_cu[-1] (given): zeros out, nothing read. Off until run on an H200.
+  skip_tail: bool = False
 
 
-def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size,
-             **_) -> Optional[str]:
+def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
+             chunk_size, **_) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
   reason, dims = tile_shapes(chunk_size, "k", k, "v", v)
   if reason is not None:
@@ -86,14 +88,16 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *
   for name, x in dict(given, k=k, v=v).items():
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
+  if aligned_cu is not None and (aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer)):
+    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
   return None
 
 
-def takes(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size,
-          **_) -> Optional[str]:
+def takes(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
+          chunk_size, **_) -> Optional[str]:
   """The stage's predicate: `supports`, and q, k, v, Ainv in bfloat16 (the dtype policy: float32
   inputs keep float32 gradients on the reference; `apply` itself rounds float32 ones to bf16)."""
-  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last,
+  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
                     chunk_size=chunk_size)
   if reason is not None:
     return reason
@@ -171,12 +175,30 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   odb_g[h, rows] = functools.reduce(jnp.add, dbeta)
 
 
+def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
+           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, nk, nv):
+  h, c = lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  slab = lambda j: pl.ds(j * SLAB, SLAB)
+  z = zeros((BT, SLAB))
+  for j in range(nv):
+    ov_g[rows, h, slab(j)] = z
+  for j in range(nk):
+    for o_g in (oq_g, ok_g, og_g, ogs_g):
+      o_g[rows, h, slab(j)] = z
+  oa_g[rows, h, :] = z
+  odb_g[h, rows] = zeros((BT,), ROW)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, interpret, config):
+def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  body = functools.partial(_body, nk=nk, nv=nv)
+  if skip_tail:
+    body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv))
   return plgpu.kernel(
-      functools.partial(_body, nk=nk, nv=nv),
+      body,
       out_type=(out(Ta, HV, K), out(Ta, HV, K), out(Ta, HV, V), out(HV, Ta), out(Ta, HV, K),
                 out(Ta, HV, K), out(Ta, HV, BT)),          # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk
       grid=(HV, Ta // BT), grid_names=("h", "c"),
@@ -192,24 +214,23 @@ def _kernel(Ta, HV, K, V, *, interpret, config):
   )
 
 
-def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, chunk_size,
+def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
           interpret=False, config=None):
-  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last,
+  """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
+  past aligned_cu[-1] get zeros without being read."""
+  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
                     chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
-  return _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last,
-                 interpret=interpret, config=config)
-
-
-def _launch(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, *, interpret, config):
   config = config or Config()
   _, Ta, HV, K = k.shape
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
-  f = _kernel(Ta, HV, K, V, interpret=interpret, config=config)
+  skip = config.skip_tail and aligned_cu is not None
+  f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, skip_tail=skip)
+  cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
-      bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
+      *cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
       *(f32(x) for x in (dqg, dkg, dw, du, dgc_last)))
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
