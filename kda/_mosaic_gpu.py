@@ -107,6 +107,17 @@ def skipping_tail(body, zeros, BT=64, axis="c"):
   return wrapped
 
 
+def with_absent(body, absent):
+  """A kernel body whose refs at the (ascending) positions `absent` are None: those inputs or
+  outputs are left out of the kernel (a state known to be zero, a result nobody reads)."""
+  def wrapped(*refs):
+    refs = list(refs)
+    for i in sorted(absent):
+      refs.insert(i, None)
+    return body(*refs)
+  return wrapped
+
+
 def zeros(shape, layout=None):
   """float32 zeros in registers, WGMMA layout (or `layout`)."""
   return plgpu.layout_cast(jnp.zeros(shape, F32), layout or WG)

@@ -212,9 +212,12 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
                   cu_seqlens=cu_seqlens, segment_ids=segment_ids)
     return sharding.chunk_kda(call, mesh, arrays, N=N, num_segments=num_segments,
                               output_final_state=output_final_state)
+  elide = pipeline.ELIDE_ZERO_STATES       # h0 made of zeros here, a final state dropped here
   plan = pipeline.make_plan(scale=scale, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel,
-                            lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl)
+                            lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl,
+                            zero_initial_state=elide and initial_state is None,
+                            final_state_unused=elide and not output_final_state)
   kernels = [n for n in pipeline.FORWARD_STAGES if plan.impl(n) != "reference"]
   if backward == "autodiff" and kernels:
     raise ValueError("backward='autodiff' differentiates through the forward stages, which needs their "

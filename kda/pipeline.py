@@ -46,6 +46,12 @@ def is_hopper(device=None) -> bool:
   return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
 
 
+# Whether kda.api tells the plan that the initial state is zero (initial_state=None) and that the
+# final state is unused (output_final_state=False), so that the Mosaic GPU state kernels neither
+# read the zero state nor store the unused one (nor the backward walk the zero cotangent and the
+# dropped dh0). Off until those kernel variants have run on an H200.
+ELIDE_ZERO_STATES = False
+
 # Stages whose mosaic_gpu kernel has passed the simulator and the CUDA lowering but not yet
 # tools.gpu_check on an H200: impl=None leaves them out (an explicit impl="mosaic_gpu" runs them).
 DEVICE_UNVERIFIED: frozenset[str] = frozenset()
@@ -82,13 +88,24 @@ class Plan:
   interpret: bool
   strict: tuple[str, ...] = ()   # stages an impl dict named: a refusing `supports` is an error there
   auto: bool = True              # impl=None: a refused kernel gives way to the next backend, else to the reference
+  zero_initial_state: bool = False  # h0 is zeros made by the api (its gradient is dropped): kernels skip it
+  final_state_unused: bool = False  # the caller drops the final state (so its cotangent is zero)
 
   def impl(self, name: str) -> str:
     return dict(self.impls)[name]
 
+  def state_kwargs(self) -> dict[str, bool]:
+    """The forward state kernels' switches: {} unless a state is elided."""
+    kw = {}
+    if self.zero_initial_state:
+      kw["zero_h0"] = True
+    if self.final_state_unused:
+      kw["store_final"] = False
+    return kw
+
 
 def make_plan(*, scale, chunk_size, use_qk_l2norm=False, use_gate_in_kernel=False, lower_bound=None,
-              impl=None, interpret=None) -> Plan:
+              impl=None, interpret=None, zero_initial_state=False, final_state_unused=False) -> Plan:
   names = stages.names()
   impls = resolve(impl, names, default_impls(names), {n: stages.get(n).implementations() for n in names})
   if interpret is None:
@@ -96,7 +113,7 @@ def make_plan(*, scale, chunk_size, use_qk_l2norm=False, use_gate_in_kernel=Fals
   strict = tuple(sorted(impl)) if isinstance(impl, dict) else ()
   return Plan(float(scale), int(chunk_size), bool(use_qk_l2norm), bool(use_gate_in_kernel),
               None if lower_bound is None else float(lower_bound), tuple(sorted(impls.items())),
-              bool(interpret), strict, impl is None)
+              bool(interpret), strict, impl is None, bool(zero_initial_state), bool(final_state_unused))
 
 
 def choose(plan: Plan, name: str, *args, **kwargs) -> str:
@@ -221,7 +238,7 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
                          two_part=two_part, interpret=plan.interpret, **forward_kwargs(plan, "intra"))
   o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
                          scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),
-                         rows=rows, T=layout.T)
+                         rows=rows, T=layout.T, **plan.state_kwargs())
   return o.astype(v.dtype), final_state, {"intra": it}
 
 
@@ -254,7 +271,8 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
                                            chunk_size=plan.chunk_size)
   if fused is not None:        # h and v_new never leave the kernel
     o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:], scale=plan.scale,
-                           chunk_size=plan.chunk_size, interpret=plan.interpret, out_dtype=o_dtype(v))
+                           chunk_size=plan.chunk_size, interpret=plan.interpret, out_dtype=o_dtype(v),
+                           **plan.state_kwargs())
   else:
     st = run("state", *state_args)
     ot = run("output", it.qg, st.h, it.Aqk, st.v_new)
@@ -292,11 +310,17 @@ def saved(records) -> Saved:
 def backward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
   """The static keyword arguments backward() passes to stage `name`."""
   BT, scale = plan.chunk_size, plan.scale
+  zero_h0 = dict(zero_h0=True) if plan.zero_initial_state else {}   # S0's state kernel skips h0
+  dh = {}                                      # the walk skips a zero dht and a dropped dh0
+  if plan.zero_initial_state:
+    dh["need_dh0"] = False
+  if plan.final_state_unused:
+    dh["dht_zero"] = True
   return {
       "bwd_recompute": dict(chunk_size=BT, use_gate_in_kernel=plan.use_gate_in_kernel,
-                            lower_bound=plan.lower_bound),
+                            lower_bound=plan.lower_bound, **zero_h0),
       "bwd_dav": dict(chunk_size=BT),
-      "bwd_dh": dict(scale=scale, chunk_size=BT),
+      "bwd_dh": dict(scale=scale, chunk_size=BT, **dh),
       "bwd_wy": dict(chunk_size=BT),
       "bwd_intra": dict(scale=scale, chunk_size=BT),
       "bwd_gate": dict(chunk_size=BT, use_gate_in_kernel=plan.use_gate_in_kernel, lower_bound=plan.lower_bound),

@@ -89,6 +89,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tail_share
+from kda._mosaic_gpu import zeros as _zeros
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -179,12 +180,16 @@ def _store_rows(stage, dst, row, n):
     b //= 2
 
 
-def _body(*refs, BT, BV, scale, split, stage_o, packed):
+def _body(*refs, BT, BV, scale, split, stage_o, packed, zero_h0=False, store_final=True):
   # GMEM: order [N], cu [N+1] int32; (packed mode) tab [4N+2] int32 (`_packed_table`); kg, w, qg
   # [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16; dec [NTa, HV, K], h0, ht [N, HV, K, V] f32;
   # o [Ta, HV, V] (aligned mode) or [T, HV, V] (packed mode) f32 or bf16.
   order_g, cu_g, *refs = refs
   tab_g = refs.pop(0) if packed else None
+  if zero_h0:                  # h0 known to be zero: not an input
+    refs.insert(6, None)
+  if not store_final:          # final state not stored: not an output
+    refs.insert(8, None)
   (kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
    kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars) = refs
   N = order_g.shape[0]
@@ -283,7 +288,11 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
 
       lax.fori_loop(0, count, zero, 0)
 
-  S0 = lambda: _load(h0_g.at[i_n, i_h, :, cols])
+  S0 = lambda: _zeros((K, BV)) if h0_g is None else _load(h0_g.at[i_n, i_h, :, cols])
+
+  def store_final_state(S):
+    if ht_g is not None:
+      ht_g[i_n, i_h, :, cols] = S
 
   if not split:
     (in_bar,) = bars
@@ -333,7 +342,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
       plgpu.wgmma_wait(0)        # no wgmma may stay in flight across the loop's back-edge
       return S
 
-    ht_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, S0())
+    store_final_state(lax.fori_loop(0, nch, step, S0()))
     zero_tail()
     plgpu.wait_smem_to_gmem(0)   # every TMA store has landed before the program exits
     return
@@ -369,7 +378,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
       plgpu.wgmma_wait(0)
       return S
 
-    ht_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, S0())
+    store_final_state(lax.fori_loop(0, nch, step, S0()))
     for back in (1, 2):          # observe the hand-backs of the last two chunks too
       pl.when(nch >= back)(lambda back=back: plgpu.barrier_wait(free.at[lax.rem(nch - back, 2)]))
 
@@ -429,14 +438,17 @@ def _packed_table(rows, aligned_cu, T, BT):
 
 
 def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,
-               interpret=False, config=None, out_dtype=None, rows=None, T=None):
+               interpret=False, config=None, out_dtype=None, rows=None, T=None, zero_h0=False,
+               store_final=True):
   """(o [1, Ta, HV, V], final_state [N, HV, K, V] float32); see the module docstring. `out_dtype`
   (float32 or bfloat16) overrides config.out_dtype: the pipeline asks for v's dtype, as o ends in it.
 
   Packed mode: with `rows` (padding.chunk_rows(layout), int32 [NTa] src and count) and the packed
   length T (static int), o is [1, T, HV, V] = padding.unalign_with(layout, o of the aligned mode),
   bit for bit: each chunk's o goes from its SMEM stage straight to packed rows src[c] + r,
-  r < count[c], and the tokens that no sequence owns are 0 (module docstring, "Packed mode")."""
+  r < count[c], and the tokens that no sequence owns are 0 (module docstring, "Packed mode").
+  zero_h0: initial_state is known to be zero (not read); store_final=False: the final state is not
+  stored (zeros are returned in its place, for callers that drop it)."""
   config = config or Config()
   if out_dtype is not None:
     config = dataclasses.replace(config, out_dtype=jnp.dtype(out_dtype).name)
@@ -477,7 +489,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
     extra = {}
   sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
   body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split, stage_o=config.stage_o,
-                             packed=packed)
+                             packed=packed, zero_h0=zero_h0, store_final=store_final)
   if packed:                                 # untransformed: TMA stores at any row, of any count
     o_stage = plgpu.SMEM((BT, BV), odt)
   elif config.stage_o:
@@ -487,7 +499,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   f = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((To, HV, V), odt),
-                jax.ShapeDtypeStruct((N, HV, K, V), F32)),
+                *[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * store_final),
       grid=grid, grid_names=names,
       scratch_types=[
           _swz((ns, BT, K)), _swz((ns, BT, K)), _swz((ns, BT, BV)),  # kg, w, u
@@ -501,5 +513,6 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
       interpret=plgpu.InterpretGPUParams() if interpret else None,
       **extra,
   )
-  o, final = f(order, aligned_cu, *table, kg, w, u, decay, qg, Aqk, initial_state.astype(F32))
-  return o[None], final
+  h0 = () if zero_h0 else (initial_state.astype(F32),)
+  o, *final = f(order, aligned_cu, *table, kg, w, u, decay, qg, Aqk, *h0)
+  return o[None], (final[0] if store_final else jnp.zeros((N, HV, K, V), F32))

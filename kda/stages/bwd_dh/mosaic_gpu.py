@@ -70,6 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_order, tile_shapes, tail_share
+from kda._mosaic_gpu import with_absent, zeros
 from kda._mosaic_gpu import acc as _acc
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
@@ -193,8 +194,10 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return dS
 
-  dS = _load(dht_g.at[i_n, i_h, :, cols])
-  dh0_g[i_n, i_h, :, cols] = lax.fori_loop(0, nch, step, dS)
+  dS = zeros((K, BV)) if dht_g is None else _load(dht_g.at[i_n, i_h, :, cols])   # None: dht is zero
+  dS = lax.fori_loop(0, nch, step, dS)
+  if dh0_g is not None:                                                          # None: not stored
+    dh0_g[i_n, i_h, :, cols] = dS
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
   # the shortest sequence's program first: du = dv (the terms kernel writes their zeros).
@@ -247,7 +250,10 @@ def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dg
 
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
-          interpret=False, config=None):
+          interpret=False, config=None, dht_zero=False, need_dh0=True):
+  """dht_zero: dht is known to be zero (not read: XLA drops a zeros array nobody reads);
+  need_dh0=False: dh0 is not stored (zeros returned, for callers that drop it). The pipeline sets
+  them for a final state nobody uses and an initial state made of zeros inside chunk_kda."""
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -274,9 +280,13 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     grid, names = (N, HV, NV), ("r", "h", "v")
   else:
     grid, names = (NV, HV, N), ("v", "h", "r")
+  body = functools.partial(_walk_body, BT=BT, BV=BV)
+  absent = [8] * dht_zero + [9] * (not need_dh0)                 # dht_g, dh0_g in _walk_body's refs
+  if absent:
+    body = with_absent(body, absent)
   walk = plgpu.kernel(
-      functools.partial(_walk_body, BT=BT, BV=BV),
-      out_type=(jax.ShapeDtypeStruct((N, HV, K, V), F32),          # dh0
+      body,
+      out_type=(*[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * need_dh0,   # dh0
                 jax.ShapeDtypeStruct((Ta, HV, V), F32),            # du
                 jax.ShapeDtypeStruct((NTa, HV, K, V), BF16)),      # dh: dS_next per chunk
       grid=grid, grid_names=names,
@@ -291,7 +301,8 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
       interpret=interp,
   )
-  dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, dht.astype(F32))
+  *dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, *(() if dht_zero else (dht.astype(F32),)))
+  dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
   nv = V // SLAB
   terms = plgpu.kernel(

@@ -13,7 +13,11 @@ from kda.stages.state import chunk_decay
 HI = lax.Precision.HIGHEST
 
 
-def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size):
+def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size, dht_zero=False,
+          need_dh0=True):
+  """dht_zero, need_dh0 (the kernels' switches) change nothing here: dht is used as given and dh0
+  returned."""
+  del dht_zero, need_dh0
   f32 = jnp.float32
   qg, kg, w, v_new, do, dv = (to_chunks(x.astype(f32), chunk_size) for x in (qg, kg, w, v_new, do, dv))
   NTa = qg.shape[0]

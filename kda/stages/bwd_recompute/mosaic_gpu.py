@@ -163,7 +163,9 @@ def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, inte
 
 
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
-          use_gate_in_kernel, lower_bound, interpret=False, config=None):
+          use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False):
+  """zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores
+  the final state (the stage never returns it). Without it the kernel runs as checked on the H200."""
   config = config or Config()
   reason = takes(q, k, v, g, beta, valid, A_log, dt_bias, None, initial_state, aligned_cu, chunk_size=chunk_size,
                  use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
@@ -179,6 +181,7 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
     it = intra_mgpu.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, aligned_cu, scale=1.0, chunk_size=chunk_size,
                           interpret=interpret)
     w, u, qg, kg = it.w, it.u, it.qg, it.kg
+  elide = dict(zero_h0=True, store_final=False) if zero_h0 else {}
   st = state_mgpu.apply(kg, w, u, gt.gc_int, gt.gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
-                        interpret=interpret)
+                        interpret=interpret, **elide)
   return Out(gt.gc_int, gt.gc_frac, w, u, qg, kg, st.h, st.v_new)

@@ -26,7 +26,9 @@ def wy_from_inverse(q, k, v, beta, gc_int, gc_frac, Ainv, *, chunk_size):
 
 
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
-          use_gate_in_kernel, lower_bound):
+          use_gate_in_kernel, lower_bound, zero_h0=False):
+  """zero_h0 (initial_state is zeros) changes nothing here: the zeros are used as given."""
+  del zero_h0
   gt = gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=chunk_size,
                             use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   w, u, qg, kg = wy_from_inverse(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, chunk_size=chunk_size)

@@ -1,0 +1,73 @@
+"""pipeline.ELIDE_ZERO_STATES: with initial_state=None and output_final_state=False the Mosaic GPU
+state kernels skip the zero initial state and the unused final state (forward: the fused state +
+output kernel; backward: S0's state kernel and bwd_dh's walk, which also skips the zero final-state
+cotangent and the dropped dh0). Same bits as without (simulator); CUDA lowering of the variants."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kda
+from kda import pipeline, stages
+from kda.fused import state_output
+from kda.stages.bwd_dh import mosaic_gpu as mgd
+from kda.stages.state import mosaic_gpu as mgs
+from tests.test_pipeline import _packed_case
+
+
+def test_chunk_kda_grad_is_the_same_with_the_states_elided(monkeypatch):
+  x, kw = _packed_case()
+  kw = {k: v for k, v in kw.items() if k not in ("initial_state", "output_final_state")}
+  seen = []
+
+  def spy(real, tag):
+    names = ("zero_h0", "store_final", "dht_zero", "need_dh0")
+    return lambda *a, **k: seen.append((tag, {n: k[n] for n in names if n in k})) or real(*a, **k)
+
+  group = ("state", "output")
+  monkeypatch.setitem(pipeline.FUSED, group,
+                      {"mosaic_gpu": (spy(state_output.mosaic_gpu, "fused"), state_output.takes)})
+  monkeypatch.setattr(mgs, "apply", spy(mgs.apply, "state"))            # S0 calls it by attribute
+  st = stages.get("bwd_dh")
+  monkeypatch.setitem(stages.STAGES, "bwd_dh", dataclasses.replace(st, mosaic_gpu=spy(st.mosaic_gpu, "walk")))
+
+  def grads():
+    def loss(q, k, v, g, beta):
+      o = kda.chunk_kda(q, k, v, g, beta, **kw, impl="mosaic_gpu")[0]
+      return jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0).astype(jnp.float32) ** 2)
+    return jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*x))
+
+  plain = grads()
+  assert all(not flags for _, flags in seen), seen
+  seen.clear()
+  monkeypatch.setattr(pipeline, "ELIDE_ZERO_STATES", True)
+  elided = grads()
+  flags = dict(seen)
+  assert flags["fused"] == dict(zero_h0=True, store_final=False), flags
+  assert flags["state"] == dict(zero_h0=True, store_final=False), flags
+  assert flags["walk"] == dict(dht_zero=True, need_dh0=False), flags
+  for a, b in zip(elided, plain):
+    assert np.isfinite(np.asarray(jnp.asarray(b, jnp.float32))).all()
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32)))
+
+
+def test_elided_variants_lower_for_cuda():
+  S = jax.ShapeDtypeStruct
+  bf, f32 = jnp.bfloat16, jnp.float32
+  Ta, HV, K, V, N = 4096, 2, 128, 128, 5
+  kx, vx, gx = S((1, Ta, HV, K), bf), S((1, Ta, HV, V), bf), S((1, Ta, HV, K), f32)
+  h0, cu = S((N, HV, K, V), f32), S((N + 1,), jnp.int32)
+  lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+  for kw in (dict(zero_h0=True), dict(store_final=False), dict(zero_h0=True, store_final=False)):
+    txt = lower(lambda *a: mgs.apply(*a, chunk_size=64, **kw), kx, kx, vx, gx, gx, h0, cu)
+    assert "mosaic_gpu" in txt
+    txt = lower(lambda *a: state_output.mosaic_gpu(*a, scale=0.1, chunk_size=64, **kw),
+                kx, kx, vx, kx, S((1, Ta, HV, 64), bf), gx, gx, h0, cu)
+    assert "mosaic_gpu" in txt
+  dh_args = (kx, kx, kx, gx, gx, S((1, Ta // 64, HV, K, V), bf), vx, S((1, Ta, HV, V), f32),
+             S((1, Ta, HV, V), f32), h0, cu)
+  for kw in (dict(dht_zero=True), dict(need_dh0=False), dict(dht_zero=True, need_dh0=False)):
+    assert "mosaic_gpu" in lower(lambda *a: mgd.apply(*a, scale=0.1, chunk_size=64, **kw), *dh_args)
