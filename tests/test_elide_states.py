@@ -5,19 +5,25 @@ cotangent and the dropped dh0). Same bits as without (simulator); CUDA lowering 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kda
 from kda import pipeline, stages
 from kda.fused import state_output
 from kda.stages.bwd_dh import mosaic_gpu as mgd
 from kda.stages.state import mosaic_gpu as mgs
+from tests.test_fused_state_output import fused_case
+from tests.stages.test_bwd_dh_mosaic import make_case as dh_case
+from tests.stages.test_state_mosaic import make_case as state_case
 from tests.test_pipeline import _packed_case
 
 
+@pytest.mark.large      # ~25 s in the simulator (CI budget): the per-kernel tests below run by default
 def test_chunk_kda_grad_is_the_same_with_the_states_elided(monkeypatch):
   x, kw = _packed_case()
   kw = {k: v for k, v in kw.items() if k not in ("initial_state", "output_final_state")}
@@ -71,3 +77,42 @@ def test_elided_variants_lower_for_cuda():
              S((1, Ta, HV, V), f32), h0, cu)
   for kw in (dict(dht_zero=True), dict(need_dh0=False), dict(dht_zero=True, need_dh0=False)):
     assert "mosaic_gpu" in lower(lambda *a: mgd.apply(*a, scale=0.1, chunk_size=64, **kw), *dh_args)
+
+
+def _same(a, b, name):
+  np.testing.assert_array_equal(np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32)), name)
+
+
+LENS = [1, 63, 0, 64, 65]
+
+
+def test_state_kernel_variants_same_bits():
+  (kg, w, u, gi, gf, h0, acu), _, _ = state_case(LENS, 64, 64, poison=False)
+  zero = jnp.zeros_like(h0)
+  f = lambda **kw: jax.block_until_ready(jax.jit(functools.partial(
+      mgs.apply, chunk_size=64, interpret=True, **kw))(kg, w, u, gi, gf, zero, acu))
+  plain, elided = f(), f(zero_h0=True, store_final=False)
+  _same(elided.h, plain.h, "h")
+  _same(elided.v_new, plain.v_new, "v_new")
+  assert not np.asarray(elided.final_state).any() and np.asarray(plain.final_state).any()
+
+
+def test_fused_state_output_variants_same_bits():
+  args, _, _ = fused_case([70, 0, 64, 5], 64, 64, HV=2)
+  args = args[:7] + (jnp.zeros_like(args[7]),) + args[8:]
+  f = lambda **kw: jax.block_until_ready(jax.jit(functools.partial(
+      state_output.mosaic_gpu, scale=0.125, chunk_size=64, interpret=True, **kw))(*args))
+  (o, ht), (o_e, ht_e) = f(), f(zero_h0=True, store_final=False)
+  _same(o_e, o, "o")
+  assert not np.asarray(ht_e).any() and np.asarray(ht).any()
+
+
+def test_walk_variants_same_bits():
+  args, _, _ = dh_case(LENS, 64, 64)
+  args = args[:9] + (jnp.zeros_like(args[9]),) + args[10:]
+  f = lambda **kw: jax.block_until_ready(jax.jit(functools.partial(
+      mgd.apply, scale=0.125, chunk_size=64, interpret=True, **kw))(*args))
+  plain, elided = f(), f(dht_zero=True, need_dh0=False)
+  for name in ("du", "dqg", "dkg", "dw", "dgc_last"):
+    _same(getattr(elided, name), getattr(plain, name), name)
+  assert not np.asarray(elided.dh0).any() and np.asarray(plain.dh0).any()
