@@ -96,12 +96,25 @@ def tail_share(cu_g, N, NTa, r, BT=64):
   return first, jnp.maximum(NTa - first + N - 1, 0) // N
 
 
+def aligned_cu_reason(aligned_cu):
+  """The predicates' check of aligned_cu: None if it is a 1-D integer array, else the reason."""
+  if aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer):
+    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
+  return None
+
+
+def live_chunk(cu_g, c, BT=64):
+  """Whether chunk c lies before aligned_cu[-1] (cu_g: aligned_cu's GMEM ref [N+1]); the chunks at
+  or past it hold no token (the tail of a static-bound layout)."""
+  return c < cu_g[cu_g.shape[0] - 1] // BT
+
+
 def skipping_tail(body, zeros, BT=64, axis="c"):
   """A kernel body taking aligned_cu's GMEM ref [N+1] first: `body(*refs)` on the chunks before
   aligned_cu[-1] (grid axis `axis` is the chunk), `zeros(*refs)` (the outputs' zeros, nothing read)
   on the chunks at or past it, which hold no token (the tail of a static-bound layout)."""
   def wrapped(cu_g, *refs):
-    live = lax.axis_index(axis) < cu_g[cu_g.shape[0] - 1] // BT
+    live = live_chunk(cu_g, lax.axis_index(axis), BT)
     pl.when(live)(lambda: body(*refs))
     pl.when(jnp.logical_not(live))(lambda: zeros(*refs))
   return wrapped
@@ -118,9 +131,9 @@ def with_absent(body, absent):
   return wrapped
 
 
-def zeros(shape, layout=None):
-  """float32 zeros in registers, WGMMA layout (or `layout`)."""
-  return plgpu.layout_cast(jnp.zeros(shape, F32), layout or WG)
+def zeros(shape, layout=None, dtype=F32):
+  """Zeros in registers (float32 unless `dtype`), WGMMA layout (or `layout`)."""
+  return plgpu.layout_cast(jnp.zeros(shape, dtype), layout or WG)
 
 
 def sequence_order(aligned_cu, longest_first=True):

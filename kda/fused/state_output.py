@@ -89,7 +89,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tail_share
-from kda._mosaic_gpu import zeros as _zeros
+from kda._mosaic_gpu import with_absent, zeros as _zeros
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -180,16 +180,13 @@ def _store_rows(stage, dst, row, n):
     b //= 2
 
 
-def _body(*refs, BT, BV, scale, split, stage_o, packed, zero_h0=False, store_final=True):
+def _body(*refs, BT, BV, scale, split, stage_o, packed):
   # GMEM: order [N], cu [N+1] int32; (packed mode) tab [4N+2] int32 (`_packed_table`); kg, w, qg
   # [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16; dec [NTa, HV, K], h0, ht [N, HV, K, V] f32;
-  # o [Ta, HV, V] (aligned mode) or [T, HV, V] (packed mode) f32 or bf16.
+  # o [Ta, HV, V] (aligned mode) or [T, HV, V] (packed mode) f32 or bf16. h0 None: zero (not an
+  # input); ht None: not stored (not an output).
   order_g, cu_g, *refs = refs
   tab_g = refs.pop(0) if packed else None
-  if zero_h0:                  # h0 known to be zero: not an input
-    refs.insert(6, None)
-  if not store_final:          # final state not stored: not an output
-    refs.insert(8, None)
   (kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
    kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars) = refs
   N = order_g.shape[0]
@@ -489,7 +486,11 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
     extra = {}
   sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
   body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split, stage_o=config.stage_o,
-                             packed=packed, zero_h0=zero_h0, store_final=store_final)
+                             packed=packed)
+  base = 3 if packed else 2                  # order, cu (and the packed table) come first
+  absent = [base + 6] * zero_h0 + [base + 8] * (not store_final)   # h0_g, ht_g in _body's refs
+  if absent:
+    body = with_absent(body, absent)
   if packed:                                 # untransformed: TMA stores at any row, of any count
     o_stage = plgpu.SMEM((BT, BV), odt)
   elif config.stage_o:

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, skipping_tail, zeros
+from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, aligned_cu_reason, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_dav import Out
 
@@ -82,9 +82,7 @@ def supports(v_new, Aqk, do, aligned_cu=None, *, chunk_size, **_) -> Optional[st
   for name, x in (("v_new", v_new), ("Aqk", Aqk), ("do", do)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_dav takes floating {name}, got {jnp.dtype(x.dtype).name}"
-  if aligned_cu is not None and (aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer)):
-    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
-  return None
+  return None if aligned_cu is None else aligned_cu_reason(aligned_cu)
 
 
 def takes(v_new, Aqk, do, aligned_cu=None, *, chunk_size, **_) -> Optional[str]:

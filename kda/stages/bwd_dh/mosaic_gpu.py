@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_order, tile_shapes, tail_share
-from kda._mosaic_gpu import with_absent, zeros
+from kda._mosaic_gpu import aligned_cu_reason, live_chunk, with_absent, zeros
 from kda._mosaic_gpu import acc as _acc
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
@@ -117,8 +117,8 @@ def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, c
   for name, x in named:
     if jnp.dtype(x.dtype) not in _DTYPES:
       return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
-  if aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer):
-    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
+  if aligned_cu_reason(aligned_cu):
+    return aligned_cu_reason(aligned_cu)
   N = aligned_cu.shape[0] - 1
   if dht.shape != (N, HV, K, V):
     return f"dht must have shape {(N, HV, K, V)}, got {dht.shape}"
@@ -221,7 +221,7 @@ def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dg
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
-  live = c < cu_g[N] // BT       # chunks at or past aligned_cu[-1]: nothing is read, zeros out
+  live = live_chunk(cu_g, c, BT)   # chunks at or past aligned_cu[-1]: nothing is read, zeros out
 
   @pl.when(live)
   def _():
@@ -242,11 +242,11 @@ def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dg
 
   @pl.when(jnp.logical_not(live))
   def _():
-    zk = plgpu.layout_cast(jnp.zeros((BT, K), F32), WG)
+    zk = zeros((BT, K))
     dqg_g[rows, i_h, :] = zk
     dkg_g[rows, i_h, :] = zk
     dw_g[rows, i_h, :] = zk
-    dgc_g[c, i_h, :] = plgpu.layout_cast(jnp.zeros((K,), F32), ROW)
+    dgc_g[c, i_h, :] = zeros((K,), ROW)
 
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,

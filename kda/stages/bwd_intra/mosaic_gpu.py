@@ -72,7 +72,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, skipping_tail, zeros
+from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_intra import Out
 from kda.stages.gate import exponent
@@ -127,9 +127,7 @@ def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligne
                   ("dq", dq), ("dk", dk), ("dbeta", dbeta), ("dgc", dgc)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
-  if aligned_cu is not None and (aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer)):
-    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
-  return None
+  return None if aligned_cu is None else aligned_cu_reason(aligned_cu)
 
 
 def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,

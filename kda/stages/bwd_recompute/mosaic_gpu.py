@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, ROW, copy_chunk_slabs, last_row
+from kda._mosaic_gpu import BF16, F32, ROW, copy_chunk_slabs, last_row, live_chunk, zeros
 from kda._mosaic_gpu import acc as _acc, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_recompute import Out
 from kda.stages.gate import exponent
@@ -79,12 +79,12 @@ def _wy_body(*refs, nk, nv, skip_tail=False):
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
   if skip_tail:
-    live = c < cu_g[cu_g.shape[0] - 1] // BT
+    live = live_chunk(cu_g, c, BT)
     pl.when(live)(lambda: _wy_compute(h, c, rows, slab, refs, nk, nv))
 
     @pl.when(jnp.logical_not(live))
     def _():
-      z = plgpu.layout_cast(jnp.zeros((BT, SLAB), BF16), plgpu.Layout.WGMMA)
+      z = zeros((BT, SLAB), dtype=BF16)
       for j in range(nk):
         w_s.at[j][...] = z
         q_s.at[j][...] = z

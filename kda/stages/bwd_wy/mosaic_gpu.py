@@ -49,7 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, last_row, skipping_tail, tile_shapes, zeros
+from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, aligned_cu_reason, last_row, skipping_tail, tile_shapes
+from kda._mosaic_gpu import zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -88,9 +89,7 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, a
   for name, x in dict(given, k=k, v=v).items():
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
-  if aligned_cu is not None and (aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer)):
-    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
-  return None
+  return None if aligned_cu is None else aligned_cu_reason(aligned_cu)
 
 
 def takes(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,

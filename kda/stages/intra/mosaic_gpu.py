@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, WG
+from kda._mosaic_gpu import live_chunk
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.gate import exponent
 from kda.stages.intra import Out, to_chunks
@@ -295,7 +296,7 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed):
       k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
       rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
 
-  live = c < cu_g[cu_g.shape[0] - 1] // BT    # chunks past aligned_cu[-1] hold no token
+  live = live_chunk(cu_g, c, BT)              # chunks past aligned_cu[-1] hold no token
   pl.when(live)(compute)
 
   @pl.when(jnp.logical_not(live))
@@ -376,7 +377,7 @@ def _solve_body(cu_g, *refs, packed):
     kd_s[...] = w.astype(BF16)
     v_s[...] = u.astype(BF16)
     plgpu.commit_smem()
-  live = c < cu_g[cu_g.shape[0] - 1] // BT
+  live = live_chunk(cu_g, c, BT)
   pl.when(live)(compute)
 
   @pl.when(jnp.logical_not(live))

@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes, tail_share, with_absent, zeros
+from kda._mosaic_gpu import aligned_cu_reason
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -103,8 +104,8 @@ def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size
                   ("initial_state", initial_state)):
     if jnp.dtype(x.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
       return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
-  if aligned_cu.ndim != 1 or not jnp.issubdtype(aligned_cu.dtype, jnp.integer):
-    return f"aligned_cu must be a 1-D integer array, got {aligned_cu.dtype}{list(aligned_cu.shape)}"
+  if aligned_cu_reason(aligned_cu):
+    return aligned_cu_reason(aligned_cu)
   N = aligned_cu.shape[0] - 1
   if initial_state.shape != (N, HV, K, V):
     return f"initial_state must have shape {(N, HV, K, V)}, got {initial_state.shape}"
