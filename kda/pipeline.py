@@ -49,8 +49,8 @@ def is_hopper(device=None) -> bool:
 # Whether kda.api tells the plan that the initial state is zero (initial_state=None) and that the
 # final state is unused (output_final_state=False), so that the Mosaic GPU state kernels neither
 # read the zero state nor store the unused one (nor the backward walk the zero cotangent and the
-# dropped dh0). Off until those kernel variants have run on an H200.
-ELIDE_ZERO_STATES = False
+# dropped dh0). A switch so that tests and tools.bench can compare both ways.
+ELIDE_ZERO_STATES = True
 
 # Stages whose mosaic_gpu kernel has passed the simulator and the CUDA lowering but not yet
 # tools.gpu_check on an H200: impl=None leaves them out (an explicit impl="mosaic_gpu" runs them).
@@ -164,8 +164,15 @@ def l2norm(x):
   return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
+def scope(name: str):
+  """The name scope of a pipeline piece (kda.<stage>, kda.state+output, ...): XLA's ops and the
+  kernels of that piece carry it in profiles (tools.profile groups the device time by it)."""
+  return jax.named_scope(f"kda.{name}")
+
+
 def _run(plan: Plan, name: str, *args, **kwargs):
-  return stages.get(name)(choose(plan, name, *args, **kwargs), *args, interpret=plan.interpret, **kwargs)
+  with scope(name):
+    return stages.get(name)(choose(plan, name, *args, **kwargs), *args, interpret=plan.interpret, **kwargs)
 
 
 def forward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
@@ -230,15 +237,19 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
   gkw = forward_kwargs(plan, "gate")
   if gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw) is not None:
     return None
-  q, k = _query_keys(plan, q, k, HV)
+  with scope("prepare"):
+    q, k = _query_keys(plan, q, k, HV)
   if intra_mgpu.packed_supports(q, k, v, beta, gi, gi, layout.aligned_cu, rows, **forward_kwargs(plan, "intra")):
     return None
-  gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret, **gkw)
-  it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
-                         two_part=two_part, interpret=plan.interpret, **forward_kwargs(plan, "intra"))
-  o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
-                         scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),
-                         rows=rows, T=layout.T, **plan.state_kwargs())
+  with scope("gate"):
+    gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret, **gkw)
+  with scope("intra"):
+    it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
+                           two_part=two_part, interpret=plan.interpret, **forward_kwargs(plan, "intra"))
+  with scope("state+output"):
+    o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
+                           scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),
+                           rows=rows, T=layout.T, **plan.state_kwargs())
   return o.astype(v.dtype), final_state, {"intra": it}
 
 
@@ -256,7 +267,8 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
     out = packed_forward(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias)
     if out is not None:
       return out
-  q, k, v, g, beta, valid = prepare(plan, layout, q, k, v, g, beta)
+  with scope("prepare"):
+    q, k, v, g, beta, valid = prepare(plan, layout, q, k, v, g, beta)
   inputs = {}
 
   def run(name, *args):
@@ -270,14 +282,16 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
                                            it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:],
                                            chunk_size=plan.chunk_size)
   if fused is not None:        # h and v_new never leave the kernel
-    o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:], scale=plan.scale,
-                           chunk_size=plan.chunk_size, interpret=plan.interpret, out_dtype=o_dtype(v),
-                           **plan.state_kwargs())
+    with scope("state+output"):
+      o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:], scale=plan.scale,
+                             chunk_size=plan.chunk_size, interpret=plan.interpret, out_dtype=o_dtype(v),
+                             **plan.state_kwargs())
   else:
     st = run("state", *state_args)
     ot = run("output", it.qg, st.h, it.Aqk, st.v_new)
     o, final_state = ot.o, st.final_state
-  o = padding.unalign_with(layout, o).astype(v.dtype)
+  with scope("unalign"):
+    o = padding.unalign_with(layout, o).astype(v.dtype)
   records: dict[str, Any] = {"intra": it}          # what saved() reads
   if record:
     records = {"valid": valid, "gate": gt, "intra": it, "state": st, "output": ot, "inputs": inputs}
@@ -339,14 +353,15 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   tokens of no sequence: they are never read. records is as in forward (stage outputs and
   "inputs") when `record` is set, else empty.
   """
-  (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
-  valid = padding.valid_mask(layout)[None]
-  do = padding.align_with(layout, do)       # the transpose of unalign_with; in o's dtype (stages upcast)
+  with scope("prepare"):
+    (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
+    valid = padding.valid_mask(layout)[None]
+    do = padding.align_with(layout, do)       # the transpose of unalign_with; in o's dtype (stages upcast)
   inputs = {}
 
-  def run(name, *args):
+  def run(name, *args, **extra):
     inputs[name] = args
-    return _run(plan, name, *args, **backward_kwargs(plan, name))
+    return _run(plan, name, *args, **backward_kwargs(plan, name), **extra)
 
   rc = run("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
            layout.aligned_cu)
@@ -354,14 +369,21 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
   ds = run("bwd_dh", *dh_args)
+  # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes
+  # (prepare_vjp rounds them there first anyway; the same bits, half the bytes for bf16 inputs).
+  # Record mode keeps float32 stage outputs (what tools.stages and the checks compare).
+  dv_dtype = {} if record else dict(dv_dtype=va.dtype)
+  grad_dtype = {} if record or qa.dtype != ka.dtype else dict(grad_dtype=qa.dtype)
   wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last,
-           layout.aligned_cu)
+           layout.aligned_cu, **dv_dtype)
   dh0 = ds.dh0
-  it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
+  it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu,
+           **grad_dtype)
   gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
-  dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
-      (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
+  with scope("prepare_vjp"):
+    dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
+        (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
   grads = Grads(dq, dk, dv, dg, dbeta, dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
   records: dict[str, Any] = {}
   if record:

@@ -305,14 +305,14 @@ def main(argv=None):
   p.add_argument("--total", type=int, default=TOTAL, help="packed tokens (smaller for a smoke run)")
   p.add_argument("--peer", help="FLA's JSON (fla_bench.py --out, run_peer.sh's fla.json) from the same device run")
   p.add_argument("--jla", help="jax-linear-attention's JSON (run_peer.sh's jla.json) from the same device run")
-  p.add_argument("--elide-states", action="store_true",
-                 help="kda.pipeline.ELIDE_ZERO_STATES on: the state kernels skip the zero initial state "
-                      "and the unused final state (the calls here pass neither)")
+  p.add_argument("--keep-states", action="store_true",
+                 help="kda.pipeline.ELIDE_ZERO_STATES off: the state kernels read the zero initial state "
+                      "and store the unused final state (the calls here pass neither)")
   p.add_argument("--out", help="write results as JSON")
   a = p.parse_args(argv)
-  if a.elide_states:
+  if a.keep_states:
     from kda import pipeline
-    pipeline.ELIDE_ZERO_STATES = True
+    pipeline.ELIDE_ZERO_STATES = False
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   rows, pieces = [], {}
   for var in a.variants.split(","):

@@ -40,11 +40,11 @@ def _variants():
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
   from kda.stages.bwd_wy import mosaic_gpu as wy
   return {"bwd_recompute": {"intra": recompute.Config(wy_from_saved=False),
-                            "skip_tail": recompute.Config(skip_tail=True)},
-          "bwd_dav": {"skip_tail": dav.Config(skip_tail=True)},
+                            "no_skip_tail": recompute.Config(skip_tail=False)},
+          "bwd_dav": {"no_skip_tail": dav.Config(skip_tail=False)},
           "bwd_dh": {"warpgroup": dh.Config(lane_semantics=False)},
-          "bwd_wy": {"skip_tail": wy.Config(skip_tail=True)},
-          "bwd_intra": {"skip_tail": intra.Config(skip_tail=True)}}
+          "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False)},
+          "bwd_intra": {"no_skip_tail": intra.Config(skip_tail=False)}}
 
 
 def _rel(got, want):

@@ -511,7 +511,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
           *bars,
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_state_output", interpret=plgpu.InterpretGPUParams() if interpret else None,
       **extra,
   )
   h0 = () if zero_h0 else (initial_state.astype(F32),)

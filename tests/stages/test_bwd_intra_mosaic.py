@@ -420,3 +420,26 @@ def test_skip_tail_lowers_for_cuda():
   args = _abstract(4096, 2, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+def test_grad_dtype_rounds_dq_dk_alone():
+  """grad_dtype=bfloat16 (what the pipeline passes for bf16 q, k): dq, dk are the float32 ones
+  rounded once, dbeta and dgc the same bits; the reference does the same."""
+  args, _ = make_inputs("K64-HV2-40_64", "ordinary", accumulate=True)
+  scale = 64 ** -0.5
+  plain = jax.block_until_ready(_kernel(scale)(*args))
+  out = jax.block_until_ready(jax.jit(functools.partial(mgb.apply, scale=scale, chunk_size=BT, interpret=True,
+                                                        grad_dtype=BF16))(*args))
+  for name in FIELDS:
+    a, b = getattr(out, name), getattr(plain, name)
+    if name in ("dq", "dk"):
+      assert a.dtype == BF16, name
+      b = b.astype(BF16)
+    np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(b.astype(F32)), name)
+  ref = bwd_intra.reference.apply(*args, scale=scale, chunk_size=BT, grad_dtype=BF16)
+  want = bwd_intra.reference.apply(*args, scale=scale, chunk_size=BT)
+  assert ref.dq.dtype == ref.dk.dtype == BF16 and ref.dgc.dtype == F32
+  np.testing.assert_array_equal(np.asarray(ref.dk.astype(F32)), np.asarray(want.dk.astype(BF16).astype(F32)))
+  txt = jax.jit(functools.partial(mgb.apply, scale=0.125, chunk_size=BT, grad_dtype=BF16)).trace(
+      *_abstract(4096, 2, 128)).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1

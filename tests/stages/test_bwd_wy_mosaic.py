@@ -286,3 +286,22 @@ def test_skip_tail_lowers_for_cuda():
   args = _abstract(4096, 2, 128, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+def test_dv_dtype_rounds_dv_alone():
+  """dv_dtype=bfloat16 (what the pipeline passes for bf16 v): dv is float32 dv rounded once, every
+  other output the same bits; the reference does the same."""
+  args, _, got, want = run_case("K64-V64-HV2-40_64", "ordinary")
+  out = jax.block_until_ready(jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
+                                                        dv_dtype=BF16))(*args))
+  assert out.dv.dtype == BF16 and got.dv.dtype == F32
+  np.testing.assert_array_equal(np.asarray(out.dv.astype(F32)), np.asarray(got.dv.astype(BF16).astype(F32)))
+  for name in FIELDS:
+    if name != "dv":
+      np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(got, name)), name)
+  ref = bwd_wy.reference.apply(*args, chunk_size=BT, dv_dtype=BF16)
+  assert ref.dv.dtype == BF16
+  np.testing.assert_array_equal(np.asarray(ref.dv.astype(F32)), np.asarray(want.dv.astype(BF16).astype(F32)))
+  txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, dv_dtype=BF16)).trace(
+      *_abstract(4096, 2, 128, 128)).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1

@@ -59,8 +59,8 @@ BT = 64
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Switches of the bwd_dav kernel."""
-  # chunks at or past aligned_cu[-1] (given): zeros out, nothing read. Off until run on an H200.
-  skip_tail: bool = False
+  # chunks at or past aligned_cu[-1] (given): zeros out, nothing read
+  skip_tail: bool = True
 
 
 def supports(v_new, Aqk, do, aligned_cu=None, *, chunk_size, **_) -> Optional[str]:
@@ -158,7 +158,7 @@ def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False):
       out_type=(out((Ta, HV, BT)), out((Ta, HV, V))),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=scratch,
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_bwd_dav", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 

@@ -299,7 +299,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
           plgpu.Barrier(num_arrivals=6, num_barriers=2),
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=interp,
+      kernel_name="kda_bwd_dh_walk", interpret=interp,
   )
   *dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, *(() if dht_zero else (dht.astype(F32),)))
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
@@ -319,7 +319,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
           plgpu.Barrier(num_arrivals=4 * nv),
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=interp,
+      kernel_name="kda_bwd_dh_terms", interpret=interp,
   )
   dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, sdo, du, decay)
   return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])

@@ -193,7 +193,7 @@ def apply(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_ke
              plgpu.SMEM((BT, COLS), F32), plgpu.Barrier(num_arrivals=4)]
   f = plgpu.kernel(body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
                    scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-                   interpret=plgpu.InterpretGPUParams() if interpret else None)
+                   kernel_name="kda_bwd_gate", interpret=plgpu.InterpretGPUParams() if interpret else None)
   dg, *parts = f(*args)
   dg = dg[:, :C].reshape(1, Ta, HV, K)
   ddt_bias = jnp.sum(parts.pop(0)[:, :C], axis=0) if has_bias else None

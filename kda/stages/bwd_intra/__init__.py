@@ -24,7 +24,8 @@ In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (
      and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators), aligned_cu [N+1]
      int32 (optional: an implementation may skip the chunks at or past aligned_cu[-1], where this
      stage adds nothing).
-Out: dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV]: the accumulators plus this stage's terms; float32.
+Out: dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV]: the accumulators plus this stage's terms; float32,
+     dq and dk in `grad_dtype` where given (the pipeline passes q's: the final gradients, rounded once).
 Padding: q = k = beta = 0 at padding tokens, so every term that carries a padding token's q or k is 0;
 what lands on padding rows (dk, dbeta) is dropped by the padding layer.
 """
@@ -40,8 +41,8 @@ NAME = "bwd_intra"
 
 
 class Out(NamedTuple):
-  dq: jax.Array     # [1, Ta, HV, K] float32
-  dk: jax.Array     # [1, Ta, HV, K] float32
+  dq: jax.Array     # [1, Ta, HV, K] float32 (or grad_dtype)
+  dk: jax.Array     # [1, Ta, HV, K] float32 (or grad_dtype)
   dbeta: jax.Array  # [1, Ta, HV] float32
   dgc: jax.Array    # [1, Ta, HV, K] float32
 

@@ -90,8 +90,8 @@ class Config:
   bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
   # chunks at or past aligned_cu[-1] (given): the accumulators copied, nothing else read (no token
-  # there, so no term). Off until run on an H200.
-  skip_tail: bool = False
+  # there, so no term)
+  skip_tail: bool = True
 
   def __post_init__(self):
     if self.bounded not in ("auto", "never"):
@@ -233,8 +233,8 @@ def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
     d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
     bG = beta * G
     at = lambda ref: ref.at[rows, i_h, cols]
-    oq_g[rows, i_h, cols] = _load(at(aq_g)) + (P + d * kx)
-    ok_g[rows, i_h, cols] = _load(at(ak_g)) + (W + d * qx + bG)
+    oq_g[rows, i_h, cols] = (_load(at(aq_g)) + (P + d * kx)).astype(oq_g.dtype)
+    ok_g[rows, i_h, cols] = (_load(at(ak_g)) + (W + d * qx + bG)).astype(ok_g.dtype)
     og_g[rows, i_h, cols] = _load(at(ag_g)) + (qx * P - kx * W + kx * bG)
     odb_g[s, i_h, rows] = jnp.sum(kx * G, axis=1)
 
@@ -253,11 +253,11 @@ def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, o
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
   for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g), (ag_g, og_g)):
-    o_g[rows, i_h, cols] = _load(a_g.at[rows, i_h, cols])
+    o_g[rows, i_h, cols] = _load(a_g.at[rows, i_h, cols]).astype(o_g.dtype)
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 
-def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False):
+def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32):
   nslab = K // SLAB
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
   body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto")
@@ -265,7 +265,8 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False):
     body = skipping_tail(body, _tail)
   return plgpu.kernel(
       body,
-      out_type=(out((Ta, HV, K)), out((Ta, HV, K)), out((Ta, HV, K)), out((nslab, HV, Ta))),
+      out_type=(jax.ShapeDtypeStruct((Ta, HV, K), grad_dtype), jax.ShapeDtypeStruct((Ta, HV, K), grad_dtype),
+                out((Ta, HV, K)), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
       scratch_types=[
           *[_swz((BT, SLAB)) for _ in range(8)],            # q, k, dA split, k er split, x split
@@ -273,14 +274,15 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False):
           plgpu.Barrier(num_arrivals=4),
       ],
       compiler_params=plgpu.CompilerParams(approx_math=config.approx_math),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_bwd_intra", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
-          interpret=False, config=None):
+          grad_dtype=None, interpret=False, config=None):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
-  past aligned_cu[-1] get the accumulators back without anything else read."""
+  past aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
+  dk's dtype (float32 unless given; the kernel rounds them there, as the pipeline would after)."""
   config = config or Config()
   reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
                     chunk_size=chunk_size)
@@ -291,7 +293,8 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   q, k = (x[0].astype(BF16) for x in (q, k))
   beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
   skip = config.skip_tail and aligned_cu is not None
-  f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip)
+  f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
+              grad_dtype=jnp.dtype(grad_dtype or F32))
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   if config.bounded == "auto":
     flag = bounded_levels(gc_int, gc_frac)        # [HV * NTa]: 5, 4 or 0 (six exact levels)

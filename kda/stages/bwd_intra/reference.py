@@ -10,8 +10,10 @@ from kda.stages.intra import from_chunks, pair_decay, to_chunks
 HI = lax.Precision.HIGHEST
 
 
-def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size):
-  """aligned_cu is not used: every chunk is computed (no token at the tail, so no term there)."""
+def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
+          grad_dtype=None):
+  """aligned_cu is not used: every chunk is computed (no token at the tail, so no term there).
+  grad_dtype: dq's and dk's dtype (float32 unless given)."""
   del aligned_cu
   f32 = jnp.float32
   q, k, beta, gi, gf, dAqk, dAkk = (to_chunks(x.astype(f32), chunk_size)
@@ -31,4 +33,5 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   dbeta_t = jnp.sum(k * G, -1)
   dgc_t = q * dqAs - k * dkAs + k * dkK1 - k * dkK2
   add = lambda acc, x: acc.astype(f32) + from_chunks(x)
-  return Out(add(dq, dq_t), add(dk, dk_t), add(dbeta, dbeta_t), add(dgc, dgc_t))
+  out = lambda acc, x: add(acc, x).astype(grad_dtype or f32)
+  return Out(out(dq, dq_t), out(dk, dk_t), add(dbeta, dbeta_t), add(dgc, dgc_t))

@@ -49,9 +49,8 @@ class Config:
   """Switches of the bwd_recompute composition."""
   wy_from_saved: bool = True    # w, u, qg, kg from the saved Ainv (one kernel) instead of the intra kernels
   approx_math: bool = True      # the wy kernel's exp: Mosaic GPU's ex2.approx (~2^-22 relative)
-  # the wy kernel stores zeros at the chunks at or past aligned_cu[-1], reading nothing of them.
-  # Off until run on an H200.
-  skip_tail: bool = False
+  # the wy kernel stores zeros at the chunks at or past aligned_cu[-1], reading nothing of them
+  skip_tail: bool = True
 
 
 def takes(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
@@ -144,7 +143,7 @@ def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False):
                      _swz((BT, SLAB)), _swz((BT, SLAB)),                                 # split operand
                      plgpu.Barrier(num_arrivals=2 * nk + nv + 1)],
       compiler_params=plgpu.CompilerParams(approx_math=approx_math),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_bwd_recompute_wy", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 

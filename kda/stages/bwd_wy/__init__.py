@@ -31,7 +31,7 @@ In:  q, k [1, Ta, HV, K], v [1, Ta, HV, V], beta [1, Ta, HV], gc_int, gc_frac [1
      dgc_last [1, NTa, HV, K] f32, aligned_cu [N+1] int32 (optional: an implementation may skip
      the chunks at or past aligned_cu[-1], whose outputs are 0).
 Out: dq, dk, dgc, dg_state [1, Ta, HV, K], dv [1, Ta, HV, V], dbeta [1, Ta, HV], dAkk [1, Ta, HV, BT];
-     float32.
+     float32, dv in `dv_dtype` where given (the pipeline passes v's: the final gradient, rounded once).
 Padding: q = k = v = beta = 0 and du = 0 at padding tokens (do = 0 there), so dq, dk's WY part, dv,
 dbeta are 0 there; dg_state is nonzero at padding rows (bwd_gate drops it there).
 """

@@ -63,8 +63,8 @@ SLAB = 64                  # columns per tile
 class Config:
   """Switches of the bwd_wy kernel."""
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
-  # chunks at or past aligned_cu[-1] (given): zeros out, nothing read. Off until run on an H200.
-  skip_tail: bool = False
+  # chunks at or past aligned_cu[-1] (given): zeros out, nothing read
+  skip_tail: bool = True
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
@@ -142,7 +142,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     put(_load(at(du_g, j)), t0, t1)                          # du
     dvb = _acc([(aT, t0), (aT, t1)], shape)
     vx = _load(v_s.at[j]).astype(F32)
-    ov_g[rows, h, slab(j)] = dvb * beta
+    ov_g[rows, h, slab(j)] = (dvb * beta).astype(ov_g.dtype)
     dbeta.append(jnp.sum(dvb * vx, axis=1))
     put(beta * vx, t2, t3)                                   # vb
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
@@ -181,7 +181,7 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   slab = lambda j: pl.ds(j * SLAB, SLAB)
   z = zeros((BT, SLAB))
   for j in range(nv):
-    ov_g[rows, h, slab(j)] = z
+    ov_g[rows, h, slab(j)] = z.astype(ov_g.dtype)
   for j in range(nk):
     for o_g in (oq_g, ok_g, og_g, ogs_g):
       o_g[rows, h, slab(j)] = z
@@ -190,15 +190,16 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False):
+def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
   body = functools.partial(_body, nk=nk, nv=nv)
+  dv_type = jax.ShapeDtypeStruct((Ta, HV, V), dv_dtype)
   if skip_tail:
     body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv))
   return plgpu.kernel(
       body,
-      out_type=(out(Ta, HV, K), out(Ta, HV, K), out(Ta, HV, V), out(HV, Ta), out(Ta, HV, K),
+      out_type=(out(Ta, HV, K), out(Ta, HV, K), dv_type, out(HV, Ta), out(Ta, HV, K),
                 out(Ta, HV, K), out(Ta, HV, BT)),          # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
@@ -209,14 +210,15 @@ def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False):
           plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
       ],
       compiler_params=plgpu.CompilerParams(approx_math=config.approx_math),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_bwd_wy", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
-          interpret=False, config=None):
+          dv_dtype=None, interpret=False, config=None):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
-  past aligned_cu[-1] get zeros without being read."""
+  past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
+  kernel rounds it there, as the pipeline would right after)."""
   reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
                     chunk_size=chunk_size)
   if reason is not None:
@@ -227,7 +229,8 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
   skip = config.skip_tail and aligned_cu is not None
-  f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, skip_tail=skip)
+  f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, skip_tail=skip,
+              dv_dtype=jnp.dtype(dv_dtype or F32))
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
       *cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),

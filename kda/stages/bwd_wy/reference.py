@@ -10,8 +10,10 @@ from kda.stages.intra import chunk_decays, from_chunks, to_chunks
 HI = lax.Precision.HIGHEST
 
 
-def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size):
-  """aligned_cu is not used: every chunk is computed (the tail's inputs are zeros, so its outputs are)."""
+def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
+          dv_dtype=None):
+  """aligned_cu is not used: every chunk is computed (the tail's inputs are zeros, so its outputs are).
+  dv_dtype: dv's dtype (float32 unless given)."""
   del aligned_cu
   f32 = jnp.float32
   BT = chunk_size
@@ -37,4 +39,5 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   x = dkg * kg
   before = jnp.cumsum(jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1), axis=1)   # s < t
   dg_state = before + dgc_last[0].astype(f32)[:, None]
+  dv = dv.astype(dv_dtype or f32)
   return Out(*(from_chunks(x) for x in (dq, dk, dv, dbeta, dgc, dg_state, dAkk)))

@@ -286,7 +286,7 @@ def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, dtype, use_gate_in_kernel, 
   f = plgpu.kernel(
       body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
       scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)
+      kernel_name="kda_gate", interpret=plgpu.InterpretGPUParams() if interpret else None)
   return f(*args)
 
 

@@ -420,7 +420,7 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
           plgpu.Barrier(num_arrivals=2 + len(gis)),
       ],
       compiler_params=_params(config),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_intra_scores", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return f(cu, flag, *(() if rows is None else rows), q, k, beta_t, *gis)
 
@@ -441,7 +441,7 @@ def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config):
           plgpu.Barrier(num_arrivals=4 if packed else 5),
       ],
       compiler_params=_params(config),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_intra_solve", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return f(cu, *(() if rows is None else rows), akh, akl, kd, v, beta_t)
 

@@ -192,6 +192,6 @@ def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None)
           plgpu.Barrier(num_arrivals=4, num_barriers=slots),
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_output", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return Out(f(qg, h, Aqk, v_new)[None])

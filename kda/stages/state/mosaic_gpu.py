@@ -273,7 +273,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
           plgpu.Barrier(num_arrivals=4, num_barriers=2),
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_state", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   h0 = () if zero_h0 else (initial_state.astype(F32),)
   h, v_new, *final = f(order, aligned_cu, kg, w, u, decay, *h0)

@@ -1,0 +1,192 @@
+"""python -m tools.profile: where the device time of one kda.chunk_kda call goes, by pipeline piece.
+
+Runs the forward (and forward+backward) of tools.bench's shapes under jax.profiler, reads the
+trace's device events, and sums their time per call by the piece they belong to: the name scope
+kda.pipeline gives each piece (kda.gate, kda.intra, kda.state+output, kda.bwd_intra, kda.prepare,
+...), read from the compiled HLO's op metadata; events of no kda scope are XLA's own (e.g. the
+custom VJP's cotangent plumbing). The Mosaic GPU kernels are also named (kda_<stage>...), so a kernel
+is attributed even where its HLO op is not in the trace (inside a CUDA graph: XLA's command buffers
+are turned off here unless --command-buffers, so wall times may differ a little from tools.bench's).
+Prints, per variant: the median wall time
+of a call (medians of --reps), the device busy time per call, compile seconds (lower + compile), XLA's
+temporary and output MiB, a table per piece and the largest ops.
+
+  python -m tools.profile [--variants A:plain,B:plain] [--reps 5] [--no-bwd] [--total 32768]
+      [--impl auto] [--dir /tmp/kda-profile] [--command-buffers] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import kda
+from tools import bench
+
+SCOPE = re.compile(r"kda\.([\w+]+)")
+INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+KERNEL_PREFIX = "kda_"
+
+
+def hlo_scopes(hlo_text: str) -> dict[str, str]:
+  """Compiled HLO text -> {instruction name: the kda piece in its op_name metadata} (the innermost
+  kda.<piece> scope; instructions of no kda scope are left out)."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = INSTR.match(line)
+    if m:
+      found = SCOPE.findall(m.group(2))
+      if found:
+        out[m.group(1)] = found[-1]
+  return out
+
+
+def kernel_piece(name: str) -> str | None:
+  """The piece of a kda Mosaic GPU kernel from its CUDA name (kda_bwd_intra... -> bwd_intra), else None."""
+  i = name.find(KERNEL_PREFIX)
+  if i < 0:
+    return None
+  rest = name[i + len(KERNEL_PREFIX):]
+  for piece in ("state_output", "bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate",
+                "gate", "intra", "state", "output"):
+    if rest.startswith(piece):
+      return "state+output" if piece == "state_output" else piece
+  return None
+
+
+def device_events(logdir: str):
+  """The newest trace under logdir -> (events [(name, dur_us, args)], thread names used). Device
+  events are those of a process named like a GPU; of its threads the CUDA streams where there are
+  any (the other lines repeat the same kernels as XLA ops / modules)."""
+  paths = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+  if not paths:
+    raise FileNotFoundError(f"no *.trace.json.gz under {logdir}")
+  with gzip.open(paths[-1]) as fh:
+    data = json.load(fh)
+  ev = data["traceEvents"] if isinstance(data, dict) else data
+  procs = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  gpu = {p for p, n in procs.items() if "GPU" in n.upper()}
+  if not gpu:          # a CPU run (smoke test): the host's XLA threads
+    gpu = set(procs)
+  on = {key for key in threads if key[0] in gpu}
+  streams = {key for key in on if threads[key].lower().startswith("stream")}
+  use = streams or {key for key in on if not any(s in threads[key] for s in ("XLA Modules", "Steps", "python"))}
+  out = [(e.get("name", "?"), float(e.get("dur", 0.0)), e.get("args") or {})
+         for e in ev if e.get("ph") == "X" and (e["pid"], e.get("tid")) in use]
+  return out, sorted({threads[k] for k in use})
+
+
+def attribute(events, scopes, calls):
+  """-> ({piece: ms per call}, [(op, piece, ms per call, count per call)] largest first)."""
+  by_piece, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
+  piece_of = {}
+  for name, dur, args in events:
+    op = args.get("hlo_op") or args.get("long_name") or name
+    op = str(op).split(" ")[0].lstrip("%")
+    piece = scopes.get(op) or kernel_piece(name) or kernel_piece(str(args.get("kernel_details", "")))
+    piece = piece or "(no kda scope)"
+    key = f"{name[:60]} [{op[:40]}]" if op != name else name[:100]
+    by_piece[piece] += dur
+    by_op[key] += dur
+    count[key] += 1
+    piece_of[key] = piece
+  ms = lambda us: us / 1e3 / calls
+  ops = [(k, piece_of[k], ms(v), count[k] / calls) for k, v in by_op.most_common()]
+  return {p: ms(v) for p, v in by_piece.most_common()}, ops
+
+
+def profile_one(name, gate, impl, reps, do_bwd, total, logdir):
+  args, kw, do = bench.make_inputs(name, gate, total=total)
+  impl = None if impl == "auto" else impl
+  diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
+  static_kw = {k: v for k, v in kw.items() if k not in diff_kw}
+
+  def fwd(q, k, v, g, beta, dk):
+    return kda.chunk_kda(q, k, v, g, beta, impl=impl, **static_kw, **dk)[0]
+
+  def loss(q, k, v, g, beta, dk):
+    return jnp.sum(fwd(q, k, v, g, beta, dk).astype(jnp.float32) * do.astype(jnp.float32))
+
+  fns = {"fwd": jax.jit(fwd)}
+  if do_bwd:
+    # value_and_grad: the loss needs o, so the forward's output kernels run as in a training step
+    # (jax.grad of this linear loss, as tools.bench and the jax peer time it, lets XLA drop them)
+    fns["fwdbwd"] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
+  out = {}
+  for label, f in fns.items():
+    t0 = time.perf_counter()
+    compiled = f.lower(*args, diff_kw).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    scopes = hlo_scopes(compiled.as_text())
+    wall = bench.timeit(compiled, *args, diff_kw, reps=reps)
+    d = os.path.join(logdir, f"{name}-{gate}-{label}")
+    jax.block_until_ready(compiled(*args, diff_kw))
+    with jax.profiler.trace(d):
+      for _ in range(reps):
+        jax.block_until_ready(compiled(*args, diff_kw))
+    events, threads = device_events(d)
+    pieces, ops = attribute(events, scopes, reps)
+    out[label] = {"wall_ms": wall, "device_ms": sum(pieces.values()), "compile_s": compile_s,
+                  "temp_mb": getattr(mem, "temp_size_in_bytes", 0) / 2**20,
+                  "out_mb": getattr(mem, "output_size_in_bytes", 0) / 2**20, "pieces_ms": pieces,
+                  "top_ops": ops[:25], "threads": threads, "scoped_instructions": len(scopes)}
+  return out
+
+
+def report(key, r) -> str:
+  lines = []
+  for label, x in r.items():
+    lines.append(f"{key} {label}: wall {x['wall_ms']:.3f} ms, device busy {x['device_ms']:.3f} ms per call, "
+                 f"compile {x['compile_s']:.1f} s, XLA temp {x['temp_mb']:.0f} MiB + outputs {x['out_mb']:.0f} MiB "
+                 f"(threads: {', '.join(x['threads'])[:120]})")
+    for p, ms in x["pieces_ms"].items():
+      lines.append(f"  {p:24s} {ms:8.3f} ms")
+    lines.append("  largest ops (ms per call, launches per call):")
+    for op, p, ms, n in x["top_ops"][:15]:
+      lines.append(f"    {ms:8.3f} {n:5.1f}x  {p:16s} {op}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--variants", default="A:plain,B:plain", help="shape:gate pairs (tools.bench's)")
+  p.add_argument("--impl", default="auto", help="auto (impl=None), mosaic_gpu, pallas or reference")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--no-bwd", action="store_true")
+  p.add_argument("--total", type=int, default=bench.TOTAL)
+  p.add_argument("--dir", default="/tmp/kda-profile", help="where the traces go")
+  p.add_argument("--command-buffers", action="store_true",
+                 help="keep XLA's CUDA command buffers (graphs): then the trace names the graph, not the "
+                      "HLO op, and only the kda kernels are attributed by name; by default they are off here")
+  p.add_argument("--out", help="write the results as JSON")
+  a = p.parse_args(argv)
+  if not a.command_buffers:     # read when the GPU client starts: before the first device query
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+  if a.reps < 1:
+    p.error(f"--reps must be >= 1, got {a.reps}")
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  results = {}
+  for var in a.variants.split(","):
+    name, gate = var.split(":")
+    results[var] = profile_one(name, gate, a.impl, a.reps, not a.no_bwd, a.total, a.dir)
+    print(report(var, results[var]), flush=True)
+  if a.out:
+    with open(a.out, "w") as fh:
+      json.dump(results, fh, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
