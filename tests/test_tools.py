@@ -253,3 +253,31 @@ def test_bench_packed_pieces_compose_to_the_forward():
   f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
   assert np.abs(f32(o) - f32(want)).max() <= 2 ** -8 * np.abs(f32(want)).max()
   np.testing.assert_allclose(f32(final), f32(want_final), rtol=1e-5, atol=1e-6)
+
+
+def test_profile_attributes_device_time_to_pipeline_pieces():
+  """tools.profile's parts: the kda.<piece> scopes of the compiled HLO (the innermost wins), the
+  kernel names' pieces, and the per-call sums (events of no scope counted apart)."""
+  from tools import profile
+
+  def f(x):
+    with pipeline.scope("intra"):
+      y = jnp.sin(x) * 3.0
+    with pipeline.scope("bwd_dh"):
+      with pipeline.scope("state+output"):
+        y = jnp.cos(y) @ y
+    return y
+
+  text = jax.jit(f).lower(jnp.ones((8, 8))).compile().as_text()
+  scopes = profile.hlo_scopes(text)
+  assert set(scopes.values()) <= {"intra", "state+output"} and "state+output" in scopes.values(), scopes
+  assert profile.kernel_piece("kda_bwd_intra_mosaic_gpu_kernel") == "bwd_intra"
+  assert profile.kernel_piece("kda_state_output_mosaic_gpu_kernel") == "state+output"
+  assert profile.kernel_piece("kda_intra_solve_mosaic_gpu_kernel") == "intra"
+  assert profile.kernel_piece("loop_add_fusion") is None
+  op = next(iter(scopes))
+  events = [(op, 30.0, {}), ("kda_bwd_wy_mosaic_gpu_kernel", 50.0, {"hlo_op": "command_buffer_3"}),
+            ("loop_add_fusion", 10.0, {"hlo_op": "loop_add_fusion"}), ("kda_bwd_wy_mosaic_gpu_kernel", 50.0, {})]
+  pieces, ops = profile.attribute(events, scopes, calls=2)
+  assert pieces == {"bwd_wy": 0.05, scopes[op]: 0.015, "(no kda scope)": 0.005}, pieces
+  assert ops[0][1] == "bwd_wy" and ops[0][2] == 0.025 and ops[0][3] == 0.5
