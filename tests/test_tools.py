@@ -271,6 +271,9 @@ def test_profile_attributes_device_time_to_pipeline_pieces():
   text = jax.jit(f).lower(jnp.ones((8, 8))).compile().as_text()
   scopes = profile.hlo_scopes(text)
   assert set(scopes.values()) <= {"intra", "state+output"} and "state+output" in scopes.values(), scopes
+  assert profile.scope_of("jit(f)/transpose(jvp(kda.prepare))/jit(_take)/gather") == "prepare (vjp)"
+  assert profile.scope_of("jit(f)/jvp(kda.bwd_dh)/kda.state+output/dot") == "state+output"
+  assert profile.scope_of("jit(f)/mul") is None
   assert profile.kernel_piece("kda_bwd_intra_mosaic_gpu_kernel") == "bwd_intra"
   assert profile.kernel_piece("kda_state_output_mosaic_gpu_kernel") == "state+output"
   assert profile.kernel_piece("kda_intra_solve_mosaic_gpu_kernel") == "intra"

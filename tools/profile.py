@@ -37,16 +37,24 @@ INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=
 KERNEL_PREFIX = "kda_"
 
 
+def scope_of(op_name: str) -> str | None:
+  """The innermost kda.<piece> scope of an op_name ("jit(f)/jvp(kda.intra)/mul" -> "intra"), with
+  " (vjp)" where JAX made the op transposing that piece ("transpose(jvp(kda.prepare))/..."), else None."""
+  for part in reversed(op_name.split("/")):
+    found = SCOPE.findall(part)
+    if found:
+      return found[-1] + (" (vjp)" if part.startswith("transpose(") else "")
+  return None
+
+
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
-  """Compiled HLO text -> {instruction name: the kda piece in its op_name metadata} (the innermost
-  kda.<piece> scope; instructions of no kda scope are left out)."""
+  """Compiled HLO text -> {instruction name: scope_of its op_name metadata} (instructions of no kda
+  scope are left out)."""
   out = {}
   for line in hlo_text.splitlines():
     m = INSTR.match(line)
-    if m:
-      found = SCOPE.findall(m.group(2))
-      if found:
-        out[m.group(1)] = found[-1]
+    if m and (piece := scope_of(m.group(2))):
+      out[m.group(1)] = piece
   return out
 
 
