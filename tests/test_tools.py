@@ -284,3 +284,8 @@ def test_profile_attributes_device_time_to_pipeline_pieces():
   pieces, ops = profile.attribute(events, scopes, calls=2)
   assert pieces == {"bwd_wy": 0.05, scopes[op]: 0.015, "(no kda scope)": 0.005}, pieces
   assert ops[0][1] == "bwd_wy" and ops[0][2] == 0.025 and ops[0][3] == 0.5
+  # idle time: two overlapping events, then a 5 us and a 20 us gap, over two calls
+  timed = [("a", 10.0, {}, 0.0), ("b", 4.0, {}, 2.0), ("c", 5.0, {}, 15.0), ("d", 1.0, {}, 40.0)]
+  span, idle_ms, gaps = profile.idle(timed, calls=2)
+  assert span == 41.0 / 1e3 / 2 and idle_ms == 25.0 / 1e3 / 2
+  assert gaps == [(20.0, "c", "d"), (5.0, "a", "c")]

@@ -8,8 +8,9 @@ custom VJP's cotangent plumbing). The Mosaic GPU kernels are also named (kda_<st
 is attributed even where its HLO op is not in the trace (inside a CUDA graph: XLA's command buffers
 are turned off here unless --command-buffers, so wall times may differ a little from tools.bench's).
 Prints, per variant: the median wall time
-of a call (medians of --reps), the device busy time per call, compile seconds (lower + compile), XLA's
-temporary and output MiB, a table per piece and the largest ops.
+of a call (medians of --reps), the device busy time per call, the device's span and idle time per
+call with its largest gaps (the profiled calls are dispatched back to back), compile seconds (lower +
+compile), XLA's temporary and output MiB, a table per piece and the largest ops.
 
   python -m tools.profile [--variants A:plain,B:plain] [--reps 5] [--no-bwd] [--total 32768]
       [--impl auto] [--dir /tmp/kda-profile] [--command-buffers] [--out FILE.json]
@@ -72,7 +73,7 @@ def kernel_piece(name: str) -> str | None:
 
 
 def device_events(logdir: str):
-  """The newest trace under logdir -> (events [(name, dur_us, args)], thread names used). Device
+  """The newest trace under logdir -> (events [(name, dur_us, args, ts_us)], thread names used). Device
   events are those of a process named like a GPU; of its threads the CUDA streams where there are
   any (the other lines repeat the same kernels as XLA ops / modules)."""
   paths = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
@@ -90,7 +91,7 @@ def device_events(logdir: str):
   on = {key for key in threads if key[0] in gpu}
   streams = {key for key in on if threads[key].lower().startswith("stream")}
   use = streams or {key for key in on if not any(s in threads[key] for s in ("XLA Modules", "Steps", "python"))}
-  out = [(e.get("name", "?"), float(e.get("dur", 0.0)), e.get("args") or {})
+  out = [(e.get("name", "?"), float(e.get("dur", 0.0)), e.get("args") or {}, float(e.get("ts", 0.0)))
          for e in ev if e.get("ph") == "X" and (e["pid"], e.get("tid")) in use]
   return out, sorted({threads[k] for k in use})
 
@@ -99,7 +100,7 @@ def attribute(events, scopes, calls):
   """-> ({piece: ms per call}, [(op, piece, ms per call, count per call)] largest first)."""
   by_piece, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
   piece_of = {}
-  for name, dur, args in events:
+  for name, dur, args, *_ in events:
     op = args.get("hlo_op") or args.get("long_name") or name
     op = str(op).split(" ")[0].lstrip("%")
     piece = scopes.get(op) or kernel_piece(name) or kernel_piece(str(args.get("kernel_details", "")))
@@ -112,6 +113,24 @@ def attribute(events, scopes, calls):
   ms = lambda us: us / 1e3 / calls
   ops = [(k, piece_of[k], ms(v), count[k] / calls) for k, v in by_op.most_common()]
   return {p: ms(v) for p, v in by_piece.most_common()}, ops
+
+
+def idle(events, calls, top=6):
+  """The device's idle time between its events (calls dispatched back to back, so what is idle is
+  inside or between calls without a host round trip in the way) -> (span ms per call, idle ms per
+  call, the `top` largest gaps [(us, event before, event after)])."""
+  evs = sorted(events, key=lambda e: e[3])
+  if not evs:
+    return 0.0, 0.0, []
+  gaps, end, prev = [], evs[0][3] + evs[0][1], evs[0][0]
+  for name, dur, _, ts in evs[1:]:
+    if ts > end:
+      gaps.append((ts - end, prev, name))
+    if ts + dur >= end:
+      end, prev = ts + dur, name
+  span = end - evs[0][3]
+  gaps.sort(key=lambda g: -g[0])
+  return span / 1e3 / calls, sum(g[0] for g in gaps) / 1e3 / calls, gaps[:top]
 
 
 def profile_one(name, gate, impl, reps, do_bwd, total, logdir):
@@ -141,15 +160,19 @@ def profile_one(name, gate, impl, reps, do_bwd, total, logdir):
     wall = bench.timeit(compiled, *args, diff_kw, reps=reps)
     d = os.path.join(logdir, f"{name}-{gate}-{label}")
     jax.block_until_ready(compiled(*args, diff_kw))
-    with jax.profiler.trace(d):
+    with jax.profiler.trace(d):      # back to back: the device never waits for the host's loop
+      res = None
       for _ in range(reps):
-        jax.block_until_ready(compiled(*args, diff_kw))
+        res = compiled(*args, diff_kw)
+      jax.block_until_ready(res)
     events, threads = device_events(d)
     pieces, ops = attribute(events, scopes, reps)
+    span, idle_ms, gaps = idle(events, reps)
     out[label] = {"wall_ms": wall, "device_ms": sum(pieces.values()), "compile_s": compile_s,
                   "temp_mb": getattr(mem, "temp_size_in_bytes", 0) / 2**20,
                   "out_mb": getattr(mem, "output_size_in_bytes", 0) / 2**20, "pieces_ms": pieces,
-                  "top_ops": ops[:25], "threads": threads, "scoped_instructions": len(scopes)}
+                  "top_ops": ops[:25], "threads": threads, "scoped_instructions": len(scopes),
+                  "span_ms": span, "idle_ms": idle_ms, "largest_gaps_us": gaps}
   return out
 
 
@@ -159,6 +182,9 @@ def report(key, r) -> str:
     lines.append(f"{key} {label}: wall {x['wall_ms']:.3f} ms, device busy {x['device_ms']:.3f} ms per call, "
                  f"compile {x['compile_s']:.1f} s, XLA temp {x['temp_mb']:.0f} MiB + outputs {x['out_mb']:.0f} MiB "
                  f"(threads: {', '.join(x['threads'])[:120]})")
+    lines.append(f"  device span {x['span_ms']:.3f} ms per call, idle {x['idle_ms']:.3f} ms; largest gaps (us):")
+    for us, before, after in x["largest_gaps_us"]:
+      lines.append(f"    {us:8.1f}  {before[:50]} -> {after[:50]}")
     for p, ms in x["pieces_ms"].items():
       lines.append(f"  {p:24s} {ms:8.3f} ms")
     lines.append("  largest ops (ms per call, launches per call):")
