@@ -225,6 +225,7 @@ def test_bench_backward_pieces():
   assert set(pieces) == want and all(ms > 0 for ms in pieces.values())
 
 
+@pytest.mark.large      # ~13 s in the simulator (CI budget); the packed group itself is tested in test_pipeline
 def test_bench_packed_pieces_compose_to_the_forward():
   """tools.bench's packed-group pieces (the GPU default's, simulator here) give chunk_kda's o and
   final state when chained."""
