@@ -13,7 +13,7 @@ call with its largest gaps (the profiled calls are dispatched back to back), com
 compile), XLA's temporary and output MiB, a table per piece and the largest ops.
 
   python -m tools.profile [--variants A:plain,B:plain] [--reps 5] [--no-bwd] [--total 32768]
-      [--impl auto] [--dir /tmp/kda-profile] [--command-buffers] [--out FILE.json]
+      [--impl auto] [--dir /tmp/kda-profile] [--command-buffers] [--hlo-dir DIR] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def idle(events, calls, top=6):
   return span / 1e3 / calls, sum(g[0] for g in gaps) / 1e3 / calls, gaps[:top]
 
 
-def profile_one(name, gate, impl, reps, do_bwd, total, logdir):
+def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None):
   args, kw, do = bench.make_inputs(name, gate, total=total)
   impl = None if impl == "auto" else impl
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
@@ -156,7 +156,12 @@ def profile_one(name, gate, impl, reps, do_bwd, total, logdir):
     compiled = f.lower(*args, diff_kw).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    scopes = hlo_scopes(compiled.as_text())
+    text = compiled.as_text()
+    scopes = hlo_scopes(text)
+    if hlo_dir:                   # the optimized HLO: which ops each fusion holds, their metadata
+      os.makedirs(hlo_dir, exist_ok=True)
+      with open(os.path.join(hlo_dir, f"{name}-{gate}-{label}.hlo.txt"), "w") as fh:
+        fh.write(text)
     wall = bench.timeit(compiled, *args, diff_kw, reps=reps)
     d = os.path.join(logdir, f"{name}-{gate}-{label}")
     jax.block_until_ready(compiled(*args, diff_kw))
@@ -204,6 +209,7 @@ def main(argv=None):
   p.add_argument("--command-buffers", action="store_true",
                  help="keep XLA's CUDA command buffers (graphs): then the trace names the graph, not the "
                       "HLO op, and only the kda kernels are attributed by name; by default they are off here")
+  p.add_argument("--hlo-dir", help="also write each compiled call's optimized HLO text there")
   p.add_argument("--out", help="write the results as JSON")
   a = p.parse_args(argv)
   if not a.command_buffers:     # read when the GPU client starts: before the first device query
@@ -214,7 +220,7 @@ def main(argv=None):
   results = {}
   for var in a.variants.split(","):
     name, gate = var.split(":")
-    results[var] = profile_one(name, gate, a.impl, a.reps, not a.no_bwd, a.total, a.dir)
+    results[var] = profile_one(name, gate, a.impl, a.reps, not a.no_bwd, a.total, a.dir, a.hlo_dir)
     print(report(var, results[var]), flush=True)
   if a.out:
     with open(a.out, "w") as fh:
