@@ -209,9 +209,11 @@ def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
       it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu, rows)
 
 
-def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
-  """impl: "auto" (chunk_kda's default: kernels where a stage has one), "pallas" or "reference"."""
-  label, impl = impl, (None if impl == "auto" else impl)
+def calls(name, gate, impl, total=TOTAL):
+  """The timed calls of a shape: (args, diff_kw, fwd, loss), fwd(*args, diff_kw) -> o and
+  loss(*args, diff_kw) = sum(o * do); diff_kw holds the differentiable keywords (A_log, dt_bias).
+  impl: "auto" (chunk_kda's default: kernels where a stage has one), or an impl string."""
+  impl = None if impl == "auto" else impl
   args, kw, do = make_inputs(name, gate, total=total)
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
   static_kw = {k: v for k, v in kw.items() if k not in diff_kw}
@@ -220,9 +222,15 @@ def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
     return kda.chunk_kda(q, k, v, g, beta, impl=impl, **static_kw, **dk)[0]
 
   def loss(q, k, v, g, beta, dk):
-    o = fwd(q, k, v, g, beta, dk)
-    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    return jnp.sum(fwd(q, k, v, g, beta, dk).astype(jnp.float32) * do.astype(jnp.float32))
 
+  return args, diff_kw, fwd, loss
+
+
+def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
+  """impl: "auto" (chunk_kda's default: kernels where a stage has one), "pallas" or "reference"."""
+  label = impl
+  args, diff_kw, fwd, loss = calls(name, gate, impl, total)
   f = jax.jit(fwd)
   t0 = time.perf_counter()
   jax.block_until_ready(f(*args, diff_kw))

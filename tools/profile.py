@@ -28,9 +28,7 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
-import kda
 from tools import bench
 
 SCOPE = re.compile(r"kda\.([\w+]+)")
@@ -134,17 +132,7 @@ def idle(events, calls, top=6):
 
 
 def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None):
-  args, kw, do = bench.make_inputs(name, gate, total=total)
-  impl = None if impl == "auto" else impl
-  diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
-  static_kw = {k: v for k, v in kw.items() if k not in diff_kw}
-
-  def fwd(q, k, v, g, beta, dk):
-    return kda.chunk_kda(q, k, v, g, beta, impl=impl, **static_kw, **dk)[0]
-
-  def loss(q, k, v, g, beta, dk):
-    return jnp.sum(fwd(q, k, v, g, beta, dk).astype(jnp.float32) * do.astype(jnp.float32))
-
+  args, diff_kw, fwd, loss = bench.calls(name, gate, impl, total)
   fns = {"fwd": jax.jit(fwd)}
   if do_bwd:
     # value_and_grad: the loss needs o, so the forward's output kernels run as in a training step

@@ -117,8 +117,8 @@ def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, c
   for name, x in named:
     if jnp.dtype(x.dtype) not in _DTYPES:
       return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
-  if aligned_cu_reason(aligned_cu):
-    return aligned_cu_reason(aligned_cu)
+  if (reason := aligned_cu_reason(aligned_cu)) is not None:
+    return reason
   N = aligned_cu.shape[0] - 1
   if dht.shape != (N, HV, K, V):
     return f"dht must have shape {(N, HV, K, V)}, got {dht.shape}"

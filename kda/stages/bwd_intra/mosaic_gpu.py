@@ -259,14 +259,13 @@ def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, o
 
 def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32):
   nslab = K // SLAB
-  out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
+  out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto")
   if skip_tail:
     body = skipping_tail(body, _tail)
   return plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((Ta, HV, K), grad_dtype), jax.ShapeDtypeStruct((Ta, HV, K), grad_dtype),
-                out((Ta, HV, K)), out((nslab, HV, Ta))),
+      out_type=(out((Ta, HV, K), grad_dtype), out((Ta, HV, K), grad_dtype), out((Ta, HV, K)), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
       scratch_types=[
           *[_swz((BT, SLAB)) for _ in range(8)],            # q, k, dA split, k er split, x split

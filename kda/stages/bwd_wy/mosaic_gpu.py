@@ -49,8 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, aligned_cu_reason, last_row, skipping_tail, tile_shapes
-from kda._mosaic_gpu import zeros
+from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, aligned_cu_reason, last_row, skipping_tail
+from kda._mosaic_gpu import tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -192,14 +192,13 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32):
   nk, nv = K // SLAB, V // SLAB
-  out = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, nk=nk, nv=nv)
-  dv_type = jax.ShapeDtypeStruct((Ta, HV, V), dv_dtype)
   if skip_tail:
     body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv))
   return plgpu.kernel(
       body,
-      out_type=(out(Ta, HV, K), out(Ta, HV, K), dv_type, out(HV, Ta), out(Ta, HV, K),
+      out_type=(out(Ta, HV, K), out(Ta, HV, K), out(Ta, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, K),
                 out(Ta, HV, K), out(Ta, HV, BT)),          # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
