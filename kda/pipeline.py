@@ -25,6 +25,7 @@ from kda.fused import state_output
 from kda.padding import Layout
 from kda import stages
 from kda.stages.base import resolve
+from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
 from kda.stages.gate import mosaic_gpu as gate_mgpu
 from kda.stages.intra import mosaic_gpu as intra_mgpu
 
@@ -187,12 +188,15 @@ def forward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
 
 
 def prepare(plan: Plan, layout: Layout, q, k, v, g, beta):
-  """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs."""
-  q, k, v, g, beta = (padding.align_with(layout, x) for x in (q, k, v, g, beta))
+  """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs.
+  g None: not aligned (a kernel reads it packed), None returned in its place."""
+  q, k, v, beta = (padding.align_with(layout, x) for x in (q, k, v, beta))
   valid = padding.valid_mask(layout)[None]                       # [1, Ta]
   q, k = _query_keys(plan, q, k, v.shape[2])                     # after align: padding stays 0
-  if plan.use_gate_in_kernel:
-    g = padding.neutralize_gate(g, valid)
+  if g is not None:
+    g = padding.align_with(layout, g)
+    if plan.use_gate_in_kernel:
+      g = padding.neutralize_gate(g, valid)
   return q, k, v, g, beta, valid
 
 
@@ -341,8 +345,36 @@ def backward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
   }[name]
 
 
+def _drop_gate(prepared):
+  q, k, v, _, beta, _ = prepared
+  return q, k, v, beta
+
+
+def packed_gate_rows(plan: Plan, layout: Layout, q, k, v, g, beta, A_log, dt_bias, initial_state):
+  """padding.chunk_rows(layout) where the backward keeps g packed (S0's gate kernel reads it there,
+  S5 reads it and stores dg there), else None: S0 and S5 select mosaic_gpu on the aligned call and
+  their packed modes take it."""
+  if plan.impl("bwd_recompute") != "mosaic_gpu" or plan.impl("bwd_gate") != "mosaic_gpu":
+    return None
+  S = jax.ShapeDtypeStruct
+  Ta, HV = layout.Ta, v.shape[2]
+  aligned = lambda x, d=None: S((1, Ta) + x.shape[2:], d or x.dtype)
+  qs = S((1, Ta, HV, q.shape[3]), q.dtype)
+  ga, valid, gc = aligned(g), S((1, Ta), jnp.bool_), aligned(g, jnp.float32)
+  rc_args = (qs, qs, aligned(v), ga, aligned(beta), valid, A_log, dt_bias, None, initial_state, layout.aligned_cu)
+  if (choose(plan, "bwd_recompute", *rc_args, **backward_kwargs(plan, "bwd_recompute")) != "mosaic_gpu"
+      or choose(plan, "bwd_gate", ga, valid, A_log, dt_bias, gc, gc, **backward_kwargs(plan, "bwd_gate"))
+      != "mosaic_gpu"):
+    return None
+  rows = padding.chunk_rows(layout)
+  pieces = S((2, -(-layout.T // plan.chunk_size) + layout.N + 1), jnp.int32)
+  if bwd_gate_mgpu.packed_supports(g, rows, pieces, A_log, dt_bias, gc, gc, **backward_kwargs(plan, "bwd_gate")):
+    return None
+  return rows
+
+
 def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved: Saved,
-             do, dht, *, record: bool = False):
+             do, dht, *, record: bool = False, packed: bool = True):
   """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
 
   Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the
@@ -353,8 +385,16 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   tokens of no sequence: they are never read. records is as in forward (stage outputs and
   "inputs") when `record` is set, else empty.
   """
+  rows = None if record or not packed else packed_gate_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias,
+                                                             initial_state)
   with scope("prepare"):
-    (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
+    if rows is None:
+      (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
+    else:         # g stays packed: S0's gate kernel and S5 read it there, S5 stores dg there
+      (qa, ka, va, ba), vjp4 = jax.vjp(lambda q, k, v, b: _drop_gate(prepare(plan, layout, q, k, v, None, b)),
+                                       q, k, v, beta)
+      ga = g
+      prepare_vjp = lambda ct: (lambda d: (*d[:3], ct[3], d[3]))(vjp4((*ct[:3], ct[4])))
     valid = padding.valid_mask(layout)[None]
     do = padding.align_with(layout, do)       # the transpose of unalign_with; in o's dtype (stages upcast)
   inputs = {}
@@ -363,8 +403,13 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
     inputs[name] = args
     return _run(plan, name, *args, **backward_kwargs(plan, name), **extra)
 
-  rc = run("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
-           layout.aligned_cu)
+  rc_args = (qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
+  if rows is None:
+    rc = run("bwd_recompute", *rc_args)
+  else:
+    with scope("bwd_recompute"):
+      rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=plan.interpret, rows=rows,
+                                       **backward_kwargs(plan, "bwd_recompute"))
   av = run("bwd_dav", rc.v_new, saved.Aqk, do, layout.aligned_cu)
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
@@ -379,7 +424,13 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   dh0 = ds.dh0
   it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu,
            **grad_dtype)
-  gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
+  if rows is None:
+    gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
+  else:           # dg packed in g's dtype, zeros at tokens of no sequence
+    with scope("bwd_gate"):
+      pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
+      gt = bwd_gate_mgpu.packed(g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=plan.interpret,
+                                **backward_kwargs(plan, "bwd_gate"))
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   with scope("prepare_vjp"):
     dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(

@@ -86,6 +86,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kda import padding
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tail_share
@@ -415,23 +416,9 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
 
 
 def _packed_table(rows, aligned_cu, T, BT):
-  """[4N + 2] int32 for packed mode: each sequence's packed rows [start, end) (N each; T, T for an
-  empty one), then the packed gaps [lo, hi) (N + 1 each) that no sequence owns: gap k is the
-  range before the k-th sequence in packed order and gap N the range after the last, so the
-  gaps and the sequences tile [0, T). Gathered from rows at each sequence's first and last chunk
-  (a sequence's chunks are consecutive in the packed buffer); N-sized XLA ops only."""
-  N, NTa = aligned_cu.shape[0] - 1, rows.src.shape[0]
-  c0, c1 = aligned_cu[:-1] // BT, aligned_cu[1:] // BT
-  has = c1 > c0
-  first, last = jnp.clip(c0, 0, NTa - 1), jnp.clip(c1 - 1, 0, NTa - 1)
-  start = jnp.where(has, rows.src[first], T).astype(jnp.int32)
-  end = jnp.where(has, rows.src[last] + rows.count[last], T).astype(jnp.int32)
-  by = jnp.argsort(start, stable=True)
-  s = jnp.concatenate([start[by], jnp.full((1,), T, jnp.int32)])
-  e = jnp.concatenate([end[by], jnp.full((1,), T, jnp.int32)])
-  lo = jnp.concatenate([jnp.zeros((1,), jnp.int32), lax.cummax(e[:-1])])   # the owned end before
-  hi = jnp.maximum(s, lo)
-  return jnp.concatenate([start, end, lo, hi])
+  """[4N + 2] int32 for packed mode: padding.packed_gaps (each sequence's packed rows [start, end),
+  then the N + 1 packed gaps [lo, hi) that no sequence owns) concatenated."""
+  return jnp.concatenate(padding.packed_gaps(rows, aligned_cu, T, BT))
 
 
 def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,

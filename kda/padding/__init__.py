@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kda.padding.layout import (ChunkRows, ChunkTable, Layout, chunk_rows, align_index, align_with, aligned_cu_seqlens,
+                                gap_pieces, packed_gaps,
                                 aligned_length, chunk_table, layout_from_cu_seqlens, make_layout,
                                 packed_owned_mask, unalign_index, unalign_with, valid_mask)
 from kda.padding.segments import (count_segments, segment_ids_to_cu_seqlens, segment_ids_to_seqs,
@@ -50,5 +51,5 @@ __all__ = [
     "align", "neutralize_gate", "unalign", "NEUTRAL_GATE", "Layout", "ChunkTable", "chunk_table", "ChunkRows", "chunk_rows",
     "make_layout", "layout_from_cu_seqlens", "aligned_cu_seqlens", "aligned_length", "valid_mask",
     "align_index", "unalign_index", "align_with", "unalign_with", "packed_owned_mask",
-    "count_segments", "segment_ids_to_seqs", "segment_ids_to_cu_seqlens", "seqs_to_cu_seqlens",
+    "count_segments", "segment_ids_to_seqs", "segment_ids_to_cu_seqlens", "seqs_to_cu_seqlens", "packed_gaps", "gap_pieces",
 ]

@@ -188,3 +188,43 @@ def chunk_table(aligned_cu, NTa: int, chunk_size: int) -> ChunkTable:
   first = owned & (local == 0)
   last = owned & (start + chunk_size == aligned_cu[jnp.minimum(n + 1, N)])
   return ChunkTable(seq, local, first, last)
+
+
+def packed_gaps(rows: ChunkRows, aligned_cu, T: int, chunk_size: int):
+  """(start, end, lo, hi) int32: each sequence's packed rows [start, end) ([N] each; T, T for an
+  empty one) and the packed gaps [lo, hi) ([N + 1] each) that no sequence owns: gap k is the range
+  before the k-th sequence in packed order and gap N the range after the last, so gaps and
+  sequences tile [0, T). Gathered from rows at each sequence's first and last chunk (a sequence's
+  chunks are consecutive in the packed buffer); N-sized XLA ops only."""
+  BT = chunk_size
+  NTa = rows.src.shape[0]
+  aligned_cu = jnp.asarray(aligned_cu, jnp.int32)
+  c0, c1 = aligned_cu[:-1] // BT, aligned_cu[1:] // BT
+  has = c1 > c0
+  first, last = jnp.clip(c0, 0, NTa - 1), jnp.clip(c1 - 1, 0, NTa - 1)
+  start = jnp.where(has, rows.src[first], T).astype(jnp.int32)
+  end = jnp.where(has, rows.src[last] + rows.count[last], T).astype(jnp.int32)
+  by = jnp.argsort(start, stable=True)
+  s = jnp.concatenate([start[by], jnp.full((1,), T, jnp.int32)])
+  e = jnp.concatenate([end[by], jnp.full((1,), T, jnp.int32)])
+  lo = jnp.concatenate([jnp.zeros((1,), jnp.int32), jax.lax.cummax(e[:-1])])   # the owned end before
+  hi = jnp.maximum(s, lo)
+  return start, end, lo, hi
+
+
+def gap_pieces(rows: ChunkRows, aligned_cu, T: int, chunk_size: int):
+  """[2, P] int32 (first row, row count <= BT) of the pieces of at most BT rows tiling the packed
+  gaps (`packed_gaps`), P = cdiv(T, BT) + N + 1 (enough for any lengths), unused pieces of count 0.
+  Kernels writing a packed output zero these rows (program c takes pieces c, c + programs, ...),
+  so tokens of no sequence get exact zeros without a pass over the output."""
+  BT = chunk_size
+  N = aligned_cu.shape[0] - 1
+  P = -(-T // BT) + N + 1
+  _, _, lo, hi = packed_gaps(rows, aligned_cu, T, BT)
+  n = (hi - lo + BT - 1) // BT                                   # pieces of each gap
+  cum = jnp.cumsum(n).astype(jnp.int32)
+  p = jnp.arange(P, dtype=jnp.int32)
+  gap = jnp.clip(jnp.searchsorted(cum, p, side="right"), 0, N)
+  first = lo[gap] + (p - (cum[gap] - n[gap])) * BT
+  count = jnp.where(p < cum[-1], jnp.clip(hi[gap] - first, 0, BT), 0)
+  return jnp.stack([jnp.where(count > 0, first, 0), count]).astype(jnp.int32)

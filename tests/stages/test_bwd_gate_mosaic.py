@@ -383,3 +383,76 @@ def test_chunk_kda_grad_with_the_kernel(lower_bound):
   got, want = grads({"bwd_gate": "mosaic_gpu"}), grads("reference")
   for name, a, b in zip(("dg", "dA_log", "ddt_bias"), got, want):
     bwd_setup.close(name, a, b, tol=1e-5)
+
+
+# -- packed mode: g read packed, dg stored packed (the align and unalign in the kernel) -------------
+
+PACKED = [
+    # lens, gaps (free tokens before each sequence), tokens after the last, tail chunks, HV, K, g dtype, form
+    ([1, 63, 64, 65], None, 5, 0, 2, 64, F32, "identity"),
+    ([17, 0, 40], [3, 2, 140], 6, 2, 1, 128, BF16, "softplus"),
+    ([70, 30], [0, 11], 3, 1, 2, 64, F32, "sigmoid"),
+]
+
+
+@pytest.mark.parametrize("lens,gaps,extra_T,tail,HV,K,dtype,form", PACKED,
+                         ids=["boundaries-f32-identity", "gaps-empty-bf16-softplus", "sigmoid-f32"])
+def test_packed_equals_aligned_unaligned(lens, gaps, extra_T, tail, HV, K, dtype, form):
+  """`packed` on packed g (NaN at tokens of no sequence, including a 140-token gap: three pieces)
+  equals `apply` on the aligned, neutralised g with dg unaligned and rounded to g's dtype, bit for
+  bit; dg is exactly 0 at tokens of no sequence (never NaN), whatever the output buffer held."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_gates, packed_layout
+  layout, _ = packed_layout(lens, gaps, extra_T, tail)
+  g, A_log, dt_bias = packed_gates(len(lens) + 7 * HV, layout.T, HV, K, dtype, "plain" if form == "identity" else "raw")
+  owned = np.asarray(padding.packed_owned_mask(layout))
+  g = jnp.where(owned[None, :, None, None], g, jnp.asarray(jnp.nan, g.dtype))
+  (g, _, A_log, dt_bias), kw = form_args(form, g, None, A_log, dt_bias)
+  valid = padding.valid_mask(layout)[None]
+  ga = padding.align_with(layout, g)
+  if kw["use_gate_in_kernel"]:
+    ga = padding.neutralize_gate(ga, valid)
+  dgc, dgs = bwd_setup.randn(len(lens), ga.shape, ga.shape)
+  rows = padding.chunk_rows(layout)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT)
+  assert mgb.packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dgs, **kw) is None
+  got = jax.jit(functools.partial(mgb.packed, interpret=True, **kw))(g, rows, pieces, A_log, dt_bias, dgc, dgs)
+  want = jax.jit(functools.partial(mgb.apply, interpret=True, **kw))(ga, valid, A_log, dt_bias, dgc, dgs)
+  dg = np.asarray(got.dg.astype(F32))
+  assert got.dg.dtype == g.dtype and got.dg.shape == g.shape
+  np.testing.assert_array_equal(dg, np.asarray(padding.unalign_with(layout, want.dg).astype(g.dtype).astype(F32)))
+  assert np.all(dg[:, ~owned] == 0) and (~owned).any()
+  for name in ("dA_log", "ddt_bias"):
+    a, b = getattr(got, name), getattr(want, name)
+    assert (a is None) == (b is None)
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+
+
+def test_packed_refuses():
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  layout, _ = packed_layout([30], extra_T=2)
+  rows = padding.chunk_rows(layout)
+  g = jnp.zeros((1, layout.T, 2, 64), F32)
+  d = jnp.zeros((1, layout.Ta, 2, 64), F32)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT)
+  kw = dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
+  assert mgb.packed_supports(g, rows, pieces, None, None, d, d, **kw) is None
+  assert "dgc must be float32" in mgb.packed_supports(g, rows, pieces, None, None, d[:, :32], d, **kw)
+  assert "pieces must be" in mgb.packed_supports(g, rows, pieces[0], None, None, d, d, **kw)
+  with pytest.raises(ValueError, match="dg_state must be float32"):
+    mgb.packed(g, rows, pieces, None, None, d, d.astype(BF16), **kw)
+
+
+def test_packed_lowers_for_cuda():
+  from kda import padding
+  T, HV, K = 4096 * BT, 16, 128
+  S = jax.ShapeDtypeStruct
+  NTa = T // BT + 8
+  rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
+  args = (S((1, T, HV, K), F32), rows, S((2, T // BT + 9), jnp.int32), S((HV,), F32), S((HV * K,), F32),
+          S((1, NTa * BT, HV, K), F32), S((1, NTa * BT, HV, K), F32))
+  f = functools.partial(mgb.packed, chunk_size=BT, use_gate_in_kernel=True, lower_bound=-5.0)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1

@@ -103,26 +103,34 @@ def takes(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_ke
   return reason
 
 
-def _body(*refs, act, lower_bound, has_a, has_bias, unroll):
-  # GMEM in: g [Ta, C] (its dtype), valid [Ta] f32, dgc, dg_state [Ta, C] f32, (a [C] f32), (bias [C]
-  # f32). GMEM out: dg [Ta, C] f32, (ddt_bias partials [NTa, C]), (dA_log partials [NTa, C]). SMEM:
-  # the g, dgc, dg_state tiles [BT, 128], valid [BT], a barrier.
+def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed):
+  # GMEM in: (packed: src, count [NTa] int32, pieces [2, P] int32), g [Ta, C] (packed: [T, C]; its
+  # dtype), (aligned: valid [Ta] f32), dgc, dg_state [Ta, C] f32, (a [C] f32), (bias [C] f32). GMEM
+  # out: dg [Ta, C] (packed: [T, C]), (ddt_bias partials [NTa, C]), (dA_log partials [NTa, C]).
+  # SMEM: the g, dgc, dg_state tiles [BT, 128], (aligned: valid [BT]), a barrier.
   refs = list(refs)
   take = lambda cond: refs.pop(0) if cond else None
-  g_g, valid_g, dgc_g, dgs_g = (refs.pop(0) for _ in range(4))
+  src_g, cnt_g, pieces_g = take(packed), take(packed), take(packed)
+  g_g, valid_g = refs.pop(0), take(not packed)
+  dgc_g, dgs_g = refs.pop(0), refs.pop(0)
   a_g, bias_g = take(has_a), take(has_bias)
   dg_g = refs.pop(0)
   sdx_g, sda_g = take(has_bias), take(has_a)
-  g_s, valid_s, dgc_s, dgs_s, bar = refs
+  g_s, valid_s = refs.pop(0), take(not packed)
+  dgc_s, dgs_s, bar = refs
   j, c = lax.axis_index("j"), lax.axis_index("c")
   start = pl.multiple_of(c * BT, BT)
   cols = pl.ds(pl.multiple_of(j * COLS, COLS), COLS)
   rows = pl.ds(start, BT)
-  plgpu.copy_gmem_to_smem(g_g.at[rows, cols], g_s, bar)
-  plgpu.copy_gmem_to_smem(valid_g.at[rows], valid_s, bar)
+  line = lambda ref: plgpu.load(ref, layout=LINE, optimized=False)
+  if packed:   # g at any packed row (plain SMEM takes it; rows past T arrive as zeros, masked anyway)
+    src, cnt = src_g[c], cnt_g[c]
+    plgpu.copy_gmem_to_smem(g_g.at[pl.ds(src, BT), cols], g_s, bar)
+  else:
+    plgpu.copy_gmem_to_smem(g_g.at[rows, cols], g_s, bar)
+    plgpu.copy_gmem_to_smem(valid_g.at[rows], valid_s, bar)
   plgpu.copy_gmem_to_smem(dgc_g.at[rows, cols], dgc_s, bar)
   plgpu.copy_gmem_to_smem(dgs_g.at[rows, cols], dgs_s, bar)
-  line = lambda ref: plgpu.load(ref, layout=LINE, optimized=False)
   a = line(a_g.at[cols]) if has_a else None
   bias = line(bias_g.at[cols]) if has_bias else None
   plgpu.barrier_wait(bar)
@@ -145,7 +153,8 @@ def _body(*refs, act, lower_bound, has_a, has_bias, unroll):
     else:
       g_act = x
     # Broadcast explicitly: Warpgroup semantics has no implicit scalar broadcast.
-    live = lax.broadcast(valid_s[r] > 0.0, (COLS,)) & passes_floor(g_act)
+    real = (r < cnt) if packed else (valid_s[r] > 0.0)
+    live = lax.broadcast(real, (COLS,)) & passes_floor(g_act)
     mask = lambda v: jnp.where(live, v, 0.0)     # a select, after the products (NaN, inf * 0)
     if not act:
       dx = mask(dg_act)
@@ -156,11 +165,31 @@ def _body(*refs, act, lower_bound, has_a, has_bias, unroll):
       dz = mask(g_act * (1.0 - s) * dg_act)
       dx = dz if a is None else a * dz
       dA = jnp.where(dz != 0.0, z * dz, 0.0) if has_a else None   # z = +-inf: the limit 0, not inf * 0
-    dg_g[start + r, cols] = dx
+    if packed:   # the chunk's token r is packed row src + r; rows past cnt are another's
+      @pl.when(r < cnt)
+      def _():
+        dg_g[src + r, cols] = dx.astype(dg_g.dtype)
+    else:
+      dg_g[start + r, cols] = dx
     return acc, (sdx + dx if has_bias else sdx), (sda + dA if has_a else sda)
 
   zero = plgpu.layout_cast(jnp.zeros((COLS,), F32), LINE)
   _, sdx, sda = lax.fori_loop(0, BT, step, (zero, zero, zero), unroll=unroll)
+  if packed:   # tokens of no sequence: zeros, program c taking gap pieces c, c + NTa, ...
+    NTa, P = src_g.shape[0], pieces_g.shape[1]
+    zero_out = zero.astype(dg_g.dtype)
+
+    def piece(m, carry):
+      p = c + m * NTa
+      first = pieces_g[0, p]
+
+      def row(i, carry):
+        dg_g[first + i, cols] = zero_out
+        return carry
+
+      return lax.fori_loop(0, pieces_g[1, p], row, carry)
+
+    lax.fori_loop(0, (P - c + NTa - 1) // NTa, piece, 0)
   if has_bias:
     sdx_g[c, cols] = sdx
   if has_a:
@@ -173,29 +202,75 @@ def apply(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_ke
                     use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_gate kernel: {reason}")
-  config = config or Config()
   _, Ta, HV, K = g.shape
-  C, NTa = HV * K, Ta // chunk_size
+  return _launch(g, [valid[0].astype(F32)], A_log, dt_bias, dgc, dg_state, rows_out=Ta, out_dtype=F32,
+                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, interpret=interpret,
+                 config=config, packed=False)
+
+
+def packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel,
+                    lower_bound, **_) -> Optional[str]:
+  """None if `packed` takes this call, else the reason in words: the gate kernel's `packed_takes`
+  (g packed [1, T, HV, K], rows a ChunkRows, HV * K a multiple of 128), dgc and dg_state float32
+  [1, NTa * 64, HV, K], pieces [2, P] int32."""
+  reason = gate_kernel.packed_takes(g, rows, A_log, dt_bias, chunk_size=chunk_size,
+                                    use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  if reason is not None:
+    return reason
+  want = (1, rows.src.shape[0] * chunk_size) + g.shape[2:]
+  for name, x in (("dgc", dgc), ("dg_state", dg_state)):
+    if x.shape != want or jnp.dtype(x.dtype) != jnp.dtype(F32):
+      return f"{name} must be float32{list(want)}, got {jnp.dtype(x.dtype).name}{list(x.shape)}"
+  if pieces.ndim != 2 or pieces.shape[0] != 2 or jnp.dtype(pieces.dtype) != jnp.dtype(jnp.int32):
+    return f"pieces must be a [2, P] int32 array, got {jnp.dtype(pieces.dtype).name}{list(pieces.shape)}"
+  return None
+
+
+def packed(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
+           interpret=False, config=None):
+  """The stage on PACKED gates g [1, T, HV, K], the unalign of dg folded into the kernel's stores:
+  rows = padding.chunk_rows(layout), pieces = padding.gap_pieces(rows, aligned_cu, T, 64); dgc,
+  dg_state aligned [1, NTa * 64, HV, K] float32 as for `apply`. -> Out with dg packed [1, T, HV, K]
+  in g's dtype: `apply`'s dg on the aligned, neutralised g, unaligned (token r of chunk c at packed
+  row src[c] + r, r < count[c]) and rounded, exactly 0 at tokens of no sequence (the pieces)."""
+  reason = packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
+                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  if reason is not None:
+    raise ValueError(f"mosaic_gpu bwd_gate kernel: {reason}")
+  return _launch(g, [rows.src, rows.count, pieces], A_log, dt_bias, dgc, dg_state, rows_out=g.shape[1],
+                 out_dtype=g.dtype, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                 interpret=interpret, config=config, packed=True)
+
+
+def _launch(g, lead, A_log, dt_bias, dgc, dg_state, *, rows_out, out_dtype, use_gate_in_kernel, lower_bound,
+            interpret, config, packed):
+  config = config or Config()
+  HV, K = g.shape[2:]
+  C, NTa = HV * K, dgc.shape[1] // BT
   Cp = -(-C // COLS) * COLS
   wide = lambda x: pad_dim(x.reshape(-1, C), 1, Cp)   # -> [rows, Cp]: columns padded with zeros, cut off after
   has_a = use_gate_in_kernel and A_log is not None
   has_bias = use_gate_in_kernel and dt_bias is not None
-  args = [wide(g), valid[0].astype(F32), wide(dgc), wide(dg_state)]
+  args = [*lead, wide(g)] if packed else [wide(g), *lead]     # packed: src, count, pieces first
+  args += [wide(dgc), wide(dg_state)]
   if has_a:
     args.append(wide(jnp.repeat(jnp.exp(A_log.astype(F32)), K))[0])
   if has_bias:
     args.append(wide(dt_bias.astype(F32))[0])
-  out_type = [jax.ShapeDtypeStruct((Ta, Cp), F32)] + [jax.ShapeDtypeStruct((NTa, Cp), F32)] * (has_bias + has_a)
+  out_type = ([jax.ShapeDtypeStruct((rows_out, Cp), out_dtype)]
+              + [jax.ShapeDtypeStruct((NTa, Cp), F32)] * (has_bias + has_a))
   sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
   body = functools.partial(_body, act=use_gate_in_kernel, has_a=has_a, has_bias=has_bias, unroll=config.unroll,
-                           lower_bound=None if lower_bound is None else float(lower_bound))
-  scratch = [plgpu.SMEM((BT, COLS), g.dtype), plgpu.SMEM((BT,), F32), plgpu.SMEM((BT, COLS), F32),
-             plgpu.SMEM((BT, COLS), F32), plgpu.Barrier(num_arrivals=4)]
+                           lower_bound=None if lower_bound is None else float(lower_bound), packed=packed)
+  scratch = ([plgpu.SMEM((BT, COLS), g.dtype)] + ([] if packed else [plgpu.SMEM((BT,), F32)])
+             + [plgpu.SMEM((BT, COLS), F32), plgpu.SMEM((BT, COLS), F32),
+                plgpu.Barrier(num_arrivals=3 if packed else 4)])
   f = plgpu.kernel(body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
                    scratch_types=scratch, compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-                   kernel_name="kda_bwd_gate", interpret=plgpu.InterpretGPUParams() if interpret else None)
+                   kernel_name="kda_bwd_gate_packed" if packed else "kda_bwd_gate",
+                   interpret=plgpu.InterpretGPUParams() if interpret else None)
   dg, *parts = f(*args)
-  dg = dg[:, :C].reshape(1, Ta, HV, K)
+  dg = dg[:, :C].reshape(1, rows_out, HV, K)
   ddt_bias = jnp.sum(parts.pop(0)[:, :C], axis=0) if has_bias else None
   dA_log = jnp.sum(parts.pop(0)[:, :C].reshape(NTa, HV, K), axis=(0, 2)) if has_a else None
   return Out(dg, dA_log, ddt_bias)

@@ -162,16 +162,26 @@ def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, inte
 
 
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
-          use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False):
+          use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False, rows=None):
   """zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores
-  the final state (the stage never returns it). Without it the kernel runs as checked on the H200."""
+  the final state (the stage never returns it). Without it the kernel runs as checked on the H200.
+  rows (a padding.ChunkRows): g is PACKED [1, T, HV, K] (raw, not neutralised; valid is unused) and
+  the gate kernel's packed mode reads it (the align folded into its load: the same gc bit for bit)."""
   config = config or Config()
-  reason = takes(q, k, v, g, beta, valid, A_log, dt_bias, None, initial_state, aligned_cu, chunk_size=chunk_size,
-                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  if rows is not None:
+    reason = gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw)
+    g_like = jax.ShapeDtypeStruct(k.shape, g.dtype)
+    reason = reason or takes(q, k, v, g_like, beta, jax.ShapeDtypeStruct(k.shape[:2], jnp.bool_), A_log, dt_bias,
+                             None, initial_state, aligned_cu, **gkw)
+  else:
+    reason = takes(q, k, v, g, beta, valid, A_log, dt_bias, None, initial_state, aligned_cu, **gkw)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_recompute: {reason}")
-  gt = gate_mgpu.apply(g, valid, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                       lower_bound=lower_bound, interpret=interpret)
+  if rows is not None:
+    gt = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=interpret, **gkw)
+  else:
+    gt = gate_mgpu.apply(g, valid, A_log, dt_bias, interpret=interpret, **gkw)
   if config.wy_from_saved and Ainv is not None:
     w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv,
                                  aligned_cu if config.skip_tail else None, interpret=interpret,
