@@ -157,3 +157,48 @@ def last_row(ref, c, h, cols, shape, BT=64):
   """Row BT - 1 of chunk c (head h, columns cols) of a GMEM [Ta, HV, D] ref, broadcast over the rows
   of a WGMMA `shape` tile (e.g. gc at the chunk's last token)."""
   return lax.broadcast_in_dim(load(ref.at[c * BT + BT - 1, h, cols], COL), shape, [1])
+
+
+def store_rows(stage, dst, row, n):
+  """TMA stores of stage rows [0, n) to dst(pl.ds(row, n)) for a traced n in [0, stage rows]: one
+  statically sized store per set bit of n (64, 32, ..., 1 rows) at increasing offsets, each under
+  pl.when, so that no row past row + n - 1 is written (another program's sequence may start there).
+  The stage is plain SMEM (TMA takes any row count and GMEM row there)."""
+  b = stage.shape[0]
+  while b >= 1:
+    off = n & ~(2 * b - 1)                              # the higher bits' rows, stored before
+
+    @pl.when((n & b) != 0)
+    def _(b=b, off=off):
+      plgpu.copy_smem_to_gmem(stage.at[pl.ds(off, b)], dst(pl.ds(row + off, b)))
+    b //= 2
+
+
+def stage_rows(stage, x, dst, row, n):
+  """Registers x -> the plain SMEM stage -> rows [row, row + n) of dst (`store_rows`), after the
+  stage's previous stores have read it."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  stage[...] = x.astype(stage.dtype)
+  plgpu.commit_smem()
+  store_rows(stage, dst, row, n)
+
+
+def zero_gap_pieces(pieces_g, c, programs, stage, dsts):
+  """Program c of `programs` writes zeros to the packed gap pieces c, c + programs, ... of
+  padding.gap_pieces (pieces_g [2, P] int32 in GMEM: first row, count) in every dst(ds) of `dsts`,
+  from the plain SMEM stage (zeroed here): tokens of no sequence get exact zeros."""
+  P = pieces_g.shape[1]
+
+  def piece(m, carry):
+    p = c + m * programs
+    first, n = pieces_g[0, p], pieces_g[1, p]
+    for dst in dsts:
+      store_rows(stage, dst, first, n)
+    return carry
+
+  @pl.when(c < P)
+  def _():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = plgpu.layout_cast(jnp.zeros(stage.shape, F32), WG).astype(stage.dtype)
+    plgpu.commit_smem()
+    lax.fori_loop(0, (P - c + programs - 1) // programs, piece, 0)

@@ -345,15 +345,11 @@ def backward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
   }[name]
 
 
-def _drop_gate(prepared):
-  q, k, v, _, beta, _ = prepared
-  return q, k, v, beta
-
-
-def packed_gate_rows(plan: Plan, layout: Layout, q, k, v, g, beta, A_log, dt_bias, initial_state):
-  """padding.chunk_rows(layout) where the backward keeps g packed (S0's gate kernel reads it there,
-  S5 reads it and stores dg there), else None: S0 and S5 select mosaic_gpu on the aligned call and
-  their packed modes take it."""
+def packed_backward_rows(plan: Plan, layout: Layout, q, k, v, g, beta, A_log, dt_bias, initial_state):
+  """padding.chunk_rows(layout) where the backward runs packed, else None: S0 and S5 select
+  mosaic_gpu on the aligned call and their packed modes take it. Packed, g is never aligned (S0's
+  gate kernel reads it packed, S5 reads it and stores dg packed) and S3 (dv), S4 (dq, dk) store
+  their gradients packed where they select their kernels: no XLA pass unaligns them."""
   if plan.impl("bwd_recompute") != "mosaic_gpu" or plan.impl("bwd_gate") != "mosaic_gpu":
     return None
   S = jax.ShapeDtypeStruct
@@ -383,18 +379,19 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   scan instead). S2 hands S3 everything that needs h or that cotangent as O(T * K) terms (dqg, dkg,
   dw, du) and O(NTa * K) ones (dgc_last). `do` may hold anything (even NaN) at
   tokens of no sequence: they are never read. records is as in forward (stage outputs and
-  "inputs") when `record` is set, else empty.
+  "inputs") when `record` is set, else empty. Outside record mode the backward runs packed where
+  `packed_backward_rows` says so (the same bits; `packed=False` keeps the aligned layout).
   """
-  rows = None if record or not packed else packed_gate_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias,
+  rows = None if record or not packed else packed_backward_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias,
                                                              initial_state)
   with scope("prepare"):
     if rows is None:
       (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
-    else:         # g stays packed: S0's gate kernel and S5 read it there, S5 stores dg there
-      (qa, ka, va, ba), vjp4 = jax.vjp(lambda q, k, v, b: _drop_gate(prepare(plan, layout, q, k, v, None, b)),
-                                       q, k, v, beta)
+    else:   # packed backward: g stays packed (S0's gate kernel and S5 read it there), and the kernels
+      # that can store dq, dk (S4), dv (S3), dg (S5) packed do: the unalign folds into their stores
+      (qp, kp), qk_vjp = jax.vjp(lambda q, k: _query_keys(plan, q, k, v.shape[2]), q, k)   # per token
+      qa, ka, va, ba = (padding.align_with(layout, x) for x in (qp, kp, v, beta))
       ga = g
-      prepare_vjp = lambda ct: (lambda d: (*d[:3], ct[3], d[3]))(vjp4((*ct[:3], ct[4])))
     valid = padding.valid_mask(layout)[None]
     do = padding.align_with(layout, do)       # the transpose of unalign_with; in o's dtype (stages upcast)
   inputs = {}
@@ -402,6 +399,13 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   def run(name, *args, **extra):
     inputs[name] = args
     return _run(plan, name, *args, **backward_kwargs(plan, name), **extra)
+
+  def packed_store(name, *args, **extra):
+    """rows, pieces, T for stage `name`'s packed output store where the call selects its kernel."""
+    if rows is None or choose(plan, name, *args, **backward_kwargs(plan, name), **extra) != "mosaic_gpu":
+      return {}
+    return dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size),
+                T=layout.T)
 
   rc_args = (qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
   if rows is None:
@@ -419,11 +423,13 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   # Record mode keeps float32 stage outputs (what tools.stages and the checks compare).
   dv_dtype = {} if record else dict(dv_dtype=va.dtype)
   grad_dtype = {} if record or qa.dtype != ka.dtype else dict(grad_dtype=qa.dtype)
-  wy = run("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last,
-           layout.aligned_cu, **dv_dtype)
+  wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
+  dv_packed = packed_store("bwd_wy", *wy_args, **dv_dtype)
+  wy = run("bwd_wy", *wy_args, **dv_dtype, **dv_packed)
   dh0 = ds.dh0
-  it = run("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu,
-           **grad_dtype)
+  it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
+  qk_packed = packed_store("bwd_intra", *it_args, **grad_dtype)
+  it = run("bwd_intra", *it_args, **grad_dtype, **qk_packed)
   if rows is None:
     gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   else:           # dg packed in g's dtype, zeros at tokens of no sequence
@@ -433,8 +439,17 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
                                 **backward_kwargs(plan, "bwd_gate"))
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   with scope("prepare_vjp"):
-    dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
-        (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
+    if rows is None:
+      dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
+          (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
+    else:         # what a kernel did not store packed is unaligned here (align's transpose)
+      unalign = lambda d, done: d if done else padding.unalign_with(layout, d)
+      dq, dk = qk_vjp((like(unalign(it.dq, qk_packed), qp), like(unalign(it.dk, qk_packed), kp)))
+      if plan.use_qk_l2norm:    # its backward at tokens of no sequence (any q, k there: NaN) gives 0
+        owned = padding.packed_owned_mask(layout)[None, :, None, None]
+        dq, dk = (jnp.where(owned, d, jnp.zeros((), d.dtype)) for d in (dq, dk))
+      dv = like(unalign(wy.dv, dv_packed), v)
+      dg, dbeta = like(gt.dg, g), like(unalign(it.dbeta, False), beta)
   grads = Grads(dq, dk, dv, dg, dbeta, dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
   records: dict[str, Any] = {}
   if record:

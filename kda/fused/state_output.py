@@ -90,7 +90,7 @@ from kda import padding
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tail_share
-from kda._mosaic_gpu import with_absent, zeros as _zeros
+from kda._mosaic_gpu import store_rows as _store_rows, with_absent, zeros as _zeros
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -165,20 +165,6 @@ def takes(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chun
       reason = (f"mosaic_gpu state_output takes bfloat16 kg, w, u, qg, Aqk (float32 would be rounded "
                 f"to bfloat16), got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in named)}")
   return reason
-
-
-def _store_rows(stage, dst, row, n):
-  """TMA stores of stage rows [0, n) to dst(pl.ds(row, n)) for a traced n in [0, stage rows]: one
-  statically sized store per set bit of n (64, 32, ..., 1 rows) at increasing offsets, each under
-  pl.when, so that no row past row + n - 1 is written (another program's sequence may start there)."""
-  b = stage.shape[0]
-  while b >= 1:
-    off = n & ~(2 * b - 1)                              # the higher bits' rows, stored before
-
-    @pl.when((n & b) != 0)
-    def _(b=b, off=off):
-      plgpu.copy_smem_to_gmem(stage.at[pl.ds(off, b)], dst(pl.ds(row + off, b)))
-    b //= 2
 
 
 def _body(*refs, BT, BV, scale, split, stage_o, packed):

@@ -443,3 +443,46 @@ def test_grad_dtype_rounds_dq_dk_alone():
   txt = jax.jit(functools.partial(mgb.apply, scale=0.125, chunk_size=BT, grad_dtype=BF16)).trace(
       *_abstract(4096, 2, 128)).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+def test_packed_dq_dk_equal_aligned_unaligned():
+  """rows / pieces / T given: dq, dk stored packed (bf16, as the pipeline asks) equal the aligned
+  kernel's unaligned, bit for bit, exactly 0 at tokens of no sequence (a 70-token gap, 3 after the
+  last); dbeta and dgc bit for bit the aligned kernel's."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  case = "K128-HV2-64_50"
+  lens, Ta, HV, K = CASES[case]
+  args, valid = make_inputs(case, "strong", accumulate=True)
+  layout, pvalid = packed_layout(lens, [70, 0], extra_T=3, tail_chunks=1)
+  assert layout.Ta == Ta and np.array_equal(pvalid, np.asarray(valid))
+  rows = padding.chunk_rows(layout)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT)
+  f = lambda *a, **kw: mgb.apply(*a, layout.aligned_cu, scale=K ** -0.5, chunk_size=BT, grad_dtype=BF16,
+                                 interpret=True, **kw)
+  got = jax.jit(lambda *a: f(*a, rows=rows, pieces=pieces, T=layout.T))(*args)
+  want = jax.jit(f)(*args)
+  owned = np.asarray(padding.packed_owned_mask(layout))
+  assert (~owned).sum() == 73
+  for name in ("dq", "dk"):
+    x = np.asarray(getattr(got, name).astype(F32))
+    assert x.shape == (1, layout.T, HV, K) and getattr(got, name).dtype == BF16
+    np.testing.assert_array_equal(x, np.asarray(padding.unalign_with(layout, getattr(want, name)).astype(F32)), name)
+    assert np.all(x[:, ~owned] == 0), name
+  for name in ("dbeta", "dgc"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  with pytest.raises(ValueError, match="packed dq, dk"):
+    mgb.apply(*args, scale=1.0, chunk_size=BT, rows=rows, pieces=pieces, T=layout.T)
+
+
+def test_packed_dq_dk_lower_for_cuda_in_two_ctas():
+  from kda import padding
+  S = jax.ShapeDtypeStruct
+  Ta, T = 4096, 4000
+  NTa = Ta // BT
+  f = lambda *a: mgb.apply(*a[:12], scale=0.1, chunk_size=BT, grad_dtype=BF16, rows=padding.ChunkRows(*a[12:14]),
+                           pieces=a[14], T=T)
+  i32 = lambda *shape: S(shape, jnp.int32)
+  smem = lowered_smem_bytes(f, *_abstract(Ta, 16, 128), i32(5), i32(NTa), i32(NTa), i32(2, T // BT + 6))
+  print(f"\n  bwd_intra packed dq, dk: SMEM {smem} bytes as lowered")
+  assert smem <= SMEM_TWO_CTAS

@@ -305,3 +305,47 @@ def test_dv_dtype_rounds_dv_alone():
   txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, dv_dtype=BF16)).trace(
       *_abstract(4096, 2, 128, 128)).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+@pytest.mark.parametrize("case,gaps", [("K64-V128-HV2-64_50", [3, 70])], ids=["K64-V128-gaps"])
+def test_packed_dv_equals_aligned_unaligned(case, gaps):
+  """rows / pieces / T given: dv stored packed (bf16, as the pipeline asks) equals the aligned
+  kernel's dv unaligned, bit for bit, exactly 0 at tokens of no sequence (a 70-token gap: two
+  pieces, and 5 tokens after the last); every other output bit for bit the aligned kernel's."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  lens, Ta, HV, K, V = CASES[case]
+  args, valid = make_inputs(case, "ordinary")
+  layout, pvalid = packed_layout(lens, gaps, extra_T=5, tail_chunks=(Ta - 128) // BT)
+  assert layout.Ta == Ta and np.array_equal(pvalid, np.asarray(valid))
+  rows = padding.chunk_rows(layout)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT)
+  f = lambda *a, **kw: mgw.apply(*a, layout.aligned_cu, chunk_size=BT, dv_dtype=BF16, interpret=True, **kw)
+  got = jax.jit(lambda *a: f(*a, rows=rows, pieces=pieces, T=layout.T))(*args)
+  want = jax.jit(f)(*args)
+  owned = np.asarray(padding.packed_owned_mask(layout))
+  dv = np.asarray(got.dv.astype(F32))
+  assert got.dv.shape == (1, layout.T, HV, V) and got.dv.dtype == BF16
+  np.testing.assert_array_equal(dv, np.asarray(padding.unalign_with(layout, want.dv).astype(F32)))
+  assert np.all(dv[:, ~owned] == 0) and (~owned).sum() == 78
+  for name in FIELDS:
+    if name != "dv":
+      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  with pytest.raises(ValueError, match="packed dv"):
+    mgw.apply(*args, chunk_size=BT, rows=rows, pieces=pieces, T=layout.T)
+
+
+def test_packed_dv_lowers_for_cuda_in_two_ctas():
+  """The packed-dv kernel at K = V = 128 lowers for CUDA; its plain bf16 stage (8 KiB) keeps two
+  CTAs per SM."""
+  from kda import padding
+  S = jax.ShapeDtypeStruct
+  Ta, T = 4096, 4000
+  NTa = Ta // BT
+  f = lambda *a: mgw.apply(*a[:13], chunk_size=BT, dv_dtype=BF16, rows=padding.ChunkRows(*a[13:15]),
+                           pieces=a[15], T=T)
+  i32 = lambda *shape: S(shape, jnp.int32)
+  args = (*_abstract(Ta, 16, 128, 128), i32(5), i32(NTa), i32(NTa), i32(2, T // BT + 6))
+  smem = lowered_smem_bytes(f, *args)
+  print(f"\n  bwd_wy packed dv: SMEM {smem} bytes as lowered")
+  assert smem <= SMEM_TWO_CTAS

@@ -74,6 +74,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
+from kda._mosaic_gpu import live_chunk, stage_rows, zero_gap_pieces
 from kda.stages.bwd_intra import Out
 from kda.stages.gate import exponent
 from kda.stages.intra import to_chunks
@@ -163,7 +164,7 @@ def bounded_levels(gc_int, gc_frac):
 
 def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
           oq_g, ok_g, og_g, odb_g,
-          q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar, *, scale, bounded):
+          q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar, *, scale, bounded, store=None):
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
@@ -233,8 +234,12 @@ def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
     d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
     bG = beta * G
     at = lambda ref: ref.at[rows, i_h, cols]
-    oq_g[rows, i_h, cols] = (_load(at(aq_g)) + (P + d * kx)).astype(oq_g.dtype)
-    ok_g[rows, i_h, cols] = (_load(at(ak_g)) + (W + d * qx + bG)).astype(ok_g.dtype)
+    if store is None:
+      oq_g[rows, i_h, cols] = (_load(at(aq_g)) + (P + d * kx)).astype(oq_g.dtype)
+      ok_g[rows, i_h, cols] = (_load(at(ak_g)) + (W + d * qx + bG)).astype(ok_g.dtype)
+    else:
+      store(oq_g, _load(at(aq_g)) + (P + d * kx))
+      store(ok_g, _load(at(ak_g)) + (W + d * qx + bG))
     og_g[rows, i_h, cols] = _load(at(ag_g)) + (qx * P - kx * W + kx * bG)
     odb_g[s, i_h, rows] = jnp.sum(kx * G, axis=1)
 
@@ -248,40 +253,67 @@ def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
 
 
 def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g, odb_g,
-          *scratch):
+          *scratch, grads=True):
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
-  for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g), (ag_g, og_g)):
+  for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g), (ag_g, og_g))[0 if grads else 2:]:
     o_g[rows, i_h, cols] = _load(a_g.at[rows, i_h, cols]).astype(o_g.dtype)
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 
-def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded):
+  """Packed dq, dk: chunk c's rows r < cnt[c] go to packed rows src[c] + r through the plain SMEM
+  stage (the last scratch), and program (s, h, c) zeroes the gap pieces c, c + NTa, ... of dq and
+  dk at its head and columns."""
+  *refs, stage = refs
+  oq_g, ok_g = refs[11], refs[12]
+  s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
+  cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
+  src, cnt = src_g[c], cnt_g[c]
+  dst = lambda o_g: lambda ds: o_g.at[ds, i_h, cols]
+  store = lambda o_g, x: stage_rows(stage, x, dst(o_g), src, cnt)
+  live = live_chunk(cu_g, c, BT)
+  pl.when(live)(lambda: _body(*refs, scale=scale, bounded=bounded, store=store))
+  pl.when(jnp.logical_not(live))(lambda: _tail(*refs, grads=False))
+  zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, [dst(oq_g), dst(ok_g)])
+  plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits
+
+
+def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None):
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto")
-  if skip_tail:
+  if packed_T is not None:
+    body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto")
+  elif skip_tail:
     body = skipping_tail(body, _tail)
+  stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), grad_dtype)]
+  Tq = Ta if packed_T is None else packed_T
   return plgpu.kernel(
       body,
-      out_type=(out((Ta, HV, K), grad_dtype), out((Ta, HV, K), grad_dtype), out((Ta, HV, K)), out((nslab, HV, Ta))),
+      out_type=(out((Tq, HV, K), grad_dtype), out((Tq, HV, K), grad_dtype), out((Ta, HV, K)), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
       scratch_types=[
           *[_swz((BT, SLAB)) for _ in range(8)],            # q, k, dA split, k er split, x split
           plgpu.SMEM((BT, SLAB), F32), plgpu.SMEM((BT, SLAB), F32),   # gc_int, gc_frac
           plgpu.Barrier(num_arrivals=4),
+          *stage,                                            # packed dq, dk's stage
       ],
       compiler_params=plgpu.CompilerParams(approx_math=config.approx_math),
-      kernel_name="kda_bwd_intra", interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_bwd_intra" if packed_T is None else "kda_bwd_intra_packed", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
-          grad_dtype=None, interpret=False, config=None):
+          grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
   past aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
-  dk's dtype (float32 unless given; the kernel rounds them there, as the pipeline would after)."""
+  dk's dtype (float32 unless given; the kernel rounds them there, as the pipeline would after).
+  Packed dq, dk (the unalign folded into their stores): rows = padding.chunk_rows(layout), pieces =
+  padding.gap_pieces(rows, aligned_cu, T, 64) and the packed length T (aligned_cu required): dq, dk
+  are [1, T, HV, K], chunk c's row r < count[c] at packed row src[c] + r, 0 at tokens of no
+  sequence; dbeta, dgc as without."""
   config = config or Config()
   reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
                     chunk_size=chunk_size)
@@ -291,10 +323,16 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   f32 = lambda x: x[0].astype(F32)
   q, k = (x[0].astype(BF16) for x in (q, k))
   beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
+  packed = rows is not None
+  if packed and (aligned_cu is None or pieces is None or not isinstance(T, int)):
+    raise ValueError(f"mosaic_gpu bwd_intra kernel: packed dq, dk (rows given) need aligned_cu, pieces and a "
+                     f"static int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
-              grad_dtype=jnp.dtype(grad_dtype or F32))
-  cu = (aligned_cu.astype(jnp.int32),) if skip else ()
+              grad_dtype=jnp.dtype(grad_dtype or F32), packed_T=T if packed else None)
+  cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
+  if packed:
+    cu = (rows.src, rows.count, pieces) + cu
   if config.bounded == "auto":
     flag = bounded_levels(gc_int, gc_frac)        # [HV * NTa]: 5, 4 or 0 (six exact levels)
   else:

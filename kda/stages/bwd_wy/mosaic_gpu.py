@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, aligned_cu_reason, last_row, skipping_tail
-from kda._mosaic_gpu import tile_shapes, zeros
+from kda._mosaic_gpu import live_chunk, stage_rows, tile_shapes, zero_gap_pieces, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -110,7 +110,7 @@ def takes(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv):
+          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv, store_dv=None):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
@@ -142,7 +142,10 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     put(_load(at(du_g, j)), t0, t1)                          # du
     dvb = _acc([(aT, t0), (aT, t1)], shape)
     vx = _load(v_s.at[j]).astype(F32)
-    ov_g[rows, h, slab(j)] = (dvb * beta).astype(ov_g.dtype)
+    if store_dv is None:
+      ov_g[rows, h, slab(j)] = (dvb * beta).astype(ov_g.dtype)
+    else:
+      store_dv(j, dvb * beta)
     dbeta.append(jnp.sum(dvb * vx, axis=1))
     put(beta * vx, t2, t3)                                   # vb
     dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
@@ -175,12 +178,12 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
 
 
 def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
-           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, nk, nv):
+           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, nk, nv, dv=True):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
   z = zeros((BT, SLAB))
-  for j in range(nv):
+  for j in range(nv if dv else 0):
     ov_g[rows, h, slab(j)] = z.astype(ov_g.dtype)
   for j in range(nk):
     for o_g in (oq_g, ok_g, og_g, ogs_g):
@@ -189,16 +192,36 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   odb_g[h, rows] = zeros((BT,), ROW)
 
 
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv):
+  """Packed dv: chunk c's rows r < cnt[c] go to packed rows src[c] + r through the plain SMEM stage
+  (the last scratch), and program (h, c) zeroes the gap pieces c, c + NTa, ... of dv's head h."""
+  *refs, stage = refs
+  ov_g = refs[14]
+  h, c = lax.axis_index("h"), lax.axis_index("c")
+  src, cnt = src_g[c], cnt_g[c]
+  dst = lambda j: lambda ds: ov_g.at[ds, h, pl.ds(j * SLAB, SLAB)]
+  store_dv = lambda j, x: stage_rows(stage, x, dst(j), src, cnt)
+  live = live_chunk(cu_g, c, BT)
+  pl.when(live)(lambda: _body(*refs, nk=nk, nv=nv, store_dv=store_dv))
+  pl.when(jnp.logical_not(live))(lambda: _zeros(*refs, nk=nk, nv=nv, dv=False))
+  zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, [dst(j) for j in range(nv)])
+  plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32):
+def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, packed_T=None):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, nk=nk, nv=nv)
-  if skip_tail:
+  if packed_T is not None:
+    body = functools.partial(_packed_body, nk=nk, nv=nv)
+  elif skip_tail:
     body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv))
+  stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), dv_dtype)]
+  Tv = Ta if packed_T is None else packed_T
   return plgpu.kernel(
       body,
-      out_type=(out(Ta, HV, K), out(Ta, HV, K), out(Ta, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, K),
+      out_type=(out(Ta, HV, K), out(Ta, HV, K), out(Tv, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, K),
                 out(Ta, HV, K), out(Ta, HV, BT)),          # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
@@ -207,17 +230,22 @@ def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32):
           *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
           _swz((BT, BT)),                                                     # L
           plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
+          *stage,                                                             # packed dv's stage
       ],
       compiler_params=plgpu.CompilerParams(approx_math=config.approx_math),
-      kernel_name="kda_bwd_wy", interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
-          dv_dtype=None, interpret=False, config=None):
+          dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
-  kernel rounds it there, as the pipeline would right after)."""
+  kernel rounds it there, as the pipeline would right after).
+  Packed dv (the unalign folded into its store): rows = padding.chunk_rows(layout), pieces =
+  padding.gap_pieces(rows, aligned_cu, T, 64) and the packed length T (aligned_cu required): dv is
+  [1, T, HV, V], chunk c's row r < count[c] at packed row src[c] + r, 0 at tokens of no sequence;
+  the other outputs as without (the tail chunks' zeros included)."""
   reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
                     chunk_size=chunk_size)
   if reason is not None:
@@ -227,10 +255,16 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
+  packed = rows is not None
+  if packed and (aligned_cu is None or pieces is None or not isinstance(T, int)):
+    raise ValueError(f"mosaic_gpu bwd_wy kernel: packed dv (rows given) needs aligned_cu, pieces and a static "
+                     f"int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, skip_tail=skip,
-              dv_dtype=jnp.dtype(dv_dtype or F32))
-  cu = (aligned_cu.astype(jnp.int32),) if skip else ()
+              dv_dtype=jnp.dtype(dv_dtype or F32), packed_T=T if packed else None)
+  cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
+  if packed:
+    cu = (rows.src, rows.count, pieces) + cu
   dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
       *cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
       *(f32(x) for x in (dqg, dkg, dw, du, dgc_last)))
