@@ -185,8 +185,9 @@ def stage_rows(stage, x, dst, row, n):
 
 def zero_gap_pieces(pieces_g, c, programs, stage, dsts):
   """Program c of `programs` writes zeros to the packed gap pieces c, c + programs, ... of
-  padding.gap_pieces (pieces_g [2, P] int32 in GMEM: first row, count) in every dst(ds) of `dsts`,
-  from the plain SMEM stage (zeroed here): tokens of no sequence get exact zeros."""
+  padding.gap_pieces (pieces_g [2, P] int32 in GMEM: first row, count; the used pieces come first)
+  in every dst(ds) of `dsts`, from the plain SMEM stage (zeroed here only by a program that has a
+  piece): tokens of no sequence get exact zeros."""
   P = pieces_g.shape[1]
 
   def piece(m, carry):
@@ -196,7 +197,7 @@ def zero_gap_pieces(pieces_g, c, programs, stage, dsts):
       store_rows(stage, dst, first, n)
     return carry
 
-  @pl.when(c < P)
+  @pl.when((c < P) & (pieces_g[1, jnp.minimum(c, P - 1)] > 0))
   def _():
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     stage[...] = plgpu.layout_cast(jnp.zeros(stage.shape, F32), WG).astype(stage.dtype)

@@ -33,6 +33,11 @@ flags and a barrier: 82952 bytes (bf16 g) / 99336 bytes (f32 g) as lowered
 (test_bwd_gate_mosaic.py asserts it), two CTAs (two warpgroups) per SM. Untried alternative for the
 H200: dgc and dg_state rows straight from GMEM (16 / 32 KiB SMEM, more CTAs per SM).
 
+Packed mode (`packed`, the pipeline's packed backward): g is read packed (the chunk's tile by TMA
+from packed row src[c] into the plain tile; rows past count[c] are masked as valid=False rows) and
+each row of dg goes to packed row src[c] + r (r < count[c]) in g's dtype; program (j, c) then
+writes zeros to the gap pieces c, c + NTa, ... (padding.gap_pieces) at its columns, row by row.
+
 Precision: everything is float32 elementwise, so the kernel takes float32 gates too (the stage's
 predicate: the gradient is as accurate as the reference's). What differs from the reference: the
 reverse cumsum adds the rows in sequence where XLA's cumsum adds in a tree (float32 rounding), the

@@ -54,6 +54,11 @@ the worst (chunk, head) block's max|d| / max|ref| <= 1.5e-5 per field, ||d|| / |
 32768 bf16, lengths in [64, 4096], ordinary and raw gates): <= 7.9e-6 per field against the
 reference on the same inputs, 3.1-3.8 ms.
 
+Packed dq, dk (`apply(..., rows=, pieces=, T=)`, the pipeline's packed backward): the unalign folds
+into their stores, through one plain [64, 64] SMEM stage (dq, then dk; 108552 bytes, two CTAs per SM)
+and kda._mosaic_gpu.store_rows to packed rows src[c] + r, r < count[c]; program (s, h, c) zeroes
+the gap pieces c, c + NTa, ... of its head and columns. dgc and dbeta stay aligned.
+
 Simulator note: its callbacks run jax ops, so eager jax ops dispatched while a simulated kernel is
 still running can deadlock (block_until_ready first).
 

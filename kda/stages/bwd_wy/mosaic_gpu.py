@@ -34,6 +34,13 @@ the jnp reference's 6.11 ms; FLA's fused wy/dq/dk/dg kernel takes 2.73 ms for th
 Not tuned yet: one CTA issues every load and wgmma in sequence (no TMA prefetch of S2's float32
 cotangents, each read straight into registers), and tail chunks past aligned_cu[-1] are computed.
 
+Packed dv (`apply(..., rows=, pieces=, T=)`, what the pipeline's packed backward calls): the unalign
+folds into dv's store. dv goes from registers to a plain bf16 [64, 64] SMEM stage (8 KiB more,
+108552 bytes: still two CTAs per SM) and from there by TMA to packed rows src[c] + r, r < count[c]
+(kda._mosaic_gpu.store_rows: one store per set bit of the count, so no row of another sequence is
+written); program (h, c) then zeroes the gap pieces c, c + NTa, ... (padding.gap_pieces) of head h.
+The other outputs, and the arithmetic, are the aligned kernel's.
+
 The stage's predicate `takes` refuses what the kernel cannot do (chunk_size != 64, K or V not 64 /
 128, shapes, non-float dtypes) with the reason, and float32 q, k, v, Ainv.
 """
