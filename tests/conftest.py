@@ -1,0 +1,65 @@
+"""The CI budget (15 minutes on a 2-core CPU machine, DESIGN.md): tests whose coverage other tests
+in the default run already give are moved to the `large` run (`pytest -m large`, run on the
+device machine) by node id here, with their measured CPU seconds, rather than by editing each
+parametrization. Each entry keeps a sibling case in the default run."""
+from __future__ import annotations
+
+import pytest
+
+CI_BUDGET_LARGE = {
+    # id: seconds on the 2-core CPU (pytest --durations), and what stays in the default run
+    "tests/test_fused_state_output.py::test_pipeline_fuses_state_and_output_only_when_both_select_mosaic_gpu": 21.4,  # packed-group tests
+    "tests/test_tools.py::test_bench_backward_pieces": 17.6,              # test_bench_smoke_table_and_pieces
+    "tests/test_tools.py::test_trace_plot_writes_png": 3.8,               # the trace tool's text tests
+    "tests/stages/test_intra_mosaic.py::test_packed_equals_aligned[K64-V64-HV2]": 9.5,   # [K128-V128-HV1-strong]
+    "tests/stages/test_intra_mosaic.py::test_packed_kernels_lower_for_cuda[64-128]": 5.1,  # [128-128]
+    "tests/test_extreme_gates.py::test_gate_in_kernel_extremes[pallas]": 8.6,   # [reference], the mosaic simulator tests
+    "tests/test_extreme_gates.py::test_bf16_never_nan[pallas]": 7.7,            # [reference]
+    "tests/test_extreme_gates.py::test_forward_f32[-1e5-pallas]": 3.3,          # [one_inf-pallas], [-1e4-pallas]
+    "tests/test_extreme_gates.py::test_forward_f32[-1e3-pallas]": 3.1,
+    "tests/test_extreme_gates.py::test_forward_f32[sprinkled-pallas]": 3.2,
+    "tests/test_extreme_gates.py::test_forward_f32[all_inf-pallas]": 3.0,
+    "tests/test_grad.py::test_grad_matches_recurrence[trailing_empty+13nan-f32-BT32-noh0]": 6.2,  # softplus-in-kernel+7nan
+    "tests/test_grad.py::test_grad_matches_recurrence[with_empty-gva-l2norm-f32-BT32]": 5.9,  # softplus-in-kernel-gva-l2norm-bf16
+    "tests/test_grad.py::test_grad_matches_recurrence[K96-V96-f32-BT32]": 4.4,         # boundaries-f32-BT64
+    "tests/test_grad.py::test_grad_matches_recurrence[K192-V192-f32-BT64]": 3.9,
+    "tests/test_grad.py::test_grad_matches_recurrence[strong-safe_gate-f32-BT64]": 4.1,  # sigmoid-lb5-safe-in-kernel
+    "tests/stages/test_intra.py::test_kernel_matches_reference[T128-K128-V32-BT64-bf16]": 5.8,
+    "tests/stages/test_intra.py::test_kernel_matches_reference[30_50-K96-V96-BT64-f32]": 5.5,
+    "tests/stages/test_intra.py::test_kernel_matches_reference[T64-K64-V32-BT64-bf16-huge]": 4.9,
+    "tests/stages/test_intra.py::test_kernel_matches_reference[T128-K128-V64-BT64-f32-pairwise]": 4.3,
+    "tests/stages/test_intra.py::test_kernel_matches_reference[T128-K128-V32-BT64-f32-strong]": 3.9,
+    "tests/stages/test_intra.py::test_kernel_matches_reference[100-K96-V32-BT32-bf16]": 3.7,
+    "tests/stages/test_state_mosaic.py::test_state_matches_reference_long_sequences[K64-V64]": 6.3,  # [K128-V128]
+    "tests/stages/test_state_mosaic.py::test_state_bf16_stores[K128-V64]": 5.5,      # [K64-V64]
+    "tests/stages/test_state_mosaic.py::test_state_bf16_stores[K64-V128-direct-stores]": 5.0,
+    "tests/stages/test_state_mosaic.py::test_state_matches_reference_boundaries[K128-V64]": 4.1,  # [K64-V64]
+    "tests/stages/test_state_mosaic.py::test_state_matches_reference_configs[direct-stores]": 3.7,
+    "tests/stages/test_gate_mosaic.py::test_packed_configs[tma-stores-unroll8]": 3.4,  # the default config's tests
+    "tests/stages/test_gate_mosaic.py::test_packed_configs[lane-no-unroll]": 2.2,
+    "tests/test_fused_state_output.py::test_fused_packed_o_equals_unaligned[K128-V64-split]": 3.8,  # [K128-V128-split-bf16]
+    "tests/test_fused_state_output.py::test_fused_packed_o_equals_unaligned[K64-V128-serial-bf16]": 2.7,
+    "tests/test_fused_state_output.py::test_fused_matches_composed_references_warp_specialized[K128-V128]": 2.8,
+    "tests/test_pipeline.py::test_head_dims[K96]": 2.8,                   # [K64], [K128]
+    "tests/test_pipeline.py::test_head_dims[K192]": 2.9,
+    "tests/test_pipeline.py::test_head_dims[K64-V96]": 3.1,
+    "tests/stages/test_bwd_intra_mosaic.py::test_kernel_matches_reference[K128-HV2-100-strong-nonunit-auto]": 4.3,
+    "tests/stages/test_bwd_dh_mosaic.py::test_bwd_dh_matches_reference_and_emulation[K64-V64]": 5.8,  # [K128-V128]
+    "tests/stages/test_intra_mosaic.py::test_kernel_matches_reference[K128-V128-HV1-64_50-ordinary-unit-never]": 4.0,  # the other five
+    "tests/stages/test_intra_mosaic.py::test_kernel_matches_reference[K128-V128-HV1-64_50-ordinary-nonunit-auto]": 3.4,
+    "tests/stages/test_intra_mosaic.py::test_kernel_matches_reference[K64-V64-HV2-100_20-ordinary-unit-never]": 3.1,
+    "tests/stages/test_bwd_gate_mosaic.py::test_kernel_matches_reference[softplus-f32-HV2-K128]": 4.1,  # the other two
+    "tests/stages/test_gate_mosaic.py::test_kernel_matches_reference[softplus-f32-HV2-K128]": 2.3,  # the other seven
+    "tests/stages/test_gate_mosaic.py::test_kernel_matches_reference[softplus-nobias-f32-HV1-K128]": 2.0,
+    "tests/test_extreme_gates.py::test_gradients_f32[one_inf]": 5.7,     # [all_inf], [-1e4], [sprinkled]
+    "tests/test_pipeline.py::test_seq_lens_matrix[30_50-f32-BT64]": 3.8,  # the other three
+    # the packed forward's wiring: test_packed_backward_equals_the_aligned_one checks its o too
+    "tests/test_pipeline.py::test_packed_group_runs_and_equals_the_aligned_kernels": 15.5,
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if item.nodeid in CI_BUDGET_LARGE:
+      item.add_marker(pytest.mark.large)
