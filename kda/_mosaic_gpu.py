@@ -112,11 +112,13 @@ def live_chunk(cu_g, c, BT=64):
 def skipping_tail(body, zeros, BT=64, axis="c"):
   """A kernel body taking aligned_cu's GMEM ref [N+1] first: `body(*refs)` on the chunks before
   aligned_cu[-1] (grid axis `axis` is the chunk), `zeros(*refs)` (the outputs' zeros, nothing read)
-  on the chunks at or past it, which hold no token (the tail of a static-bound layout)."""
+  on the chunks at or past it, which hold no token (the tail of a static-bound layout); zeros None:
+  nothing there (the outputs' tail rows stay unwritten, for callers that never read them)."""
   def wrapped(cu_g, *refs):
     live = live_chunk(cu_g, lax.axis_index(axis), BT)
     pl.when(live)(lambda: body(*refs))
-    pl.when(jnp.logical_not(live))(lambda: zeros(*refs))
+    if zeros is not None:
+      pl.when(jnp.logical_not(live))(lambda: zeros(*refs))
   return wrapped
 
 

@@ -53,6 +53,16 @@ def is_hopper(device=None) -> bool:
 # dropped dh0). A switch so that tests and tools.bench can compare both ways.
 ELIDE_ZERO_STATES = True
 
+# Whether backward() runs packed where `packed_backward_rows` allows it (tools.packed_check and
+# tools.bench --aligned-backward compare both ways; the same gradients).
+PACKED_BACKWARD = True
+
+# Whether the packed backward's kernels still write zeros at the chunks past aligned_cu[-1] (the
+# tail of the static-bound layout). Packed, nothing reads those rows (every consumer skips the tail
+# or masks it by a select), so False leaves them unwritten: the same gradients with less traffic
+# (B: a quarter of its chunks). True until tools.packed_check has run it on an H200.
+TAIL_ZEROS = True
+
 # Stages whose mosaic_gpu kernel has passed the simulator and the CUDA lowering but not yet
 # tools.gpu_check on an H200: impl=None leaves them out (an explicit impl="mosaic_gpu" runs them).
 DEVICE_UNVERIFIED: frozenset[str] = frozenset()
@@ -382,8 +392,9 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   "inputs") when `record` is set, else empty. Outside record mode the backward runs packed where
   `packed_backward_rows` says so (the same bits; `packed=False` keeps the aligned layout).
   """
-  rows = None if record or not packed else packed_backward_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias,
-                                                             initial_state)
+  rows = None
+  if packed and PACKED_BACKWARD and not record:
+    rows = packed_backward_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias, initial_state)
   with scope("prepare"):
     if rows is None:
       (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
@@ -400,6 +411,12 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
     inputs[name] = args
     return _run(plan, name, *args, **backward_kwargs(plan, name), **extra)
 
+  def unwritten_tail(name, *args, **extra):
+    """{"tail_zeros": False} where the packed backward leaves stage `name`'s tail unwritten."""
+    if rows is None or TAIL_ZEROS or choose(plan, name, *args, **backward_kwargs(plan, name), **extra) != "mosaic_gpu":
+      return {}
+    return dict(tail_zeros=False)
+
   def packed_store(name, *args, **extra):
     """rows, pieces, T for stage `name`'s packed output store where the call selects its kernel."""
     if rows is None or choose(plan, name, *args, **backward_kwargs(plan, name), **extra) != "mosaic_gpu":
@@ -411,13 +428,15 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   if rows is None:
     rc = run("bwd_recompute", *rc_args)
   else:
+    tail = {} if TAIL_ZEROS else dict(tail_zeros=False)
     with scope("bwd_recompute"):
       rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=plan.interpret, rows=rows,
-                                       **backward_kwargs(plan, "bwd_recompute"))
-  av = run("bwd_dav", rc.v_new, saved.Aqk, do, layout.aligned_cu)
+                                       **backward_kwargs(plan, "bwd_recompute"), **tail)
+  av_args = (rc.v_new, saved.Aqk, do, layout.aligned_cu)
+  av = run("bwd_dav", *av_args, **unwritten_tail("bwd_dav", *av_args))
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
-  ds = run("bwd_dh", *dh_args)
+  ds = run("bwd_dh", *dh_args, **unwritten_tail("bwd_dh", *dh_args))
   # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes
   # (prepare_vjp rounds them there first anyway; the same bits, half the bytes for bf16 inputs).
   # Record mode keeps float32 stage outputs (what tools.stages and the checks compare).
@@ -425,11 +444,11 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   grad_dtype = {} if record or qa.dtype != ka.dtype else dict(grad_dtype=qa.dtype)
   wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
   dv_packed = packed_store("bwd_wy", *wy_args, **dv_dtype)
-  wy = run("bwd_wy", *wy_args, **dv_dtype, **dv_packed)
+  wy = run("bwd_wy", *wy_args, **dv_dtype, **dv_packed, **unwritten_tail("bwd_wy", *wy_args, **dv_dtype))
   dh0 = ds.dh0
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   qk_packed = packed_store("bwd_intra", *it_args, **grad_dtype)
-  it = run("bwd_intra", *it_args, **grad_dtype, **qk_packed)
+  it = run("bwd_intra", *it_args, **grad_dtype, **qk_packed, **unwritten_tail("bwd_intra", *it_args, **grad_dtype))
   if rows is None:
     gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   else:           # dg packed in g's dtype, zeros at tokens of no sequence

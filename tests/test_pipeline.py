@@ -528,3 +528,43 @@ def test_packed_backward_equals_the_aligned_one(monkeypatch):
   assert np.isfinite(o).all() and np.all(o[:, end:] == 0)
   assert np.abs(o[:, :end] - want_o[:, :end]).max() <= 1e-2 * np.abs(want_o[:, :end]).max()
   assert np.abs(f32(ht) - f32(want_ht)).max() <= 1e-2 * np.abs(f32(want_ht)).max()
+
+
+@pytest.mark.large
+def test_packed_backward_with_unwritten_tail_gives_the_same_bits(monkeypatch):
+  """pipeline.TAIL_ZEROS = False (simulator, whose unwritten memory is NaN): the packed backward's
+  kernels leave the chunks past aligned_cu[-1] unwritten and every gradient is bit for bit the
+  one with their zeros written (tail chunks: the traced cu_seqlens' static bound)."""
+  x, kw = _packed_case()
+  loss = lambda x, cu: sum(jnp.sum(o.astype(jnp.float32)) for o in
+                           kda.chunk_kda(*x, **dict(kw, cu_seqlens=cu), impl="mosaic_gpu"))
+  f = lambda: jax.jit(jax.grad(loss))(x, kw["cu_seqlens"])
+  want = f()
+  monkeypatch.setattr(pipeline, "TAIL_ZEROS", False)
+  got = f()
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
+
+
+@pytest.mark.parametrize("tail_zeros", [pytest.param(True, marks=pytest.mark.large), False],
+                         ids=["tail-zeros", "tail-unwritten"])
+def test_packed_backward_lowers_for_cuda(monkeypatch, tail_zeros):
+  """The whole jax.grad with impl=None as on an H200 (the platform mocked), lowered for CUDA from the
+  CPU: the packed backward's kernels (bwd_gate, bwd_wy and bwd_intra in their packed modes) are
+  the ones called, with pipeline.TAIL_ZEROS either way."""
+  import re
+  from unittest import mock
+  monkeypatch.setattr(pipeline, "TAIL_ZEROS", tail_zeros)
+  S = jax.ShapeDtypeStruct
+  T, H, K = 256, 2, 64
+  bf = lambda *s: S(s, jnp.bfloat16)
+  args = (bf(1, T, H, K), bf(1, T, H, K), bf(1, T, H, K), S((1, T, H, K), jnp.float32), bf(1, T, H))
+  loss = lambda q, k, v, g, beta, cu: jnp.sum(kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0].astype(jnp.float32))
+  with mock.patch("kda.pipeline.jax.default_backend", lambda: "gpu"), mock.patch("kda.pipeline.is_hopper",
+                                                                                  lambda *a: True):
+    txt = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args, S((4,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  names = set(re.findall(r"kda_[a-z_]+", txt))
+  for want in ("kda_bwd_gate_packed", "kda_bwd_wy_packed", "kda_bwd_intra_packed", "kda_bwd_recompute_wy"):
+    assert any(n.startswith(want) for n in names), (want, sorted(names))
+  assert not any(n.startswith(("kda_bwd_gate_mosaic", "kda_bwd_wy_mosaic")) for n in names), sorted(names)

@@ -290,3 +290,31 @@ def test_profile_attributes_device_time_to_pipeline_pieces():
   span, idle_ms, gaps = profile.idle(timed, calls=2)
   assert span == 41.0 / 1e3 / 2 and idle_ms == 25.0 / 1e3 / 2
   assert gaps == [(20.0, "c", "d"), (5.0, "a", "c")]
+
+
+def test_packed_check_compare_counts_and_bounds_differences():
+  """tools.packed_check.compare: bit for bit, one bf16 step (2^-8 relative) within --max-ulps 1,
+  two steps not, a NaN never within."""
+  from tools import packed_check
+  a = np.array([1.0, -0.5, 0.25, 3.0], np.float32)
+  r = packed_check.compare(a, a.copy())
+  assert r["same"] and r["within"] and r["differ"] == 0
+  b = a.copy()
+  b[1] = -0.5 * (1 + 2 ** -8)
+  r = packed_check.compare(a, b)
+  assert not r["same"] and r["within"] and r["differ"] == 1 and r["max_abs"] == pytest.approx(0.5 * 2 ** -8)
+  b[1] = -0.5 * (1 + 2 ** -6)
+  assert not packed_check.compare(a, b)["within"]
+  b = a.copy()
+  b[0] = np.nan
+  assert not packed_check.compare(a, b)["within"]
+
+
+@pytest.mark.large
+def test_packed_check_runs_the_simulator(capsys):
+  """The tool end to end on a tiny shape B with the Mosaic GPU kernels in the simulator: the packed
+  backward is taken and every output is within bounds (bit for bit there)."""
+  from tools import packed_check
+  assert packed_check.main(["--variants", "B:plain", "--total", "96", "--reps", "1", "--impl", "mosaic_gpu"]) == 0
+  out = capsys.readouterr().out
+  assert "dg     bit for bit" in out and "fwd+bwd ms: packed" in out

@@ -316,11 +316,16 @@ def main(argv=None):
   p.add_argument("--keep-states", action="store_true",
                  help="kda.pipeline.ELIDE_ZERO_STATES off: the state kernels read the zero initial state "
                       "and store the unused final state (the calls here pass neither)")
+  p.add_argument("--aligned-backward", action="store_true",
+                 help="kda.pipeline.PACKED_BACKWARD off: the backward aligns g and unaligns dq, dk, dv, dg "
+                      "in XLA (the same gradients)")
   p.add_argument("--out", help="write results as JSON")
   a = p.parse_args(argv)
+  from kda import pipeline
   if a.keep_states:
-    from kda import pipeline
     pipeline.ELIDE_ZERO_STATES = False
+  if a.aligned_backward:
+    pipeline.PACKED_BACKWARD = False
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   rows, pieces = [], {}
   for var in a.variants.split(","):

@@ -144,7 +144,7 @@ def _zeros(vn_g, A_g, do_g, odA_g, odv_g, *scratch):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False):
+def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False, tail_zeros=True):
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
   if all_bf16:
     body, scratch = _body_bf16, [_swz((BT, V)), _swz((BT, V)), _swz((BT, BT)), plgpu.Barrier(num_arrivals=3)]
@@ -152,7 +152,7 @@ def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False):
     body, scratch = _body, [*[_swz((BT, V)) for _ in range(4)],      # do, v_new: hi, lo
                             _swz((BT, BT)), _swz((BT, BT))]          # Aqk: hi, lo
   if skip_tail:
-    body = skipping_tail(body, _zeros)
+    body = skipping_tail(body, _zeros if tail_zeros else None)
   return plgpu.kernel(
       body,
       out_type=(out((Ta, HV, BT)), out((Ta, HV, V))),
@@ -162,9 +162,10 @@ def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False):
   )
 
 
-def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, config=None):
+def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, config=None, tail_zeros=True):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
-  past aligned_cu[-1] get zeros without being read."""
+  past aligned_cu[-1] get zeros without being read; tail_zeros=False leaves them unwritten (for
+  callers that never read them: the packed backward)."""
   config = config or Config()
   reason = supports(v_new, Aqk, do, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -173,5 +174,6 @@ def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, confi
   all_bf16 = all(jnp.dtype(x.dtype) == jnp.dtype(BF16) for x in (v_new, Aqk, do))
   skip = config.skip_tail and aligned_cu is not None
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
-  dA, dv = _kernel(Ta, HV, V, bool(interpret), all_bf16, skip)(*cu, v_new[0], Aqk[0], do[0])
+  dA, dv = _kernel(Ta, HV, V, bool(interpret), all_bf16, skip, bool(tail_zeros) or not skip)(
+      *cu, v_new[0], Aqk[0], do[0])
   return Out(dA[None], dv[None])

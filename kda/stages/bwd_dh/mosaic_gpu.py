@@ -143,7 +143,7 @@ def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chun
 
 def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
                dh0_g, du_g, dh_g,
-               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV):
+               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV, tail_zeros=True):
   # GMEM: order [N], cu [N+1] int32; qg, kg, w [Ta, HV, K], do [Ta, HV, V] bf16 (do scaled);
   # dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V] f32;
   # dh [NTa, HV, K, V] bf16 (dS_next of every chunk; unwritten at the tail).
@@ -201,6 +201,7 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
   # the shortest sequence's program first: du = dv (the terms kernel writes their zeros).
+  # tail_zeros=False: left unwritten (callers that never read them).
   first, count = tail_share(cu_g, N, NTa, r, BT)
 
   def tail(j, carry):
@@ -208,12 +209,13 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
     du_g[rows, i_h, cols] = _load(dv_g.at[rows, i_h, cols])
     return carry
 
-  lax.fori_loop(0, count, tail, 0)
+  if tail_zeros:
+    lax.fori_loop(0, count, tail, 0)
   plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
 
 
 def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g,
-                h_s, dh_s, vn_s, do_s, dub_s, bar, *, BT, nv):
+                h_s, dh_s, vn_s, do_s, dub_s, bar, *, BT, nv, tail_zeros=True):
   # GMEM: cu [N+1] int32; h, dh [NTa, HV, K, V], vn, do [Ta, HV, V] bf16 (do scaled); du [Ta, HV, V],
   # dec [NTa, HV, K] f32; out dqg, dkg, dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs.
   N = cu_g.shape[0] - 1
@@ -240,20 +242,24 @@ def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dg
                for j in range(nv))
     dgc_g[c, i_h, :] = _load(dec_g.at[c, i_h, :], ROW) * prod
 
-  @pl.when(jnp.logical_not(live))
-  def _():
+  def tail():
     zk = zeros((BT, K))
     dqg_g[rows, i_h, :] = zk
     dkg_g[rows, i_h, :] = zk
     dw_g[rows, i_h, :] = zk
     dgc_g[c, i_h, :] = zeros((K,), ROW)
 
+  if tail_zeros:                 # False: the tail stays unwritten
+    pl.when(jnp.logical_not(live))(tail)
+
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
-          interpret=False, config=None, dht_zero=False, need_dh0=True):
+          interpret=False, config=None, dht_zero=False, need_dh0=True, tail_zeros=True):
   """dht_zero: dht is known to be zero (not read: XLA drops a zeros array nobody reads);
   need_dh0=False: dh0 is not stored (zeros returned, for callers that drop it). The pipeline sets
-  them for a final state nobody uses and an initial state made of zeros inside chunk_kda."""
+  them for a final state nobody uses and an initial state made of zeros inside chunk_kda.
+  tail_zeros=False: du, dqg, dkg, dw, dgc_last are left unwritten at the chunks at or past
+  aligned_cu[-1] (for callers that never read them: the packed backward)."""
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -280,7 +286,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     grid, names = (N, HV, NV), ("r", "h", "v")
   else:
     grid, names = (NV, HV, N), ("v", "h", "r")
-  body = functools.partial(_walk_body, BT=BT, BV=BV)
+  body = functools.partial(_walk_body, BT=BT, BV=BV, **({} if tail_zeros else dict(tail_zeros=False)))
   absent = [8] * dht_zero + [9] * (not need_dh0)                 # dht_g, dh0_g in _walk_body's refs
   if absent:
     body = with_absent(body, absent)
@@ -306,7 +312,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
 
   nv = V // SLAB
   terms = plgpu.kernel(
-      functools.partial(_terms_body, BT=BT, nv=nv),
+      functools.partial(_terms_body, BT=BT, nv=nv, **({} if tail_zeros else dict(tail_zeros=False))),
       out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),

@@ -267,7 +267,7 @@ def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, o
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True):
   """Packed dq, dk: chunk c's rows r < cnt[c] go to packed rows src[c] + r through the plain SMEM
   stage (the last scratch), and program (s, h, c) zeroes the gap pieces c, c + NTa, ... of dq and
   dk at its head and columns."""
@@ -280,19 +280,22 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded):
   store = lambda o_g, x: stage_rows(stage, x, dst(o_g), src, cnt)
   live = live_chunk(cu_g, c, BT)
   pl.when(live)(lambda: _body(*refs, scale=scale, bounded=bounded, store=store))
-  pl.when(jnp.logical_not(live))(lambda: _tail(*refs, grads=False))
+  if tail_zeros:
+    pl.when(jnp.logical_not(live))(lambda: _tail(*refs, grads=False))
   zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, [dst(oq_g), dst(ok_g)])
   plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits
 
 
-def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None):
+def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None,
+            tail_zeros=True):
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto")
   if packed_T is not None:
-    body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto")
+    body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto",
+                             **({} if tail_zeros else dict(tail_zeros=False)))
   elif skip_tail:
-    body = skipping_tail(body, _tail)
+    body = skipping_tail(body, _tail if tail_zeros else None)
   stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), grad_dtype)]
   Tq = Ta if packed_T is None else packed_T
   return plgpu.kernel(
@@ -311,14 +314,16 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
 
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
-          grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None):
+          grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
   past aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
   dk's dtype (float32 unless given; the kernel rounds them there, as the pipeline would after).
   Packed dq, dk (the unalign folded into their stores): rows = padding.chunk_rows(layout), pieces =
   padding.gap_pieces(rows, aligned_cu, T, 64) and the packed length T (aligned_cu required): dq, dk
   are [1, T, HV, K], chunk c's row r < count[c] at packed row src[c] + r, 0 at tokens of no
-  sequence; dbeta, dgc as without."""
+  sequence; dbeta, dgc as without. tail_zeros=False (with the tail skipped): the outputs are left
+  unwritten at the chunks at or past aligned_cu[-1] (callers that never read them: the packed
+  backward)."""
   config = config or Config()
   reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
                     chunk_size=chunk_size)
@@ -334,7 +339,8 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
                      f"static int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
-              grad_dtype=jnp.dtype(grad_dtype or F32), packed_T=T if packed else None)
+              grad_dtype=jnp.dtype(grad_dtype or F32), packed_T=T if packed else None,
+              tail_zeros=bool(tail_zeros) or not (skip or packed))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu

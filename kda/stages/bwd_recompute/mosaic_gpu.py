@@ -69,7 +69,7 @@ def takes(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   return state_mgpu.takes(kb, kb, S(v.shape, _BF16), gc, gc, initial_state, aligned_cu, chunk_size=chunk_size)
 
 
-def _wy_body(*refs, nk, nv, skip_tail=False):
+def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True):
   if skip_tail:                # aligned_cu's ref first: the chunks at or past aligned_cu[-1] store zeros
     cu_g, refs = refs[0], refs[1:]
   (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
@@ -77,6 +77,22 @@ def _wy_body(*refs, nk, nv, skip_tail=False):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
+
+  def store():
+    plgpu.commit_smem()
+    for j in range(nk):
+      for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g)):
+        plgpu.copy_smem_to_gmem(src.at[j], dst.at[rows, h, slab(j)])
+    for j in range(nv):
+      plgpu.copy_smem_to_gmem(u_s.at[j], u_g.at[rows, h, slab(j)])
+    plgpu.wait_smem_to_gmem(0)
+
+  if skip_tail and not tail_zeros:   # the tail left unwritten (callers that never read it)
+    @pl.when(live_chunk(cu_g, c, BT))
+    def _():
+      _wy_compute(h, c, rows, slab, refs, nk, nv)
+      store()
+    return
   if skip_tail:
     live = live_chunk(cu_g, c, BT)
     pl.when(live)(lambda: _wy_compute(h, c, rows, slab, refs, nk, nv))
@@ -92,13 +108,7 @@ def _wy_body(*refs, nk, nv, skip_tail=False):
         u_s.at[j][...] = z
   else:
     _wy_compute(h, c, rows, slab, refs, nk, nv)
-  plgpu.commit_smem()
-  for j in range(nk):
-    for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g)):
-      plgpu.copy_smem_to_gmem(src.at[j], dst.at[rows, h, slab(j)])
-  for j in range(nv):
-    plgpu.copy_smem_to_gmem(u_s.at[j], u_g.at[rows, h, slab(j)])
-  plgpu.wait_smem_to_gmem(0)
+  store()
 
 
 def _wy_compute(h, c, rows, slab, refs, nk, nv):
@@ -130,11 +140,11 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv):
 
 
 @functools.lru_cache(maxsize=None)
-def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False):
+def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True):
   nk, nv = K // SLAB, V // SLAB
   out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
   return plgpu.kernel(
-      functools.partial(_wy_body, nk=nk, nv=nv, skip_tail=skip_tail),
+      functools.partial(_wy_body, nk=nk, nv=nv, skip_tail=skip_tail, tail_zeros=tail_zeros),
       out_type=(out(K), out(V), out(K), out(K)),                  # w, u, qg, kg
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
@@ -147,26 +157,32 @@ def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False):
   )
 
 
-def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, interpret=False, approx_math=True):
+def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, interpret=False, approx_math=True,
+                  tail_zeros=True):
   """(w, u, qg, kg) [1, Ta, HV, D] bf16 from the saved Ainv: reference.wy_from_inverse's formulas
   on the Mosaic GPU kernel (module docstring, Config.wy_from_saved). q, k, v, Ainv are cast to bf16.
-  With aligned_cu the chunks at or past aligned_cu[-1] store zeros, nothing of them read."""
+  With aligned_cu the chunks at or past aligned_cu[-1] store zeros (tail_zeros=False: nothing),
+  nothing of them read."""
   _, Ta, HV, K = k.shape
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   skip = aligned_cu is not None
-  f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=approx_math, skip_tail=skip)
+  f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=approx_math, skip_tail=skip,
+                 tail_zeros=bool(tail_zeros) or not skip)
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   outs = f(*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
   return tuple(x[None] for x in outs)
 
 
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
-          use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False, rows=None):
+          use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False, rows=None,
+          tail_zeros=True):
   """zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores
   the final state (the stage never returns it). Without it the kernel runs as checked on the H200.
   rows (a padding.ChunkRows): g is PACKED [1, T, HV, K] (raw, not neutralised; valid is unused) and
-  the gate kernel's packed mode reads it (the align folded into its load: the same gc bit for bit)."""
+  the gate kernel's packed mode reads it (the align folded into its load: the same gc bit for bit).
+  tail_zeros=False: the wy kernel leaves w, u, qg, kg unwritten at the chunks at or past
+  aligned_cu[-1] (callers that never read them: the packed backward)."""
   config = config or Config()
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if rows is not None:
@@ -185,7 +201,7 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   if config.wy_from_saved and Ainv is not None:
     w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv,
                                  aligned_cu if config.skip_tail else None, interpret=interpret,
-                                 approx_math=config.approx_math)
+                                 approx_math=config.approx_math, tail_zeros=tail_zeros)
   else:            # the forward's intra kernels again: Ainv formed anew, bit for bit as the forward's
     it = intra_mgpu.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, aligned_cu, scale=1.0, chunk_size=chunk_size,
                           interpret=interpret)

@@ -199,7 +199,7 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   odb_g[h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True):
   """Packed dv: chunk c's rows r < cnt[c] go to packed rows src[c] + r through the plain SMEM stage
   (the last scratch), and program (h, c) zeroes the gap pieces c, c + NTa, ... of dv's head h."""
   *refs, stage = refs
@@ -210,20 +210,21 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv):
   store_dv = lambda j, x: stage_rows(stage, x, dst(j), src, cnt)
   live = live_chunk(cu_g, c, BT)
   pl.when(live)(lambda: _body(*refs, nk=nk, nv=nv, store_dv=store_dv))
-  pl.when(jnp.logical_not(live))(lambda: _zeros(*refs, nk=nk, nv=nv, dv=False))
+  if tail_zeros:
+    pl.when(jnp.logical_not(live))(lambda: _zeros(*refs, nk=nk, nv=nv, dv=False))
   zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, [dst(j) for j in range(nv)])
   plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, packed_T=None):
+def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, packed_T=None, tail_zeros=True):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, nk=nk, nv=nv)
   if packed_T is not None:
-    body = functools.partial(_packed_body, nk=nk, nv=nv)
+    body = functools.partial(_packed_body, nk=nk, nv=nv, **({} if tail_zeros else dict(tail_zeros=False)))
   elif skip_tail:
-    body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv))
+    body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv) if tail_zeros else None)
   stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), dv_dtype)]
   Tv = Ta if packed_T is None else packed_T
   return plgpu.kernel(
@@ -245,14 +246,16 @@ def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, p
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
-          dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None):
+          dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
   kernel rounds it there, as the pipeline would right after).
   Packed dv (the unalign folded into its store): rows = padding.chunk_rows(layout), pieces =
   padding.gap_pieces(rows, aligned_cu, T, 64) and the packed length T (aligned_cu required): dv is
   [1, T, HV, V], chunk c's row r < count[c] at packed row src[c] + r, 0 at tokens of no sequence;
-  the other outputs as without (the tail chunks' zeros included)."""
+  the other outputs as without (the tail chunks' zeros included). tail_zeros=False (with the tail
+  skipped): the outputs are left unwritten at the chunks at or past aligned_cu[-1] (for callers
+  that never read them: the packed backward)."""
   reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
                     chunk_size=chunk_size)
   if reason is not None:
@@ -268,7 +271,8 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
                      f"int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, skip_tail=skip,
-              dv_dtype=jnp.dtype(dv_dtype or F32), packed_T=T if packed else None)
+              dv_dtype=jnp.dtype(dv_dtype or F32), packed_T=T if packed else None,
+              tail_zeros=bool(tail_zeros) or not (skip or packed))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu

@@ -1,0 +1,100 @@
+"""python -m tools.packed_check: the packed backward against the aligned one (GPU).
+
+For each shape:gate of tools.bench, jax.grad of sum(o * do) (o as aux) is compiled twice, with
+kda.pipeline.PACKED_BACKWARD on (the default: g read packed by S0 and S5, dq, dk, dv, dg stored
+packed by S4, S3, S5) and off (g aligned and the gradients unaligned by XLA gathers). It prints,
+per output (dq, dk, dv, dg, dbeta, o), whether the two are bit for bit equal and where not how many
+entries differ and by how much, then both timings (median of --reps, as tools.bench), compile times
+and XLA temporaries. Exit status 1 if an output is not finite or differs by more than --max-ulps
+bf16 rounding steps of its value (2^-8 relative each).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda import pipeline
+from tools import bench
+
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "o")
+
+
+def compare(a, b, max_ulps=1):
+  """a, b: arrays of one output (packed, aligned) -> dict: same (bit for bit), finite, count of
+  differing entries, max |a - b|, and within (every difference at most max_ulps bf16 steps of the
+  larger magnitude: 2^-8 relative per step)."""
+  a, b = np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))
+  finite = bool(np.isfinite(a).all() and np.isfinite(b).all())
+  d = np.abs(a - b)
+  step = np.maximum(np.abs(a), np.abs(b)) * 2.0 ** -8
+  return {"same": bool(np.array_equal(a, b)), "finite": finite, "differ": int(np.count_nonzero(d)),
+          "size": int(a.size), "max_abs": float(d.max()) if d.size else 0.0,
+          "within": finite and bool(np.all(d <= max_ulps * step))}
+
+
+def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1):
+  args, diff_kw, fwd, _ = bench.calls(name, gate, impl, total)
+  _, _, do = bench.make_inputs(name, gate, total=total)
+
+  def loss(q, k, v, g, beta, dk):
+    o = fwd(q, k, v, g, beta, dk)
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+
+  out = {"shape": name, "gate": gate}
+  fns = {}
+  for mode, on in (("packed", True), ("aligned", False)):
+    pipeline.PACKED_BACKWARD = on
+    try:
+      t0 = time.perf_counter()
+      f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)).lower(*args, diff_kw).compile()
+      out[f"{mode}_compile_s"] = round(time.perf_counter() - t0, 1)
+      m = f.memory_analysis()
+      out[f"{mode}_temp_mb"] = None if m is None else round(m.temp_size_in_bytes / 2**20)
+      fns[mode] = f
+    finally:
+      pipeline.PACKED_BACKWARD = True
+  res = {m: jax.tree.leaves(f(*args, diff_kw)) for m, f in fns.items()}
+  out["outputs"] = {n: compare(a, b, max_ulps) for n, a, b in zip(NAMES, res["packed"], res["aligned"])}
+  for mode, f in fns.items():
+    out[f"{mode}_ms"] = bench.timeit(f, *args, diff_kw, reps=reps)
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--variants", default="A:plain,B:plain,C:plain", help="shape:gate pairs (tools.bench)")
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--total", type=int, default=bench.TOTAL, help="packed tokens (smaller for a smoke run)")
+  p.add_argument("--impl", default="auto", help="auto (chunk_kda's default) or an impl string (mosaic_gpu "
+                                                 "on a CPU runs the simulator)")
+  p.add_argument("--max-ulps", type=int, default=1)
+  p.add_argument("--out", help="write results as JSON")
+  a = p.parse_args(argv)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  rows, ok = [], True
+  for var in a.variants.split(","):
+    name, gate = var.split(":")
+    r = check(name, gate, a.reps, a.total, a.impl, a.max_ulps)
+    rows.append(r)
+    ok &= all(o["within"] for o in r["outputs"].values())
+    print(json.dumps(r), flush=True)
+    for n, o in r["outputs"].items():
+      what = "bit for bit" if o["same"] else f"{o['differ']} of {o['size']} differ, max |d| {o['max_abs']:.3g}"
+      print(f"  {var} {n:6s} {what}{'' if o['within'] else '  OUT OF BOUNDS'}")
+    print(f"  {var} fwd+bwd ms: packed {r['packed_ms']:.3f}, aligned {r['aligned_ms']:.3f}; compile s "
+          f"{r['packed_compile_s']} / {r['aligned_compile_s']}; XLA temp MiB {r['packed_temp_mb']} / "
+          f"{r['aligned_temp_mb']}", flush=True)
+  if a.out:
+    with open(a.out, "w") as fh:
+      json.dump(rows, fh, indent=1)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
