@@ -568,3 +568,31 @@ def test_packed_backward_lowers_for_cuda(monkeypatch, tail_zeros):
   for want in ("kda_bwd_gate_packed", "kda_bwd_wy_packed", "kda_bwd_intra_packed", "kda_bwd_recompute_wy"):
     assert any(n.startswith(want) for n in names), (want, sorted(names))
   assert not any(n.startswith(("kda_bwd_gate_mosaic", "kda_bwd_wy_mosaic")) for n in names), sorted(names)
+
+
+@pytest.mark.large
+def test_packed_backward_with_segment_gaps_equals_the_aligned_one(monkeypatch):
+  """As test_packed_backward_equals_the_aligned_one with segment_ids: padding (id 0, NaN inputs)
+  before the first sequence, between sequences and after the last, so the kernels zero interior
+  gap pieces of the packed gradients too."""
+  x, kw = _packed_case()
+  ids = np.concatenate([np.zeros(3), np.full(34, 1), np.zeros(6), np.full(64, 2), np.full(65, 3), np.full(1, 4),
+                        np.zeros(27)]).astype(np.int32)[None]
+  pad = jnp.asarray(ids == 0)[..., None, None]
+  x = tuple(jnp.where(pad if a.ndim == 4 else pad[..., 0], jnp.asarray(jnp.nan, a.dtype), jnp.nan_to_num(a, nan=0.5))
+            for a in x)    # _packed_case's NaN tail holds real tokens here
+  kw = dict(kw, segment_ids=jnp.asarray(ids))
+  del kw["cu_seqlens"]
+
+  def grads():
+    loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="mosaic_gpu")[0].astype(jnp.float32))
+    return jax.jit(jax.grad(loss))(x)
+
+  got = grads()
+  monkeypatch.setattr(pipeline, "PACKED_BACKWARD", False)
+  want = grads()
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    assert np.isfinite(a).all(), name
+    np.testing.assert_array_equal(a, b, name)
+    assert np.all(a[ids == 0] == 0) and np.abs(a[ids != 0]).max() > 0, name
