@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kda.padding.layout import (ChunkRows, ChunkTable, Layout, chunk_rows, align_index, align_with, aligned_cu_seqlens,
-                                gap_pieces, packed_gaps,
+                                gap_pieces, packed_gaps, search_right,
                                 aligned_length, chunk_table, layout_from_cu_seqlens, make_layout,
                                 packed_owned_mask, unalign_index, unalign_with, valid_mask)
 from kda.padding.segments import (count_segments, segment_ids_to_cu_seqlens, segment_ids_to_seqs,
@@ -42,7 +42,7 @@ def unalign(x, cu_seqlens, aligned_cu_seqlens, T):
   acu = jnp.asarray(aligned_cu_seqlens, jnp.int32)
   Ta = x.shape[1]
   t = jnp.arange(T, dtype=jnp.int32)
-  n = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, max(cu.shape[0] - 2, 0))
+  n = jnp.clip(search_right(cu, t) - 1, 0, max(cu.shape[0] - 2, 0))
   idx = jnp.where(t < cu[-1], acu[n] + t - cu[n], Ta)
   return jnp.take(x, idx, axis=1, mode="fill", fill_value=0)
 

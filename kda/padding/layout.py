@@ -83,11 +83,18 @@ def layout_from_cu_seqlens(cu_seqlens, T: int, chunk_size: int) -> Layout:
   return make_layout(cu[:-1], cu[1:] - cu[:-1], T, chunk_size)
 
 
+def search_right(sorted_values, queries):
+  """jnp.searchsorted(sorted_values, queries, side="right") as an unrolled binary search: no while
+  loop (on a GPU a while loop is a chain of tiny launches per iteration, on the critical path of
+  every call), the same integers."""
+  return jnp.searchsorted(sorted_values, queries, side="right", method="scan_unrolled")
+
+
 def _aligned_positions(layout: Layout):
   """For every aligned position p: (sequence n, offset j in it, is a real token)."""
   p = jnp.arange(layout.Ta, dtype=jnp.int32)
   N = layout.N
-  n = jnp.clip(jnp.searchsorted(layout.aligned_cu, p, side="right") - 1, 0, max(N - 1, 0))
+  n = jnp.clip(search_right(layout.aligned_cu, p) - 1, 0, max(N - 1, 0))
   if N == 0:
     return n, p, jnp.zeros_like(p, bool)
   j = p - layout.aligned_cu[n]
@@ -181,7 +188,7 @@ def chunk_rows(layout: Layout) -> ChunkRows:
 def chunk_table(aligned_cu, NTa: int, chunk_size: int) -> ChunkTable:
   start = jnp.arange(NTa, dtype=jnp.int32) * chunk_size
   N = aligned_cu.shape[0] - 1
-  n = jnp.clip(jnp.searchsorted(aligned_cu, start, side="right") - 1, 0, max(N - 1, 0))
+  n = jnp.clip(search_right(aligned_cu, start) - 1, 0, max(N - 1, 0))
   owned = start < aligned_cu[-1]
   seq = jnp.where(owned, n, -1).astype(jnp.int32)
   local = jnp.where(owned, (start - aligned_cu[n]) // chunk_size, 0).astype(jnp.int32)
@@ -224,7 +231,7 @@ def gap_pieces(rows: ChunkRows, aligned_cu, T: int, chunk_size: int):
   n = (hi - lo + BT - 1) // BT                                   # pieces of each gap
   cum = jnp.cumsum(n).astype(jnp.int32)
   p = jnp.arange(P, dtype=jnp.int32)
-  gap = jnp.clip(jnp.searchsorted(cum, p, side="right"), 0, N)
+  gap = jnp.clip(search_right(cum, p), 0, N)
   first = lo[gap] + (p - (cum[gap] - n[gap])) * BT
   count = jnp.where(p < cum[-1], jnp.clip(hi[gap] - first, 0, BT), 0)
   return jnp.stack([jnp.where(count > 0, first, 0), count]).astype(jnp.int32)
