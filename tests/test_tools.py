@@ -310,6 +310,14 @@ def test_packed_check_compare_counts_and_bounds_differences():
   assert not packed_check.compare(a, b)["within"]
 
 
+def test_packed_check_switches():
+  from tools import packed_check
+  assert packed_check.switches("TAIL_ZEROS=0, PACKED_BACKWARD=1") == {"TAIL_ZEROS": False, "PACKED_BACKWARD": True}
+  assert packed_check.switches("") == {}
+  with pytest.raises(ValueError, match="not a boolean switch"):
+    packed_check.switches("NOPE=1")
+
+
 @pytest.mark.large
 def test_packed_check_runs_the_simulator(capsys):
   """The tool end to end on a tiny shape B with the Mosaic GPU kernels in the simulator: the packed
@@ -317,4 +325,4 @@ def test_packed_check_runs_the_simulator(capsys):
   from tools import packed_check
   assert packed_check.main(["--variants", "B:plain", "--total", "96", "--reps", "1", "--impl", "mosaic_gpu"]) == 0
   out = capsys.readouterr().out
-  assert "dg     bit for bit" in out and "fwd+bwd ms: packed" in out
+  assert "dg     bit for bit" in out and "fwd+bwd ms: checked" in out

@@ -2,7 +2,9 @@
 
 For each shape:gate of tools.bench, jax.grad of sum(o * do) (o as aux) is compiled twice, with
 kda.pipeline.PACKED_BACKWARD on (the default: g read packed by S0 and S5, dq, dk, dv, dg stored
-packed by S4, S3, S5) and off (g aligned and the gradients unaligned by XLA gathers). It prints,
+packed by S4, S3, S5) and off (g aligned and the gradients unaligned by XLA gathers); --variant
+and --baseline set other kda.pipeline switches for either side (e.g. --variant TAIL_ZEROS=0
+--baseline "" checks the unwritten tail against the default). It prints,
 per output (dq, dk, dv, dg, dbeta, o), whether the two are bit for bit equal and where not how many
 entries differ and by how much, then both timings (median of --reps, as tools.bench), compile times
 and XLA temporaries. Exit status 1 if an output is not finite or differs by more than --max-ulps
@@ -38,7 +40,18 @@ def compare(a, b, max_ulps=1):
           "within": finite and bool(np.all(d <= max_ulps * step))}
 
 
-def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1):
+def switches(text):
+  """"NAME=0,OTHER=1" -> {NAME: False, OTHER: True} (kda.pipeline module switches)."""
+  out = {}
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    name, _, value = item.partition("=")
+    if not hasattr(pipeline, name) or not isinstance(getattr(pipeline, name), bool):
+      raise ValueError(f"{name!r} is not a boolean switch of kda.pipeline")
+    out[name] = value.strip().lower() in ("1", "true", "on")
+  return out
+
+
+def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1, variant=None, baseline=None):
   args, diff_kw, fwd, _ = bench.calls(name, gate, impl, total)
   _, _, do = bench.make_inputs(name, gate, total=total)
 
@@ -48,8 +61,12 @@ def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1):
 
   out = {"shape": name, "gate": gate}
   fns = {}
-  for mode, on in (("packed", True), ("aligned", False)):
-    pipeline.PACKED_BACKWARD = on
+  sides = (("packed", {} if variant is None else variant),
+           ("aligned", dict(PACKED_BACKWARD=False) if baseline is None else baseline))
+  for mode, sets in sides:
+    saved = {k: getattr(pipeline, k) for k in sets}
+    for k, val in sets.items():
+      setattr(pipeline, k, val)
     try:
       t0 = time.perf_counter()
       f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)).lower(*args, diff_kw).compile()
@@ -58,7 +75,8 @@ def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1):
       out[f"{mode}_temp_mb"] = None if m is None else round(m.temp_size_in_bytes / 2**20)
       fns[mode] = f
     finally:
-      pipeline.PACKED_BACKWARD = True
+      for k, val in saved.items():
+        setattr(pipeline, k, val)
   res = {m: jax.tree.leaves(f(*args, diff_kw)) for m, f in fns.items()}
   out["outputs"] = {n: compare(a, b, max_ulps) for n, a, b in zip(NAMES, res["packed"], res["aligned"])}
   for mode, f in fns.items():
@@ -74,20 +92,22 @@ def main(argv=None):
   p.add_argument("--impl", default="auto", help="auto (chunk_kda's default) or an impl string (mosaic_gpu "
                                                  "on a CPU runs the simulator)")
   p.add_argument("--max-ulps", type=int, default=1)
+  p.add_argument("--variant", default="", help="kda.pipeline switches of the checked side, NAME=0|1,...")
+  p.add_argument("--baseline", default="PACKED_BACKWARD=0", help="kda.pipeline switches of the reference side")
   p.add_argument("--out", help="write results as JSON")
   a = p.parse_args(argv)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   rows, ok = [], True
   for var in a.variants.split(","):
     name, gate = var.split(":")
-    r = check(name, gate, a.reps, a.total, a.impl, a.max_ulps)
+    r = check(name, gate, a.reps, a.total, a.impl, a.max_ulps, switches(a.variant), switches(a.baseline))
     rows.append(r)
     ok &= all(o["within"] for o in r["outputs"].values())
     print(json.dumps(r), flush=True)
     for n, o in r["outputs"].items():
       what = "bit for bit" if o["same"] else f"{o['differ']} of {o['size']} differ, max |d| {o['max_abs']:.3g}"
       print(f"  {var} {n:6s} {what}{'' if o['within'] else '  OUT OF BOUNDS'}")
-    print(f"  {var} fwd+bwd ms: packed {r['packed_ms']:.3f}, aligned {r['aligned_ms']:.3f}; compile s "
+    print(f"  {var} fwd+bwd ms: checked {r['packed_ms']:.3f}, baseline {r['aligned_ms']:.3f}; compile s "
           f"{r['packed_compile_s']} / {r['aligned_compile_s']}; XLA temp MiB {r['packed_temp_mb']} / "
           f"{r['aligned_temp_mb']}", flush=True)
   if a.out:
