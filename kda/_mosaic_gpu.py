@@ -205,3 +205,18 @@ def zero_gap_pieces(pieces_g, c, programs, stage, dsts):
     stage[...] = plgpu.layout_cast(jnp.zeros(stage.shape, F32), WG).astype(stage.dtype)
     plgpu.commit_smem()
     lax.fori_loop(0, (P - c + programs - 1) // programs, piece, 0)
+
+
+def packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c, body, tail, dsts, BT=64):
+  """Chunk c of a kernel whose packed outputs leave through the plain SMEM `stage`: on the chunks
+  before aligned_cu[-1], body(store) with store(dst, x) putting the registers x of the chunk's rows
+  r < count[c] on packed rows src[c] + r of dst(ds) (`stage_rows`); on the others tail() (None:
+  nothing); then the program zeroes its gap pieces (`zero_gap_pieces`) in every dst of `dsts` and
+  waits for its TMA stores. src_g, cnt_g: padding.ChunkRows' [NTa] refs, pieces_g: gap_pieces'."""
+  src, cnt = src_g[c], cnt_g[c]
+  live = live_chunk(cu_g, c, BT)
+  pl.when(live)(lambda: body(lambda dst, x: stage_rows(stage, x, dst, src, cnt)))
+  if tail is not None:
+    pl.when(jnp.logical_not(live))(tail)
+  zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, dsts)
+  plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits

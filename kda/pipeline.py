@@ -355,11 +355,17 @@ def backward_kwargs(plan: Plan, name: str) -> dict[str, Any]:
   }[name]
 
 
+class PackedRows(NamedTuple):
+  """Where the packed backward's kernels read and store packed rows."""
+  rows: padding.ChunkRows   # padding.chunk_rows(layout)
+  pieces: jax.Array         # padding.gap_pieces: the packed rows of no sequence, in <= BT pieces
+
+
 def packed_backward_rows(plan: Plan, layout: Layout, q, k, v, g, beta, A_log, dt_bias, initial_state):
-  """padding.chunk_rows(layout) where the backward runs packed, else None: S0 and S5 select
-  mosaic_gpu on the aligned call and their packed modes take it. Packed, g is never aligned (S0's
-  gate kernel reads it packed, S5 reads it and stores dg packed) and S3 (dv), S4 (dq, dk) store
-  their gradients packed where they select their kernels: no XLA pass unaligns them."""
+  """PackedRows where the backward runs packed, else None: S0 and S5 select mosaic_gpu on the
+  aligned call and their packed modes take it. Packed, g is never aligned (S0's gate kernel reads
+  it packed, S5 reads it and stores dg packed) and S3 (dv), S4 (dq, dk) store their gradients
+  packed where they select their kernels: no XLA pass unaligns them."""
   if plan.impl("bwd_recompute") != "mosaic_gpu" or plan.impl("bwd_gate") != "mosaic_gpu":
     return None
   S = jax.ShapeDtypeStruct
@@ -373,10 +379,10 @@ def packed_backward_rows(plan: Plan, layout: Layout, q, k, v, g, beta, A_log, dt
       != "mosaic_gpu"):
     return None
   rows = padding.chunk_rows(layout)
-  pieces = S((2, -(-layout.T // plan.chunk_size) + layout.N + 1), jnp.int32)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
   if bwd_gate_mgpu.packed_supports(g, rows, pieces, A_log, dt_bias, gc, gc, **backward_kwargs(plan, "bwd_gate")):
     return None
-  return rows
+  return PackedRows(rows, pieces)
 
 
 def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved: Saved,
@@ -392,11 +398,11 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   "inputs") when `record` is set, else empty. Outside record mode the backward runs packed where
   `packed_backward_rows` says so (the same bits; `packed=False` keeps the aligned layout).
   """
-  rows = None
+  pk = None
   if packed and PACKED_BACKWARD and not record:
-    rows = packed_backward_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias, initial_state)
+    pk = packed_backward_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias, initial_state)
   with scope("prepare"):
-    if rows is None:
+    if pk is None:
       (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
     else:   # packed backward: g stays packed (S0's gate kernel and S5 read it there), and the kernels
       # that can store dq, dk (S4), dv (S3), dg (S5) packed do: the unalign folds into their stores
@@ -411,64 +417,58 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
     inputs[name] = args
     return _run(plan, name, *args, **backward_kwargs(plan, name), **extra)
 
-  def unwritten_tail(name, *args, **extra):
-    """{"tail_zeros": False} where the packed backward leaves stage `name`'s tail unwritten."""
-    if rows is None or TAIL_ZEROS or choose(plan, name, *args, **backward_kwargs(plan, name), **extra) != "mosaic_gpu":
-      return {}
-    return dict(tail_zeros=False)
+  tail = {} if TAIL_ZEROS else dict(tail_zeros=False)   # the packed backward's unwritten tail
 
-  def packed_store(name, *args, **extra):
-    """rows, pieces, T for stage `name`'s packed output store where the call selects its kernel."""
-    if rows is None or choose(plan, name, *args, **backward_kwargs(plan, name), **extra) != "mosaic_gpu":
+  def packed_kw(name, *args, store=False, **extra):
+    """The packed backward's keywords for stage `name`'s kernel where the call selects it: the
+    unwritten tail and, with `store`, its packed output store (rows, pieces, T)."""
+    if pk is None or choose(plan, name, *args, **backward_kwargs(plan, name), **extra) != "mosaic_gpu":
       return {}
-    return dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size),
-                T=layout.T)
+    return dict(tail, **(dict(rows=pk.rows, pieces=pk.pieces, T=layout.T) if store else {}))
 
   rc_args = (qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
-  if rows is None:
+  if pk is None:
     rc = run("bwd_recompute", *rc_args)
   else:
-    tail = {} if TAIL_ZEROS else dict(tail_zeros=False)
     with scope("bwd_recompute"):
-      rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=plan.interpret, rows=rows,
+      rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=plan.interpret, rows=pk.rows,
                                        **backward_kwargs(plan, "bwd_recompute"), **tail)
   av_args = (rc.v_new, saved.Aqk, do, layout.aligned_cu)
-  av = run("bwd_dav", *av_args, **unwritten_tail("bwd_dav", *av_args))
+  av = run("bwd_dav", *av_args, **packed_kw("bwd_dav", *av_args))
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
-  ds = run("bwd_dh", *dh_args, **unwritten_tail("bwd_dh", *dh_args))
+  ds = run("bwd_dh", *dh_args, **packed_kw("bwd_dh", *dh_args))
   # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes
   # (prepare_vjp rounds them there first anyway; the same bits, half the bytes for bf16 inputs).
   # Record mode keeps float32 stage outputs (what tools.stages and the checks compare).
   dv_dtype = {} if record else dict(dv_dtype=va.dtype)
   grad_dtype = {} if record or qa.dtype != ka.dtype else dict(grad_dtype=qa.dtype)
   wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
-  dv_packed = packed_store("bwd_wy", *wy_args, **dv_dtype)
-  wy = run("bwd_wy", *wy_args, **dv_dtype, **dv_packed, **unwritten_tail("bwd_wy", *wy_args, **dv_dtype))
+  wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype)
+  wy = run("bwd_wy", *wy_args, **dv_dtype, **wy_kw)
   dh0 = ds.dh0
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
-  qk_packed = packed_store("bwd_intra", *it_args, **grad_dtype)
-  it = run("bwd_intra", *it_args, **grad_dtype, **qk_packed, **unwritten_tail("bwd_intra", *it_args, **grad_dtype))
-  if rows is None:
+  it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype)
+  it = run("bwd_intra", *it_args, **grad_dtype, **it_kw)
+  if pk is None:
     gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   else:           # dg packed in g's dtype, zeros at tokens of no sequence
     with scope("bwd_gate"):
-      pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
-      gt = bwd_gate_mgpu.packed(g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=plan.interpret,
-                                **backward_kwargs(plan, "bwd_gate"))
+      gt = bwd_gate_mgpu.packed(g, pk.rows, pk.pieces, A_log, dt_bias, it.dgc, wy.dg_state,
+                                interpret=plan.interpret, **backward_kwargs(plan, "bwd_gate"))
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   with scope("prepare_vjp"):
-    if rows is None:
+    if pk is None:
       dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
           (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
     else:         # what a kernel did not store packed is unaligned here (align's transpose)
-      unalign = lambda d, done: d if done else padding.unalign_with(layout, d)
-      dq, dk = qk_vjp((like(unalign(it.dq, qk_packed), qp), like(unalign(it.dk, qk_packed), kp)))
+      unalign = lambda d, kw: d if "rows" in kw else padding.unalign_with(layout, d)
+      dq, dk = qk_vjp((like(unalign(it.dq, it_kw), qp), like(unalign(it.dk, it_kw), kp)))
       if plan.use_qk_l2norm:    # its backward at tokens of no sequence (any q, k there: NaN) gives 0
         owned = padding.packed_owned_mask(layout)[None, :, None, None]
         dq, dk = (jnp.where(owned, d, jnp.zeros((), d.dtype)) for d in (dq, dk))
-      dv = like(unalign(wy.dv, dv_packed), v)
-      dg, dbeta = like(gt.dg, g), like(unalign(it.dbeta, False), beta)
+      dv = like(unalign(wy.dv, wy_kw), v)
+      dg, dbeta = like(gt.dg, g), like(unalign(it.dbeta, {}), beta)
   grads = Grads(dq, dk, dv, dg, dbeta, dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
   records: dict[str, Any] = {}
   if record:

@@ -79,7 +79,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
-from kda._mosaic_gpu import live_chunk, stage_rows, zero_gap_pieces
+from kda._mosaic_gpu import packed_chunk
 from kda.stages.bwd_intra import Out
 from kda.stages.gate import exponent
 from kda.stages.intra import to_chunks
@@ -268,22 +268,19 @@ def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, o
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True):
-  """Packed dq, dk: chunk c's rows r < cnt[c] go to packed rows src[c] + r through the plain SMEM
-  stage (the last scratch), and program (s, h, c) zeroes the gap pieces c, c + NTa, ... of dq and
-  dk at its head and columns."""
+  """Packed dq, dk (`packed_chunk`, the stage is the last scratch): program (s, h, c) stores its
+  chunk's dq, dk rows packed and zeroes the gap pieces c, c + NTa, ... of both at its head and
+  columns."""
   *refs, stage = refs
   oq_g, ok_g = refs[11], refs[12]
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
-  src, cnt = src_g[c], cnt_g[c]
   dst = lambda o_g: lambda ds: o_g.at[ds, i_h, cols]
-  store = lambda o_g, x: stage_rows(stage, x, dst(o_g), src, cnt)
-  live = live_chunk(cu_g, c, BT)
-  pl.when(live)(lambda: _body(*refs, scale=scale, bounded=bounded, store=store))
-  if tail_zeros:
-    pl.when(jnp.logical_not(live))(lambda: _tail(*refs, grads=False))
-  zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, [dst(oq_g), dst(ok_g)])
-  plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits
+  packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
+               lambda store: _body(*refs, scale=scale, bounded=bounded,
+                                   store=lambda o_g, x: store(dst(o_g), x)),
+               (lambda: _tail(*refs, grads=False)) if tail_zeros else None,
+               [dst(oq_g), dst(ok_g)], BT)
 
 
 def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None,

@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, aligned_cu_reason, last_row, skipping_tail
-from kda._mosaic_gpu import live_chunk, stage_rows, tile_shapes, zero_gap_pieces, zeros
+from kda._mosaic_gpu import packed_chunk, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
@@ -200,20 +200,16 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True):
-  """Packed dv: chunk c's rows r < cnt[c] go to packed rows src[c] + r through the plain SMEM stage
-  (the last scratch), and program (h, c) zeroes the gap pieces c, c + NTa, ... of dv's head h."""
+  """Packed dv (`packed_chunk`, the stage is the last scratch): program (h, c) stores its chunk's dv
+  rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h."""
   *refs, stage = refs
   ov_g = refs[14]
   h, c = lax.axis_index("h"), lax.axis_index("c")
-  src, cnt = src_g[c], cnt_g[c]
   dst = lambda j: lambda ds: ov_g.at[ds, h, pl.ds(j * SLAB, SLAB)]
-  store_dv = lambda j, x: stage_rows(stage, x, dst(j), src, cnt)
-  live = live_chunk(cu_g, c, BT)
-  pl.when(live)(lambda: _body(*refs, nk=nk, nv=nv, store_dv=store_dv))
-  if tail_zeros:
-    pl.when(jnp.logical_not(live))(lambda: _zeros(*refs, nk=nk, nv=nv, dv=False))
-  zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, [dst(j) for j in range(nv)])
-  plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits
+  packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
+               lambda store: _body(*refs, nk=nk, nv=nv, store_dv=lambda j, x: store(dst(j), x)),
+               (lambda: _zeros(*refs, nk=nk, nv=nv, dv=False)) if tail_zeros else None,
+               [dst(j) for j in range(nv)], BT)
 
 
 @functools.lru_cache(maxsize=None)
