@@ -210,40 +210,44 @@ def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
 
 
 def calls(name, gate, impl, total=TOTAL):
-  """The timed calls of a shape: (args, diff_kw, fwd, loss), fwd(*args, diff_kw) -> o and
-  loss(*args, diff_kw) = sum(o * do); diff_kw holds the differentiable keywords (A_log, dt_bias).
-  impl: "auto" (chunk_kda's default: kernels where a stage has one), or an impl string."""
+  """The timed calls of a shape: (args, fwd, loss) with args = (q, k, v, g, beta, diff_kw, traced_kw),
+  fwd(*args) -> o and loss(*args) = sum(o * do). diff_kw holds the differentiable keywords (A_log,
+  dt_bias), traced_kw cu_seqlens: both are arguments of the jitted call, so cu_seqlens is traced
+  as a training step passes it (the static-bound layout, one compile per N); a closed-over
+  cu_seqlens would be concrete and get the exact layout. impl: "auto" (chunk_kda's default:
+  kernels where a stage has one), or an impl string."""
   impl = None if impl == "auto" else impl
   args, kw, do = make_inputs(name, gate, total=total)
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
-  static_kw = {k: v for k, v in kw.items() if k not in diff_kw}
+  traced_kw = {k: v for k, v in kw.items() if k == "cu_seqlens"}
+  static_kw = {k: v for k, v in kw.items() if k not in diff_kw and k not in traced_kw}
 
-  def fwd(q, k, v, g, beta, dk):
-    return kda.chunk_kda(q, k, v, g, beta, impl=impl, **static_kw, **dk)[0]
+  def fwd(q, k, v, g, beta, dk, tk):
+    return kda.chunk_kda(q, k, v, g, beta, impl=impl, **static_kw, **dk, **tk)[0]
 
-  def loss(q, k, v, g, beta, dk):
-    return jnp.sum(fwd(q, k, v, g, beta, dk).astype(jnp.float32) * do.astype(jnp.float32))
+  def loss(q, k, v, g, beta, dk, tk):
+    return jnp.sum(fwd(q, k, v, g, beta, dk, tk).astype(jnp.float32) * do.astype(jnp.float32))
 
-  return args, diff_kw, fwd, loss
+  return (*args, diff_kw, traced_kw), fwd, loss
 
 
 def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
   """impl: "auto" (chunk_kda's default: kernels where a stage has one), "pallas" or "reference"."""
   label = impl
-  args, diff_kw, fwd, loss = calls(name, gate, impl, total)
+  args, fwd, loss = calls(name, gate, impl, total)
   f = jax.jit(fwd)
   t0 = time.perf_counter()
-  jax.block_until_ready(f(*args, diff_kw))
+  jax.block_until_ready(f(*args))
   out = {"shape": name, "gate": gate, "impl": label, "compile_fwd_s": time.perf_counter() - t0}
-  out["fwd_ms"] = timeit(f, *args, diff_kw, reps=reps)
-  out["fwd_mem_mb"], out["fwd_temp_mb"] = memory_mb(f, *args, diff_kw)
+  out["fwd_ms"] = timeit(f, *args, reps=reps)
+  out["fwd_mem_mb"], out["fwd_temp_mb"] = memory_mb(f, *args)
   if do_bwd:
     fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
     t0 = time.perf_counter()
-    jax.block_until_ready(fb(*args, diff_kw))
+    jax.block_until_ready(fb(*args))
     out["compile_fwdbwd_s"] = time.perf_counter() - t0
-    out["fwdbwd_ms"] = timeit(fb, *args, diff_kw, reps=reps)
-    out["fwdbwd_mem_mb"], out["fwdbwd_temp_mb"] = memory_mb(fb, *args, diff_kw)
+    out["fwdbwd_ms"] = timeit(fb, *args, reps=reps)
+    out["fwdbwd_mem_mb"], out["fwdbwd_temp_mb"] = memory_mb(fb, *args)
   out["device_peak_mb"] = device_peak_mb()
   return out
 

@@ -52,11 +52,11 @@ def switches(text):
 
 
 def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1, variant=None, baseline=None):
-  args, diff_kw, fwd, _ = bench.calls(name, gate, impl, total)
+  args, fwd, _ = bench.calls(name, gate, impl, total)
   _, _, do = bench.make_inputs(name, gate, total=total)
 
-  def loss(q, k, v, g, beta, dk):
-    o = fwd(q, k, v, g, beta, dk)
+  def loss(q, k, v, g, beta, dk, tk):
+    o = fwd(q, k, v, g, beta, dk, tk)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
   out = {"shape": name, "gate": gate}
@@ -69,7 +69,7 @@ def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1, variant=
       setattr(pipeline, k, val)
     try:
       t0 = time.perf_counter()
-      f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)).lower(*args, diff_kw).compile()
+      f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)).lower(*args).compile()
       out[f"{mode}_compile_s"] = round(time.perf_counter() - t0, 1)
       m = f.memory_analysis()
       out[f"{mode}_temp_mb"] = None if m is None else round(m.temp_size_in_bytes / 2**20)
@@ -77,10 +77,10 @@ def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1, variant=
     finally:
       for k, val in saved.items():
         setattr(pipeline, k, val)
-  res = {m: jax.tree.leaves(f(*args, diff_kw)) for m, f in fns.items()}
+  res = {m: jax.tree.leaves(f(*args)) for m, f in fns.items()}
   out["outputs"] = {n: compare(a, b, max_ulps) for n, a, b in zip(NAMES, res["packed"], res["aligned"])}
   for mode, f in fns.items():
-    out[f"{mode}_ms"] = bench.timeit(f, *args, diff_kw, reps=reps)
+    out[f"{mode}_ms"] = bench.timeit(f, *args, reps=reps)
   return out
 
 

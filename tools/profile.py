@@ -132,7 +132,7 @@ def idle(events, calls, top=6):
 
 
 def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None):
-  args, diff_kw, fwd, loss = bench.calls(name, gate, impl, total)
+  args, fwd, loss = bench.calls(name, gate, impl, total)
   fns = {"fwd": jax.jit(fwd)}
   if do_bwd:
     # value_and_grad: the loss needs o, so the forward's output kernels run as in a training step
@@ -141,7 +141,7 @@ def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None):
   out = {}
   for label, f in fns.items():
     t0 = time.perf_counter()
-    compiled = f.lower(*args, diff_kw).compile()
+    compiled = f.lower(*args).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     text = compiled.as_text()
@@ -150,13 +150,13 @@ def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None):
       os.makedirs(hlo_dir, exist_ok=True)
       with open(os.path.join(hlo_dir, f"{name}-{gate}-{label}.hlo.txt"), "w") as fh:
         fh.write(text)
-    wall = bench.timeit(compiled, *args, diff_kw, reps=reps)
+    wall = bench.timeit(compiled, *args, reps=reps)
     d = os.path.join(logdir, f"{name}-{gate}-{label}")
-    jax.block_until_ready(compiled(*args, diff_kw))
+    jax.block_until_ready(compiled(*args))
     with jax.profiler.trace(d):      # back to back: the device never waits for the host's loop
       res = None
       for _ in range(reps):
-        res = compiled(*args, diff_kw)
+        res = compiled(*args)
       jax.block_until_ready(res)
     events, threads = device_events(d)
     pieces, ops = attribute(events, scopes, reps)
