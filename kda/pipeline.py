@@ -57,9 +57,10 @@ ELIDE_ZERO_STATES = True
 # tools.bench --aligned-backward compare both ways; the same gradients).
 PACKED_BACKWARD = True
 
-# Whether the packed backward's kernels still write zeros at the chunks past aligned_cu[-1] (the
-# tail of the static-bound layout). Packed, nothing reads those rows (every consumer skips the tail
-# or masks it by a select), so False leaves them unwritten: the same gradients with less traffic
+# Whether the packed forward's and backward's kernels still write zeros at the chunks past
+# aligned_cu[-1] (the tail of the static-bound layout). Packed, nothing reads those rows (every
+# consumer skips the tail or masks it by a select; the forward's residuals Aqk, Ainv keep their tail
+# zeros and I), so False leaves them unwritten: the same outputs and gradients with less traffic
 # (B: a quarter of its chunks; on the H200 the same bits as True for shapes A, B, C, and B's
 # forward+backward 13.78 ms against 14.46 with the zeros written).
 TAIL_ZEROS = False
@@ -256,11 +257,13 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
     q, k = _query_keys(plan, q, k, HV)
   if intra_mgpu.packed_supports(q, k, v, beta, gi, gi, layout.aligned_cu, rows, **forward_kwargs(plan, "intra")):
     return None
-  with scope("gate"):
-    gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret, **gkw)
+  tail = {} if TAIL_ZEROS else dict(tail_zeros=False)   # only this group's kernels read the tail's gc,
+  with scope("gate"):                                   # Akk, qg, kg, w, u (they skip it)
+    gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret,
+                                                          **gkw, **tail)
   with scope("intra"):
     it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
-                           two_part=two_part, interpret=plan.interpret, **forward_kwargs(plan, "intra"))
+                           two_part=two_part, interpret=plan.interpret, **forward_kwargs(plan, "intra"), **tail)
   with scope("state+output"):
     o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
                            scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),

@@ -405,3 +405,23 @@ def _lower_packed(form, dtype, HV, K, config):
   f = functools.partial(mgg.packed, config=config, **kw)
   lowered = jax.jit(f).trace(g, rows, A_log, dt_bias).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_packed_unwritten_tail():
+  """tail_zeros=False (simulator, whose unwritten memory is NaN): the rows of owned chunks are bit for
+  bit tail_zeros=True's, the stats (bounded, two_part) the same; only the tail chunks' gc is left
+  unwritten."""
+  layout, _ = packed_layout([37, 64, 1], extra_T=2, tail_chunks=2)
+  g, A_log, dt_bias = packed_gates(5, layout.T, 2, 64, jnp.float32, "plain")
+  kw = dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
+  rows = padding.chunk_rows(layout)
+  run = lambda tz: jax.jit(functools.partial(mgg.packed, interpret=True, tail_zeros=tz, **kw))(g, rows, None, None)
+  full, skip = run(True), run(False)
+  owned = int(layout.aligned_cu[-1])
+  assert owned < layout.Ta                                      # the layout has tail chunks
+  for name in ("gc_int", "gc_frac"):
+    a, b = np.asarray(getattr(skip, name)), np.asarray(getattr(full, name))
+    np.testing.assert_array_equal(a[:, :owned], b[:, :owned], name)
+  assert np.isnan(np.asarray(skip.gc_frac)[:, owned:]).all()                # the tail's work skipped
+  for name in ("bounded", "two_part"):
+    np.testing.assert_array_equal(np.asarray(getattr(skip, name)), np.asarray(getattr(full, name)), name)

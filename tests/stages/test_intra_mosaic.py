@@ -528,3 +528,29 @@ def test_packed_kernels_smem():
                              S((T, HV, V), BF16), S((HV, T + BT), F32))
   print(f"\n  packed: scores {scores} bytes, solve {solve} bytes")
   assert solve <= SMEM_TWO_CTAS
+
+
+def test_packed_unwritten_tail():
+  """tail_zeros=False (simulator, whose unwritten memory is NaN), on the static-bound layout of a
+  traced cu_seqlens (tail chunks): every owned chunk is bit for bit tail_zeros=True's, and at the
+  tail the residuals are still written (Aqk 0, Ainv I); the rest is left unwritten there."""
+  lens, T, HV, K, V, gates = PACKED["K64-V64-HV2"]
+  (q, k, v, beta), _, _ = _packed_case(lens, T, HV, K, V, 3, gates)
+  g = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(7), (1, T, HV, K))) * 0.25
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+  def run(cu, tail_zeros):
+    layout = padding.layout_from_cu_seqlens(cu, T, BT)        # traced: the static bound
+    gi, gf = _gc(padding.align_with(layout, g), padding.valid_mask(layout)[None])
+    return mgi.packed(q, k, v, beta, gi, gf, layout.aligned_cu, padding.chunk_rows(layout), scale=K ** -0.5,
+                      chunk_size=BT, interpret=True, tail_zeros=tail_zeros)
+  full, skip = (jax.jit(functools.partial(run, tail_zeros=tz))(cu) for tz in (True, False))
+  owned = sum(-(-n // BT) for n in lens) * BT
+  assert owned < full.Aqk.shape[1]
+  for f in intra.Out._fields:
+    a, b = (np.asarray(jnp.asarray(getattr(x, f), F32)) for x in (skip, full))
+    np.testing.assert_array_equal(a[:, :owned], b[:, :owned], f)
+  assert np.isnan(np.asarray(jnp.asarray(skip.qg, F32))[:, owned:]).all()   # the tail's work skipped
+  for f in ("Aqk", "Ainv"):
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(getattr(skip, f), F32))[:, owned:],
+                                  np.asarray(jnp.asarray(getattr(full, f), F32))[:, owned:], f)

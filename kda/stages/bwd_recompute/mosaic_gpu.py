@@ -181,8 +181,9 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   the final state (the stage never returns it). Without it the kernel runs as checked on the H200.
   rows (a padding.ChunkRows): g is PACKED [1, T, HV, K] (raw, not neutralised; valid is unused) and
   the gate kernel's packed mode reads it (the align folded into its load: the same gc bit for bit).
-  tail_zeros=False: the wy kernel leaves w, u, qg, kg unwritten at the chunks at or past
-  aligned_cu[-1] (callers that never read them: the packed backward)."""
+  tail_zeros=False: the wy kernel leaves w, u, qg, kg and (with rows) the gate kernel gc_int,
+  gc_frac unwritten at the chunks at or past aligned_cu[-1] (callers that never read them there:
+  the packed backward)."""
   config = config or Config()
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if rows is not None:
@@ -195,7 +196,7 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_recompute: {reason}")
   if rows is not None:
-    gt = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=interpret, **gkw)
+    gt = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=interpret, tail_zeros=tail_zeros, **gkw)
   else:
     gt = gate_mgpu.apply(g, valid, A_log, dt_bias, interpret=interpret, **gkw)
   if config.wy_from_saved and Ainv is not None:

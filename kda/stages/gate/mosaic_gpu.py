@@ -171,7 +171,7 @@ def _softplus(x):
   return jnp.where(x != x, x, sp)      # NaN in, NaN out (as jnp.logaddexp)
 
 
-def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, packed):
+def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, packed, tail_zeros=True):
   # GMEM in: aligned: g [Ta, C] (input dtype), valid [Ta] f32; packed: src [NTa], count [NTa] int32,
   # g [T, C]; then (a [C] f32), (bias [C] f32). GMEM out: aligned: g_act, gc_int, gc_frac [Ta, C] f32;
   # packed: gc_int, gc_frac [Ta, C], stats [NTa, 2, C] f32. SMEM: the g tile [BT, 128], (aligned:
@@ -235,30 +235,42 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
     return carry
 
   zero = plgpu.layout_cast(jnp.zeros((COLS,), F32), LINE)
-  if not packed:
-    scan(0, BT, (zero, zero))
-  else:   # the loop split at the rows bounded_chunks reads, their (gc_int, gc_frac) kept
-    carry, at, lo = (zero, zero, zero), {}, 0
-    for r in sorted({r for block in SPAN_ROWS for r in block}):
-      carry = scan(lo, r + 1, carry)
-      at[r], lo = carry[:2], r + 1
-    carry = scan(lo, BT, carry)
-    span = None
-    for a_, m, e in SPAN_ROWS:
-      for u, v in ((a_, m), (m, e)):
-        s = exponent(*at[u], *at[v])
-        span = s if span is None else jnp.maximum(span, s)    # NaN-propagating, as in XLA
-    stats_g[c, 0, cols] = span
-    stats_g[c, 1, cols] = carry[2]
-  if stage_stores:
-    plgpu.commit_smem()
-    for o_s, o_g in zip(outs_s, outs_g):
-      plgpu.copy_smem_to_gmem(o_s, o_g.at[pl.ds(start, BT), cols])
-    plgpu.wait_smem_to_gmem(0)
+
+  def work():
+    if not packed:
+      scan(0, BT, (zero, zero))
+    else:   # the loop split at the rows bounded_chunks reads, their (gc_int, gc_frac) kept
+      carry, at, lo = (zero, zero, zero), {}, 0
+      for r in sorted({r for block in SPAN_ROWS for r in block}):
+        carry = scan(lo, r + 1, carry)
+        at[r], lo = carry[:2], r + 1
+      carry = scan(lo, BT, carry)
+      span = None
+      for a_, m, e in SPAN_ROWS:
+        for u, v in ((a_, m), (m, e)):
+          s = exponent(*at[u], *at[v])
+          span = s if span is None else jnp.maximum(span, s)    # NaN-propagating, as in XLA
+      stats_g[c, 0, cols] = span
+      stats_g[c, 1, cols] = carry[2]
+    if stage_stores:
+      plgpu.commit_smem()
+      for o_s, o_g in zip(outs_s, outs_g):
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[pl.ds(start, BT), cols])
+      plgpu.wait_smem_to_gmem(0)
+
+  if packed and not tail_zeros:   # count 0: a tail chunk (no sequence); its gc rows left unwritten
+    pl.when(count > 0)(work)
+
+    @pl.when(count == 0)
+    def _():                      # the stats the scan gives all-zero gates: bounded, one part
+      stats_g[c, 0, cols] = zero
+      stats_g[c, 1, cols] = zero
+  else:
+    work()
 
 
 def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, dtype, use_gate_in_kernel, lower_bound, config, interpret,
-            packed):
+            packed, tail_zeros=True):
   """The kernel on g2 [rows, Cp] (columns already padded) after the `lead` args -> its outputs, columns
   still padded."""
   BT, Cp = 64, g2.shape[1]
@@ -274,7 +286,7 @@ def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, dtype, use_gate_in_kernel, 
   body = functools.partial(_body, BT=BT, act=use_gate_in_kernel,
                            lower_bound=None if lower_bound is None else float(lower_bound),
                            has_a=has_a, has_bias=has_bias, stage_stores=config.stage_stores,
-                           unroll=config.unroll, packed=packed)
+                           unroll=config.unroll, packed=packed, tail_zeros=tail_zeros)
   n_rows = 2 if packed else 3
   scratch = [plgpu.SMEM((BT, COLS), dtype)] + ([] if packed else [plgpu.SMEM((BT,), F32)])
   if config.stage_stores:
@@ -313,12 +325,14 @@ class PackedOut(NamedTuple):
 
 
 def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, interpret=False,
-           config=None):
+           config=None, tail_zeros=True):
   """The gate stage on PACKED gates g [1, T, HV, K] (bf16 or float32), the align folded into the
   kernel's load: rows is kda.padding.chunk_rows(layout) (NTa chunks). -> PackedOut: gc_int, gc_frac
   [1, NTa * 64, HV, K] equal to `apply` on padding.align_with(layout, g) (neutralised if
   use_gate_in_kernel) and padding.valid_mask(layout); bounded and two_part for the intra kernel,
-  from the kernel's per-(chunk, column) stats. The activated g is not written."""
+  from the kernel's per-(chunk, column) stats. The activated g is not written. tail_zeros=False
+  leaves gc_int, gc_frac unwritten at the tail chunks (rows.count 0: past aligned_cu[-1]), for
+  callers whose consumers never read them there; the stats are the same."""
   from kda.stages.intra.mosaic_gpu import BOUNDED_SPAN   # here: intra imports the gate stage
   reason = packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
                            lower_bound=lower_bound)
@@ -329,7 +343,8 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   g2 = pad_dim(g.reshape(T, C), 1, -(-C // COLS) * COLS)
   gi, gf, stats = _launch(g2, [rows.src, rows.count], A_log, dt_bias, NTa=NTa, HV=HV, K=K, dtype=g.dtype,
                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-                          config=config or Config(), interpret=interpret, packed=True)
+                          config=config or Config(), interpret=interpret, packed=True,
+                          tail_zeros=bool(tail_zeros))
   span, nz = (stats[:, i, :C].reshape(NTa, HV, K) for i in (0, 1))
   bounded = jnp.all(span <= BOUNDED_SPAN, axis=-1).T.reshape(-1).astype(jnp.int32)   # NaN -> 0
   two_part = jnp.any(nz != 0)

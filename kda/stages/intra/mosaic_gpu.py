@@ -145,7 +145,7 @@ def _beta(b_g, i_h, rows, src, cnt):
   return lambda shape: jnp.where(_iota(0, shape) < cnt, lax.broadcast_in_dim(b, shape, [0]), 0.0)
 
 
-def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed):
+def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed, tail_zeros=True):
   """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
   kd = beta k exp(gc), all bf16. packed: q, k, beta come packed and `src`, `cnt` place the chunk."""
   if packed:
@@ -302,25 +302,33 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed):
   @pl.when(jnp.logical_not(live))
   def _():                                      # tail: zeros (its inputs are zeros anyway)
     zero = lambda shape: plgpu.layout_cast(jnp.zeros(shape, BF16), WG)
-    for buf in (lk_s.at[0], lk_s.at[1], lq_s.at[0]):
-      buf[...] = zero((BT, BT))
+    lq_s.at[0][...] = zero((BT, BT))
+    if tail_zeros:
+      for buf in (lk_s.at[0], lk_s.at[1]):
+        buf[...] = zero((BT, BT))
+      for i, cols in enumerate(slabs):
+        q_s.at[:, cols][...] = zero((BT, SLAB))
+        k_s.at[:, cols][...] = zero((BT, SLAB))
+        rk_s.at[i][...] = zero((BT, SLAB))
+
+  def store_rest():
+    plgpu.copy_smem_to_gmem(lk_s.at[0], akh_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(lk_s.at[1], akl_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(q_s, qg_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(k_s, kg_g.at[rows, i_h, :])
     for i, cols in enumerate(slabs):
-      q_s.at[:, cols][...] = zero((BT, SLAB))
-      k_s.at[:, cols][...] = zero((BT, SLAB))
-      rk_s.at[i][...] = zero((BT, SLAB))
+      plgpu.copy_smem_to_gmem(rk_s.at[i], kd_g.at[rows, i_h, cols])
 
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(lk_s.at[0], akh_g.at[rows, i_h, :])
-  plgpu.copy_smem_to_gmem(lk_s.at[1], akl_g.at[rows, i_h, :])
-  plgpu.copy_smem_to_gmem(lq_s.at[0], aqk_g.at[rows, i_h, :])
-  plgpu.copy_smem_to_gmem(q_s, qg_g.at[rows, i_h, :])
-  plgpu.copy_smem_to_gmem(k_s, kg_g.at[rows, i_h, :])
-  for i, cols in enumerate(slabs):
-    plgpu.copy_smem_to_gmem(rk_s.at[i], kd_g.at[rows, i_h, cols])
+  plgpu.copy_smem_to_gmem(lq_s.at[0], aqk_g.at[rows, i_h, :])   # Aqk, a residual: its tail zeros always
+  if tail_zeros:
+    store_rest()
+  else:           # the tail's Akk, qg, kg, kd left unwritten: only this forward's kernels read them
+    pl.when(live)(store_rest)
   plgpu.wait_smem_to_gmem(0)
 
 
-def _solve_body(cu_g, *refs, packed):
+def _solve_body(cu_g, *refs, packed, tail_zeros=True):
   """Kernel 2, per (head, chunk): X = (I + Akk)^-1 by block doubling, w = X kd, u = X (beta v).
   packed: v and beta come packed, v lands in plain SMEM (`vl_s`) at the chunk's packed row."""
   if packed:
@@ -384,14 +392,20 @@ def _solve_body(cu_g, *refs, packed):
   def _():                                      # tail: Ainv = I, w = u = 0
     row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
     xh_s[...] = jnp.where(row == col, 1.0, 0.0).astype(BF16)
-    kd_s[...] = plgpu.layout_cast(jnp.zeros((BT, K), BF16), WG)
-    v_s[...] = plgpu.layout_cast(jnp.zeros((BT, V), BF16), WG)
+    if tail_zeros:
+      kd_s[...] = plgpu.layout_cast(jnp.zeros((BT, K), BF16), WG)
+      v_s[...] = plgpu.layout_cast(jnp.zeros((BT, V), BF16), WG)
     plgpu.commit_smem()
 
+  def store_wu():
+    plgpu.copy_smem_to_gmem(kd_s, w_g.at[rows, i_h, :])
+    plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, i_h, :])
 
-  plgpu.copy_smem_to_gmem(xh_s, ainv_g.at[rows, i_h, :])
-  plgpu.copy_smem_to_gmem(kd_s, w_g.at[rows, i_h, :])
-  plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, i_h, :])
+  plgpu.copy_smem_to_gmem(xh_s, ainv_g.at[rows, i_h, :])   # Ainv, a residual: I at the tail always
+  if tail_zeros:
+    store_wu()
+  else:           # the tail's w, u left unwritten: only the state kernel reads them, never there
+    pl.when(live)(store_wu)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -399,12 +413,13 @@ def _params(config):
   return plgpu.CompilerParams(approx_math=config.approx_math)
 
 
-def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config):
+def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config, tail_zeros=True):
   """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,); rows: ChunkRows (packed q, k, beta_t) or None."""
   Ta, HV, K = gis[0].shape
   two_part = len(gis) == 2
   packed = rows is not None
-  body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded, packed=packed)
+  body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded, packed=packed,
+                           tail_zeros=tail_zeros)
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   ops = [_swz((max(K // SLAB, 2), BT, SLAB)) for _ in range(3)]   # [64, 64] slabs; two at K = 64 too
   if packed:    # the landing zone of q, k shares the operands' bytes (never live together)
@@ -425,13 +440,13 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
   return f(cu, flag, *(() if rows is None else rows), q, k, beta_t, *gis)
 
 
-def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config):
+def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=True):
   Ta, HV, K = kd.shape
   V = v.shape[-1]
   packed = rows is not None
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   f = plgpu.kernel(
-      functools.partial(_solve_body, packed=packed),
+      functools.partial(_solve_body, packed=packed, tail_zeros=tail_zeros),
       out_type=(shape(BT), shape(K), shape(V)),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
@@ -484,13 +499,16 @@ def packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, 
 
 
 def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_size, bounded=None,
-           two_part=None, interpret=False, config=None):
+           two_part=None, interpret=False, config=None, tail_zeros=True):
   """`apply` on packed q, k, v [1, T, ...], beta [1, T, HV]: the align folded into the loads.
 
   rows (kda.padding.ChunkRows) places each aligned chunk: its rows r < rows.count[c] read packed
   token rows.src[c] + r, the others are zeros, so the result equals `apply` on the aligned inputs.
   gc_int, gc_frac are aligned [1, Ta, HV, K]; `bounded` ([HV * NTa] int32) and `two_part` (bool)
   may come from the gate kernel's statistics (else they are computed from gc here).
+  tail_zeros=False: at the chunks at or past aligned_cu[-1] only the residuals are written (Aqk 0,
+  Ainv I); Akk, qg, kg, w, u are left unwritten there (the fused state + output kernel never reads
+  them), and gc may be unwritten there too (the tail reads no gc).
   """
   config = config or Config()
   reason = packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, scale=scale, chunk_size=chunk_size)
@@ -501,11 +519,11 @@ def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_siz
   beta_t = jnp.pad(beta[0].astype(F32).T, ((0, 0), (0, BT)))
   rows = tuple(x.astype(jnp.int32) for x in rows)
   return _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, bounded, two_part, scale=scale,
-                interpret=interpret, config=config, Ta=Ta)
+                interpret=interpret, config=config, Ta=Ta, tail_zeros=bool(tail_zeros))
 
 
 def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *, scale, interpret, config,
-           Ta):
+           Ta, tail_zeros=True):
   HV = k.shape[2]
   # chunks at or past aligned_cu[-1] (the tail of a static-bound layout) are only zero-filled
   cu = jnp.array([0, Ta], jnp.int32) if aligned_cu is None else aligned_cu.astype(jnp.int32)
@@ -517,7 +535,7 @@ def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *
   elif flag is None:
     flag = bounded_chunks(gc_int, gc_frac)
   run = lambda *gis: _scores(cu, rows, q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
-                             interpret=interpret, config=config)
+                             interpret=interpret, config=config, tail_zeros=tail_zeros)
   if config.two_part == "always":
     akh, akl, aqk, qg, kg, kd = run(gi, gf)
   else:   # gc_int == 0 everywhere (every gate > -1): gc is gc_frac, the same decays bit for bit
@@ -527,5 +545,6 @@ def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *
     z = jnp.zeros_like(kd)
     return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros((Ta,) + v.shape[1:], BF16)[None],
                qg[None], kg[None])
-  ainv, w, u = _solve(cu, rows, akh, akl, kd, v, beta_t, interpret=interpret, config=config)
+  ainv, w, u = _solve(cu, rows, akh, akl, kd, v, beta_t, interpret=interpret, config=config,
+                      tail_zeros=tail_zeros)
   return Out(akh[None], aqk[None], ainv[None], w[None], u[None], qg[None], kg[None])
