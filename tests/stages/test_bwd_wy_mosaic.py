@@ -349,3 +349,38 @@ def test_packed_dv_lowers_for_cuda_in_two_ctas():
   smem = lowered_smem_bytes(f, *args)
   print(f"\n  bwd_wy packed dv: SMEM {smem} bytes as lowered")
   assert smem <= SMEM_TWO_CTAS
+
+
+@pytest.mark.parametrize("case", ["K64-V64-HV2-40_64", "K64-V128-HV2-64_50"])
+def test_inplace_equals_fresh_outputs(monkeypatch, case):
+  """INPLACE (the default): dq, dk, dgc (dg_state where K == V) written into S2's terms' buffers
+  are bit for bit the fresh outputs' (INPLACE = False), aligned with the tail skipped and packed."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  lens, Ta, HV, K, V = CASES[case]
+  args, _ = make_inputs(case, "ordinary")
+  layout, _ = packed_layout(lens, None, extra_T=5, tail_chunks=(Ta - 128) // BT)
+  rows = padding.chunk_rows(layout)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT)
+  calls = {"aligned": lambda *a: mgw.apply(*a, layout.aligned_cu, chunk_size=BT, interpret=True),
+           "packed": lambda *a: mgw.apply(*a, layout.aligned_cu, chunk_size=BT, dv_dtype=BF16, interpret=True,
+                                          rows=rows, pieces=pieces, T=layout.T)}
+  for mode, f in calls.items():
+    got = jax.jit(f)(*args)
+    monkeypatch.setattr(mgw, "INPLACE", False)
+    want = jax.jit(f)(*args)
+    monkeypatch.setattr(mgw, "INPLACE", True)
+    for name in FIELDS:
+      np.testing.assert_array_equal(np.asarray(getattr(got, name).astype(F32)),
+                                    np.asarray(getattr(want, name).astype(F32)), (mode, name))
+
+
+@pytest.mark.parametrize("K,V,aliased", [(128, 128, 4), (128, 64, 3)])
+def test_inplace_lowers_with_aliases(K, V, aliased):
+  """The lowered kernel aliases S2's terms to its results: dqg, dkg, dw (and du where K == V)."""
+  import re
+  f = functools.partial(mgw.apply, chunk_size=BT)
+  txt = jax.jit(f).trace(*_abstract(4096, 2, K, V)).lower(lowering_platforms=("cuda",)).as_text()
+  call = [l for l in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in l]
+  assert len(call) == 1
+  assert len(re.findall(r"output_operand_alias<", call[0])) == aliased, call[0][:400]

@@ -64,6 +64,11 @@ from kda.stages.gate import exponent
 
 BT = 64
 SLAB = 64                  # columns per tile
+# Whether dq, dk, dgc (and dg_state where K == V) are written in place of S2's dqg, dkg, dw (du):
+# each program reads those tiles of its chunk before it writes the same rows, so the kernel takes
+# them as mutable refs (aliased in and out) and the backward's peak (this launch: S2's four terms
+# and S3's float32 results live together) loses four [Ta, HV, K] float32 buffers. False: fresh ones.
+INPLACE = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +217,22 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True):
                [dst(j) for j in range(nv)], BT)
 
 
+def _inplace(body, n_lead, alias_du):
+  """The body on the in-place operands: refs = the n_lead leading refs, the 12 inputs (dqg, dkg, dw,
+  du mutable), the fresh outputs dv, dbeta^T, dAkk (and dg_state unless alias_du), the scratch; it
+  calls `body` with the outputs dq, dk, dgc (dg_state) on dqg's, dkg's, dw's (du's) refs."""
+  def wrapped(*refs):
+    lead, ins, rest = refs[:n_lead], refs[n_lead:n_lead + 12], refs[n_lead + 12:]
+    n_out = 3 if alias_du else 4
+    (ov, odb, oa, *ogs), scratch = rest[:n_out], rest[n_out:]
+    ogs = ins[10] if alias_du else ogs[0]
+    return body(*lead, *ins, ins[7], ins[8], ov, odb, ins[9], ogs, oa, *scratch)
+  return wrapped
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, packed_T=None, tail_zeros=True):
+def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, packed_T=None, tail_zeros=True,
+            inplace=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, nk=nk, nv=nv)
@@ -223,10 +242,15 @@ def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, p
     body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv) if tail_zeros else None)
   stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), dv_dtype)]
   Tv = Ta if packed_T is None else packed_T
+  # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk; in place: dv, dbeta^T, dAkk (dg_state where K != V)
+  out_type = (out(Ta, HV, K), out(Ta, HV, K), out(Tv, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, K),
+              out(Ta, HV, K), out(Ta, HV, BT))
+  if inplace:
+    body = _inplace(body, 4 if packed_T is not None else int(skip_tail), alias_du=K == V)
+    out_type = out_type[2:4] + out_type[6:] + (() if K == V else out_type[5:6])
   return plgpu.kernel(
       body,
-      out_type=(out(Ta, HV, K), out(Ta, HV, K), out(Tv, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, K),
-                out(Ta, HV, K), out(Ta, HV, BT)),          # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk
+      out_type=out_type,
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
           _swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
@@ -268,11 +292,17 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, skip_tail=skip,
               dv_dtype=jnp.dtype(dv_dtype or F32), packed_T=T if packed else None,
-              tail_zeros=bool(tail_zeros) or not (skip or packed))
+              tail_zeros=bool(tail_zeros) or not (skip or packed), inplace=INPLACE)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
-  dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(
-      *cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac),
-      *(f32(x) for x in (dqg, dkg, dw, du, dgc_last)))
+  ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
+  terms = [f32(x) for x in (dqg, dkg, dw, du)]
+  if INPLACE:     # where nothing else reads S2's terms, XLA writes the results into their buffers
+    refs = [jax.new_ref(x) for x in terms]
+    dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
+    dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
+    dg_state = du_out if K == V else dg_state[0]
+  else:
+    dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(*ins, *terms, f32(dgc_last))
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
