@@ -351,7 +351,8 @@ def test_packed_dv_lowers_for_cuda_in_two_ctas():
   assert smem <= SMEM_TWO_CTAS
 
 
-@pytest.mark.parametrize("case", ["K64-V64-HV2-40_64", "K64-V128-HV2-64_50"])
+@pytest.mark.parametrize("case", ["K64-V64-HV2-40_64",
+                                  pytest.param("K64-V128-HV2-64_50", marks=pytest.mark.large)])
 def test_inplace_equals_fresh_outputs(monkeypatch, case):
   """INPLACE (the default): dq, dk, dgc (dg_state where K == V) written into S2's terms' buffers
   are bit for bit the fresh outputs' (INPLACE = False), aligned with the tail skipped and packed."""
@@ -375,7 +376,7 @@ def test_inplace_equals_fresh_outputs(monkeypatch, case):
                                     np.asarray(getattr(want, name).astype(F32)), (mode, name))
 
 
-@pytest.mark.parametrize("K,V,aliased", [(128, 128, 4), (128, 64, 3)])
+@pytest.mark.parametrize("K,V,aliased", [(128, 128, 4), pytest.param(128, 64, 3, marks=pytest.mark.large)])
 def test_inplace_lowers_with_aliases(K, V, aliased):
   """The lowered kernel aliases S2's terms to its results: dqg, dkg, dw (and du where K == V)."""
   import re
