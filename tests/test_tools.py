@@ -326,3 +326,36 @@ def test_packed_check_runs_the_simulator(capsys):
   assert packed_check.main(["--variants", "B:plain", "--total", "96", "--reps", "1", "--impl", "mosaic_gpu"]) == 0
   out = capsys.readouterr().out
   assert "dg     bit for bit" in out and "fwd+bwd ms: checked" in out
+
+
+def test_memory_peak_from_dumps():
+  """tools.memory's parsers on a small live-range and buffer-assignment dump: the peak step, the
+  values live there (array values named with and without '{}'), parameters left out."""
+  from tools import memory
+  live = """HloLiveRange (max 4):
+  InstructionSequence:
+    0:p.1
+    1:a
+    2:b
+    3:c
+  BufferLiveRange:
+    p.1{}:0-3
+    a{}:1-2
+    b{0}:2-3
+    b{1}:2-2
+    c{}:3-3
+"""
+  assignment = """allocation 0: size 400, parameter 0, shape |f32[100]| at ShapeIndex {}:
+ value: <1 p.1 @0> (size=400,offset=0): f32[100]{0}
+allocation 1: size 900, preallocated-temp:
+ value: <2 a @0> (size=100,offset=0): f32[25]{0}
+ value: <3 b{0} @0> (size=300,offset=100): f32[75]{0}
+ value: <4 b{1} @0> (size=200,offset=400): f32[50]{0}
+ value: <5 c @0> (size=50,offset=600): f32[12]{0}
+"""
+  steps, ranges = memory.live_ranges(live)
+  sizes = memory.value_sizes(assignment)
+  assert steps[2] == "b" and ("b{1}", 2, 2) in ranges and sizes["b{0}"][0] == 300
+  t, total, rows = memory.peak(steps, ranges, sizes)
+  assert (t, total) == (2, 600)                         # a + b{0} + b{1}; the parameter p.1 left out
+  assert [r[1] for r in rows] == ["b{0}", "b{1}", "a"]
