@@ -65,6 +65,12 @@ PACKED_BACKWARD = True
 # forward+backward 13.78 ms against 14.46 with the zeros written).
 TAIL_ZEROS = False
 
+# Whether the packed backward's S2 terms kernel reads do packed (the align folded into its load,
+# scaled there as the walk's aligned sdo: the same bits in the simulator), so that the aligned do
+# dies after the walk, before the backward's memory peak (S2's terms kernel on shape A). False
+# until tools.packed_check has run it on an H200 (`--variant PACKED_DO=1 --baseline ""`).
+PACKED_DO = False
+
 # Stages whose mosaic_gpu kernel has passed the simulator and the CUDA lowering but not yet
 # tools.gpu_check on an H200: impl=None leaves them out (an explicit impl="mosaic_gpu" runs them).
 DEVICE_UNVERIFIED: frozenset[str] = frozenset()
@@ -414,6 +420,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
       qa, ka, va, ba = (padding.align_with(layout, x) for x in (qp, kp, v, beta))
       ga = g
     valid = padding.valid_mask(layout)[None]
+    do_packed = do
     do = padding.align_with(layout, do)       # the transpose of unalign_with; in o's dtype (stages upcast)
   inputs = {}
 
@@ -441,7 +448,11 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   av = run("bwd_dav", *av_args, **packed_kw("bwd_dav", *av_args))
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
-  ds = run("bwd_dh", *dh_args, **packed_kw("bwd_dh", *dh_args))
+  dh_kw = packed_kw("bwd_dh", *dh_args)
+  if (PACKED_DO and pk is not None and do_packed.dtype == jnp.bfloat16
+      and choose(plan, "bwd_dh", *dh_args, **backward_kwargs(plan, "bwd_dh")) == "mosaic_gpu"):
+    dh_kw.update(do_packed=do_packed, rows=pk.rows)   # the terms kernel reads do packed
+  ds = run("bwd_dh", *dh_args, **dh_kw)
   # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes
   # (prepare_vjp rounds them there first anyway; the same bits, half the bytes for bf16 inputs).
   # Record mode keeps float32 stage outputs (what tools.stages and the checks compare).

@@ -547,6 +547,27 @@ def test_packed_backward_with_unwritten_tail_gives_the_same_bits(monkeypatch):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
 
 
+@pytest.mark.large
+def test_packed_backward_with_packed_do_gives_the_same_bits(monkeypatch):
+  """pipeline.PACKED_DO = True (simulator): S2's terms kernel reads the random bf16 do packed and
+  every gradient is bit for bit the one from the aligned do."""
+  x, kw = _packed_case()
+  o0 = kda.chunk_kda(*x, **kw, impl="mosaic_gpu")[0]
+  r = jax.random.normal(jax.random.key(5), o0.shape).astype(o0.dtype)
+  loss = lambda x, cu: jnp.sum(kda.chunk_kda(*x, **dict(kw, cu_seqlens=cu), impl="mosaic_gpu")[0] * r)
+  f = lambda: jax.jit(jax.grad(loss))(x, kw["cu_seqlens"])
+  monkeypatch.setattr(pipeline, "PACKED_DO", False)
+  want = f()
+  monkeypatch.setattr(pipeline, "PACKED_DO", True)
+  from kda.stages.bwd_dh import mosaic_gpu as mgd
+  real, packed = mgd._terms_kernel, []
+  monkeypatch.setattr(mgd, "_terms_kernel", lambda *a, **k: packed.append(k.get("packed_scale")) or real(*a, **k))
+  got = f()
+  assert packed and all(p is not None for p in packed)       # the terms kernel read do packed
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
+
+
 @pytest.mark.parametrize("tail_zeros", [pytest.param(True, marks=pytest.mark.large), False],
                          ids=["tail-zeros", "tail-unwritten"])
 def test_packed_backward_lowers_for_cuda(monkeypatch, tail_zeros):

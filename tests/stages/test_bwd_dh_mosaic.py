@@ -324,3 +324,44 @@ def test_bwd_dh_on_forward_records():
     assert np.isfinite(emax) and emax <= TOL["max"] and enorm <= TOL["norm"], (name, emax, enorm)
   empty = np.asarray(s.layout.lens) == 0
   np.testing.assert_array_equal(np.asarray(out.dh0)[empty], np.asarray(dht)[empty])
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), pytest.param(64, 128, marks=pytest.mark.large)],
+                         ids=["K64-V64", "K64-V128"])
+def test_bwd_dh_packed_do_equals_aligned(K, V):
+  """do_packed + rows: the terms kernel reads do packed (a 70-token gap and 5 tokens after the
+  last sequence: NaN, never read into a result) and every output is bit for bit the aligned do's."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  args, acu, _ = make_case(LENS, K, V)
+  Ta, HV = args[0].shape[1], args[0].shape[2]
+  layout, _ = packed_layout(LENS, [0, 70, 0, 0, 0], extra_T=5, tail_chunks=(Ta - int(acu[-1])) // BT)
+  assert layout.Ta == Ta and np.array_equal(np.asarray(layout.aligned_cu), np.asarray(acu))
+  owned = padding.packed_owned_mask(layout)[None, :, None, None]
+  do_p = jax.random.normal(jax.random.key(3), (1, layout.T, HV, V)).astype(jnp.bfloat16)
+  do_p = jnp.where(owned, do_p, jnp.asarray(jnp.nan, jnp.bfloat16))
+  args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
+  f = lambda *a, **kw: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw)
+  want = jax.jit(f)(*args)
+  got = jax.jit(lambda *a: f(*a, do_packed=do_p, rows=padding.chunk_rows(layout)))(*args)
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+
+
+def test_bwd_dh_packed_do_terms_kernel_lowers_with_the_same_smem():
+  """The terms kernel reading do packed lowers for CUDA at K = V = 128 with the aligned kernel's
+  SMEM (do's plain landing shares bf16(-du)'s bytes; 116744 bytes as lowered, one CTA per SM)."""
+  S, Ta, T, HV, K, V = jax.ShapeDtypeStruct, 4096, 4000, 16, 128, 128
+  NTa = Ta // BT
+  bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+  common = (S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf))
+  tail = (S((Ta, HV, V), f32), S((NTa, HV, K), f32))
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  sem = plgpu.LoweringSemantics.Lane
+  aligned = lowered_smem_bytes(lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=sem, interp=None)(*a),
+                               S((5,), i32), *common, S((Ta, HV, V), bf), *tail)
+  packed = lowered_smem_bytes(
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=sem, interp=None, packed_scale=K ** -0.5)(*a),
+      S((5,), i32), S((NTa,), i32), S((NTa,), i32), *common, S((T, HV, V), bf), *tail)
+  print(f"\n  bwd_dh terms SMEM: aligned {aligned}, packed do {packed} bytes")
+  assert packed == aligned == 116744

@@ -51,7 +51,12 @@ float32.
 SMEM (bytes as lowered for CUDA, barriers and alignment included; limit 232448): the walk 173072 at
 K = 128 (two slots of qg, kg, w [64, K], sdo [64, 64] bf16, dv [64, 64] f32, decay; bf16(dS),
 bf16(-du)), 115728 at K = 64, either V: one program per SM. The terms kernel: h, dh, v_new, sdo,
-bf16(-du) tiles, 112 KiB at K = V = 128.
+bf16(-du) tiles, 116744 bytes at K = V = 128 (1 KiB past two CTAs per SM).
+
+Packed do (`apply(..., do_packed=, rows=)`): the terms kernel reads do packed [1, T, HV, V] bf16
+(chunk c's rows r < count[c] at packed row src[c] + r) by TMA into a plain landing that shares
+bf16(-du)'s bytes, and forms sdo = bf16(scale * do) with the other rows zero (a select: they may
+hold other sequences' tokens or NaN); the walk still takes the aligned do. The same bits.
 
 Precision (simulator, against the float32 reference given the same bf16-exact qg, kg, w, h, v_new;
 tests/stages/test_bwd_dh_mosaic.py): max|d| / max|ref| <= 2.8e-3 over all fields (dgc_last now
@@ -71,7 +76,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_order, tile_shapes, tail_share
 from kda._mosaic_gpu import aligned_cu_reason, live_chunk, with_absent, zeros
-from kda._mosaic_gpu import acc as _acc
+from kda._mosaic_gpu import acc as _acc, iota as _iota
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -214,10 +219,16 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
   plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
 
 
-def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g,
-                h_s, dh_s, vn_s, do_s, dub_s, bar, *, BT, nv, tail_zeros=True):
-  # GMEM: cu [N+1] int32; h, dh [NTa, HV, K, V], vn, do [Ta, HV, V] bf16 (do scaled); du [Ta, HV, V],
-  # dec [NTa, HV, K] f32; out dqg, dkg, dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs.
+def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None):
+  # GMEM: cu [N+1] int32; (packed: src, count [NTa] int32); h, dh [NTa, HV, K, V], vn [Ta, HV, V],
+  # do [Ta, HV, V] bf16 scaled (packed: [T, HV, V] bf16 unscaled); du [Ta, HV, V], dec [NTa, HV, K]
+  # f32; out dqg, dkg, dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs.
+  packed = packed_scale is not None
+  if packed:
+    src_g, cnt_g, *refs = refs
+  h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, dub_s, bar = refs
+  if packed:      # do lands in plain SMEM sharing bf16(-du)'s bytes (filled after the landing is read)
+    dub_s, land_s = dub_s
   N = cu_g.shape[0] - 1
   K = h_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
@@ -230,11 +241,24 @@ def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dg
     for j in range(nv):
       plgpu.copy_gmem_to_smem(h_g.at[c, i_h, :, slab(j)], h_s.at[j], bar)
       plgpu.copy_gmem_to_smem(dh_g.at[c, i_h, :, slab(j)], dh_s.at[j], bar)
-    copy_chunk_slabs(((vn_g, vn_s), (do_g, do_s)), rows, i_h, bar)
+    if packed:    # any packed row: plain SMEM takes TMA there; whole [64, 64] tiles loaded
+      src, cnt = src_g[c], cnt_g[c]
+      copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar)
+      for j in range(nv):
+        plgpu.copy_gmem_to_smem(do_g.at[pl.ds(src, BT), i_h, slab(j)], land_s.at[j], bar)
+      plgpu.barrier_wait(bar)
+      real = _iota(0, (BT, SLAB)) < cnt   # other sequences' rows (maybe NaN) out, by a select
+      for j in range(nv):
+        x = _load(land_s.at[j]).astype(F32) * packed_scale
+        do_s.at[j][...] = jnp.where(real, x, 0.0).astype(BF16)
+      plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before bf16(-du) reuses it
+    else:
+      copy_chunk_slabs(((vn_g, vn_s), (do_g, do_s)), rows, i_h, bar)
     for j in range(nv):
       dub_s.at[j][...] = (-_load(du_g.at[rows, i_h, slab(j)])).astype(BF16)
     plgpu.commit_smem()
-    plgpu.barrier_wait(bar)
+    if not packed:
+      plgpu.barrier_wait(bar)
     dqg_g[rows, i_h, :] = _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
     dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
     dw_g[rows, i_h, :] = _acc([(dub_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
@@ -253,13 +277,45 @@ def _terms_body(cu_g, h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dg
     pl.when(jnp.logical_not(live))(tail)
 
 
+def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=None):
+  """The terms kernel; packed_scale (not None): it reads do packed and scales it (_terms_body)."""
+  BT, NTa, nv = 64, Ta // 64, V // SLAB
+  dub = _swz((nv, BT, SLAB))                                        # bf16(-du)
+  if packed_scale is not None:                                      # (packed: do's landing there)
+    dub = plgpu.RefUnion(dub, plgpu.SMEM((nv, BT, SLAB), BF16))
+  terms_kw = {} if tail_zeros else dict(tail_zeros=False)
+  if packed_scale is not None:
+    terms_kw["packed_scale"] = packed_scale
+  return plgpu.kernel(
+      functools.partial(_terms_body, BT=BT, nv=nv, **terms_kw),
+      out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
+                jax.ShapeDtypeStruct((Ta, HV, K), F32),
+                jax.ShapeDtypeStruct((Ta, HV, K), F32),
+                jax.ShapeDtypeStruct((NTa, HV, K), F32)),          # dgc_last
+      grid=(HV, NTa), grid_names=("h", "c"),
+      scratch_types=[
+          _swz((nv, K, SLAB)), _swz((nv, K, SLAB)),                 # h, dh tiles (64-column slabs)
+          _swz((nv, BT, SLAB)), _swz((nv, BT, SLAB)),               # v_new, scale * do
+          dub,
+          plgpu.Barrier(num_arrivals=4 * nv),
+      ],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      kernel_name="kda_bwd_dh_terms", interpret=interp,
+  )
+
+
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
-          interpret=False, config=None, dht_zero=False, need_dh0=True, tail_zeros=True):
+          interpret=False, config=None, dht_zero=False, need_dh0=True, tail_zeros=True, do_packed=None,
+          rows=None):
   """dht_zero: dht is known to be zero (not read: XLA drops a zeros array nobody reads);
   need_dh0=False: dh0 is not stored (zeros returned, for callers that drop it). The pipeline sets
   them for a final state nobody uses and an initial state made of zeros inside chunk_kda.
   tail_zeros=False: du, dqg, dkg, dw, dgc_last are left unwritten at the chunks at or past
-  aligned_cu[-1] (for callers that never read them: the packed backward)."""
+  aligned_cu[-1] (for callers that never read them: the packed backward).
+  do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): the terms kernel reads do packed
+  (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r, scaled
+  and rounded as the walk's aligned sdo), so the aligned do need not outlive the walk; do (aligned)
+  still feeds the walk. The same bits."""
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -311,21 +367,16 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
   nv = V // SLAB
-  terms = plgpu.kernel(
-      functools.partial(_terms_body, BT=BT, nv=nv, **({} if tail_zeros else dict(tail_zeros=False))),
-      out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
-                jax.ShapeDtypeStruct((Ta, HV, K), F32),
-                jax.ShapeDtypeStruct((Ta, HV, K), F32),
-                jax.ShapeDtypeStruct((NTa, HV, K), F32)),          # dgc_last
-      grid=(HV, NTa), grid_names=("h", "c"),
-      scratch_types=[
-          _swz((nv, K, SLAB)), _swz((nv, K, SLAB)),                 # h, dh tiles (64-column slabs)
-          _swz((nv, BT, SLAB)), _swz((nv, BT, SLAB)),               # v_new, scale * do
-          _swz((nv, BT, SLAB)),                                     # bf16(-du)
-          plgpu.Barrier(num_arrivals=4 * nv),
-      ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
-      kernel_name="kda_bwd_dh_terms", interpret=interp,
-  )
-  dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, sdo, du, decay)
+  packed = do_packed is not None
+  if packed and (rows is None or do_packed.ndim != 4 or do_packed.shape[0] != 1
+                 or do_packed.shape[2:] != (HV, V) or do_packed.dtype != BF16):
+    raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
+                     f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
+  terms = _terms_kernel(Ta, HV, K, V, sem=sem, interp=interp, tail_zeros=tail_zeros,
+                        packed_scale=float(scale) if packed else None)
+  if packed:
+    dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,
+                              v_new, do_packed[0], du, decay)
+  else:
+    dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, sdo, du, decay)
   return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])
