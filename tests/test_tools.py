@@ -314,6 +314,9 @@ def test_packed_check_switches():
   from tools import packed_check
   assert packed_check.switches("TAIL_ZEROS=0, PACKED_BACKWARD=1") == {"TAIL_ZEROS": False, "PACKED_BACKWARD": True}
   assert packed_check.switches("") == {}
+  assert packed_check.switches("kda.stages.bwd_wy.mosaic_gpu.INPLACE=0") == {"kda.stages.bwd_wy.mosaic_gpu.INPLACE": False}
+  with pytest.raises(ValueError, match="kda module"):
+    packed_check.switches("os.sep=1")
   with pytest.raises(ValueError, match="not a boolean switch"):
     packed_check.switches("NOPE=1")
 

@@ -4,7 +4,8 @@ For each shape:gate of tools.bench, jax.grad of sum(o * do) (o as aux) is compil
 kda.pipeline.PACKED_BACKWARD on (the default: g read packed by S0 and S5, dq, dk, dv, dg stored
 packed by S4, S3, S5) and off (g aligned and the gradients unaligned by XLA gathers); --variant
 and --baseline set other kda.pipeline switches for either side (e.g. --variant TAIL_ZEROS=0
---baseline "" checks the unwritten tail against the default). It prints,
+--baseline "" checks the unwritten tail against the default), or a kda module's when dotted
+(--variant kda.stages.bwd_wy.mosaic_gpu.INPLACE=0 --baseline ""). It prints,
 per output (dq, dk, dv, dg, dbeta, o), whether the two are bit for bit equal and where not how many
 entries differ and by how much, then both timings (median of --reps, as tools.bench), compile times
 and XLA temporaries. Exit status 1 if an output is not finite or differs by more than --max-ulps
@@ -13,6 +14,7 @@ bf16 rounding steps of its value (2^-8 relative each).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -40,13 +42,25 @@ def compare(a, b, max_ulps=1):
           "within": finite and bool(np.all(d <= max_ulps * step))}
 
 
+def target(name):
+  """A switch's (module, attribute): NAME is kda.pipeline's, a dotted kda.x.y.NAME that module's."""
+  mod, _, attr = name.rpartition(".")
+  if not mod:
+    return pipeline, name
+  if not mod.startswith("kda."):
+    raise ValueError(f"{name!r}: a dotted switch must name a kda module")
+  return importlib.import_module(mod), attr
+
+
 def switches(text):
-  """"NAME=0,OTHER=1" -> {NAME: False, OTHER: True} (kda.pipeline module switches)."""
+  """"NAME=0,OTHER=1" -> {NAME: False, OTHER: True}: boolean module switches of kda.pipeline, or of
+  another kda module when dotted (kda.stages.bwd_wy.mosaic_gpu.INPLACE=0)."""
   out = {}
   for item in filter(None, (t.strip() for t in text.split(","))):
     name, _, value = item.partition("=")
-    if not hasattr(pipeline, name) or not isinstance(getattr(pipeline, name), bool):
-      raise ValueError(f"{name!r} is not a boolean switch of kda.pipeline")
+    mod, attr = target(name)
+    if not isinstance(getattr(mod, attr, None), bool):
+      raise ValueError(f"{name!r} is not a boolean switch of {mod.__name__}")
     out[name] = value.strip().lower() in ("1", "true", "on")
   return out
 
@@ -64,9 +78,9 @@ def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1, variant=
   sides = (("packed", {} if variant is None else variant),
            ("aligned", dict(PACKED_BACKWARD=False) if baseline is None else baseline))
   for mode, sets in sides:
-    saved = {k: getattr(pipeline, k) for k in sets}
+    saved = {k: getattr(*target(k)) for k in sets}
     for k, val in sets.items():
-      setattr(pipeline, k, val)
+      setattr(*target(k), val)
     try:
       t0 = time.perf_counter()
       f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)).lower(*args).compile()
@@ -76,7 +90,7 @@ def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1, variant=
       fns[mode] = f
     finally:
       for k, val in saved.items():
-        setattr(pipeline, k, val)
+        setattr(*target(k), val)
   res = {m: jax.tree.leaves(f(*args)) for m, f in fns.items()}
   out["outputs"] = {n: compare(a, b, max_ulps) for n, a, b in zip(NAMES, res["packed"], res["aligned"])}
   for mode, f in fns.items():

@@ -365,3 +365,26 @@ def test_bwd_dh_packed_do_terms_kernel_lowers_with_the_same_smem():
       S((5,), i32), S((NTa,), i32), S((NTa,), i32), *common, S((T, HV, V), bf), *tail)
   print(f"\n  bwd_dh terms SMEM: aligned {aligned}, packed do {packed} bytes")
   assert packed == aligned == 116744
+
+
+def test_bwd_dh_terms_two_ctas_equals_the_default():
+  """Config(terms_two_ctas=True): bf16(-du) formed in v_new's tile after dkg's product gives every
+  output bit for bit (simulator); as lowered at K = V = 128 the terms kernel fits two CTAs per SM."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
+  args, _, _ = make_case(LENS, 64, 64)
+  want, _ = run_kernel(args)
+  got, _ = run_kernel(args, mgd.Config(terms_two_ctas=True))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  S, Ta, HV, K, V = jax.ShapeDtypeStruct, 4096, 16, 128, 128
+  NTa = Ta // BT
+  bf, f32 = jnp.bfloat16, jnp.float32
+  smem = lowered_smem_bytes(
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=plgpu.LoweringSemantics.Lane, interp=None, share_vn=True)(*a),
+      S((5,), jnp.int32), S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((Ta, HV, V), bf),
+      S((Ta, HV, V), f32), S((NTa, HV, K), f32))
+  print(f"\n  bwd_dh terms SMEM, two CTAs: {smem} bytes")
+  assert smem <= SMEM_TWO_CTAS
+  with pytest.raises(ValueError, match="aligned do only"):
+    mgd._terms_kernel(Ta, HV, K, V, sem=None, interp=None, share_vn=True, packed_scale=0.1)

@@ -84,6 +84,11 @@ from kda.stages.bwd_dh import Out
 from kda.stages.state import chunk_decay
 
 
+# Config.terms_two_ctas's default: off until tools.packed_check has run it on an H200
+# (--variant kda.stages.bwd_dh.mosaic_gpu.TERMS_TWO_CTAS=1 --baseline "").
+TERMS_TWO_CTAS = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiles and switches of the bwd_dh kernel; they depend on K, V, BT and dtype only."""
@@ -91,6 +96,10 @@ class Config:
   longest_first: bool = True    # rank r of the grid takes the r-th longest sequence
   seq_major: bool = True        # sequences on the slowest-dispatched grid axis (if N <= 65535)
   lane_semantics: bool = True   # Mosaic GPU LoweringSemantics.Lane (H200: 1.40 ms on A, Warpgroup 1.51)
+  # the terms kernel forms bf16(-du) in v_new's tile once dkg's wgmma is done (no tile of its own:
+  # 100360 bytes, two CTAs per SM, against 116744 and one); with do packed the kernel keeps its
+  # own tile (do's landing is there). None: TERMS_TWO_CTAS
+  terms_two_ctas: Optional[bool] = None
 
   def __post_init__(self):
     if self.block_v != 64:
@@ -219,14 +228,18 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
   plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
 
 
-def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None):
+def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_vn=False):
   # GMEM: cu [N+1] int32; (packed: src, count [NTa] int32); h, dh [NTa, HV, K, V], vn [Ta, HV, V],
   # do [Ta, HV, V] bf16 scaled (packed: [T, HV, V] bf16 unscaled); du [Ta, HV, V], dec [NTa, HV, K]
   # f32; out dqg, dkg, dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs.
   packed = packed_scale is not None
   if packed:
     src_g, cnt_g, *refs = refs
-  h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, dub_s, bar = refs
+  if share_vn:    # bf16(-du) goes into v_new's tile after dkg's product has read it
+    h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, bar = refs
+    dub_s = vn_s
+  else:
+    h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, dub_s, bar = refs
   if packed:      # do lands in plain SMEM sharing bf16(-du)'s bytes (filled after the landing is read)
     dub_s, land_s = dub_s
   N = cu_g.shape[0] - 1
@@ -254,13 +267,19 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None):
       plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before bf16(-du) reuses it
     else:
       copy_chunk_slabs(((vn_g, vn_s), (do_g, do_s)), rows, i_h, bar)
-    for j in range(nv):
-      dub_s.at[j][...] = (-_load(du_g.at[rows, i_h, slab(j)])).astype(BF16)
-    plgpu.commit_smem()
+
+    def minus_du():
+      for j in range(nv):
+        dub_s.at[j][...] = (-_load(du_g.at[rows, i_h, slab(j)])).astype(BF16)
+      plgpu.commit_smem()
+    if not share_vn:
+      minus_du()
     if not packed:
       plgpu.barrier_wait(bar)
     dqg_g[rows, i_h, :] = _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
     dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
+    if share_vn:    # dkg's store above waited for its wgmma: v_new's tile is free
+      minus_du()
     dw_g[rows, i_h, :] = _acc([(dub_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
     prod = sum(jnp.sum(_load(h_s.at[j]).astype(F32) * _load(dh_s.at[j]).astype(F32), axis=1)
                for j in range(nv))
@@ -277,15 +296,20 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None):
     pl.when(jnp.logical_not(live))(tail)
 
 
-def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=None):
-  """The terms kernel; packed_scale (not None): it reads do packed and scales it (_terms_body)."""
+def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=None, share_vn=False):
+  """The terms kernel; packed_scale (not None): it reads do packed and scales it; share_vn:
+  bf16(-du) in v_new's tile (aligned do only) (_terms_body)."""
+  if share_vn and packed_scale is not None:
+    raise ValueError("mosaic_gpu bwd_dh kernel: Config(terms_two_ctas=True) takes the aligned do only")
   BT, NTa, nv = 64, Ta // 64, V // SLAB
-  dub = _swz((nv, BT, SLAB))                                        # bf16(-du)
+  dub = [] if share_vn else [_swz((nv, BT, SLAB))]                  # bf16(-du)
   if packed_scale is not None:                                      # (packed: do's landing there)
-    dub = plgpu.RefUnion(dub, plgpu.SMEM((nv, BT, SLAB), BF16))
+    dub = [plgpu.RefUnion(dub[0], plgpu.SMEM((nv, BT, SLAB), BF16))]
   terms_kw = {} if tail_zeros else dict(tail_zeros=False)
   if packed_scale is not None:
     terms_kw["packed_scale"] = packed_scale
+  if share_vn:
+    terms_kw["share_vn"] = True
   return plgpu.kernel(
       functools.partial(_terms_body, BT=BT, nv=nv, **terms_kw),
       out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
@@ -296,7 +320,7 @@ def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=No
       scratch_types=[
           _swz((nv, K, SLAB)), _swz((nv, K, SLAB)),                 # h, dh tiles (64-column slabs)
           _swz((nv, BT, SLAB)), _swz((nv, BT, SLAB)),               # v_new, scale * do
-          dub,
+          *dub,
           plgpu.Barrier(num_arrivals=4 * nv),
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
@@ -372,8 +396,9 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
                  or do_packed.shape[2:] != (HV, V) or do_packed.dtype != BF16):
     raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
                      f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
+  two = TERMS_TWO_CTAS if config.terms_two_ctas is None else config.terms_two_ctas
   terms = _terms_kernel(Ta, HV, K, V, sem=sem, interp=interp, tail_zeros=tail_zeros,
-                        packed_scale=float(scale) if packed else None)
+                        packed_scale=float(scale) if packed else None, share_vn=bool(two) and not packed)
   if packed:
     dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,
                               v_new, do_packed[0], du, decay)
