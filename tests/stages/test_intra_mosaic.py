@@ -536,7 +536,8 @@ def test_packed_unwritten_tail():
   tail the residuals are still written (Aqk 0, Ainv I); the rest is left unwritten there."""
   lens, T, HV, K, V, gates = PACKED["K64-V64-HV2"]
   (q, k, v, beta), _, _ = _packed_case(lens, T, HV, K, V, 3, gates)
-  g = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(7), (1, T, HV, K))) * 0.25
+  q, k, v, beta = (x[:, :, :1] for x in (q, k, v, beta))      # one head (CI budget)
+  g = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(7), (1, T, 1, K))) * 0.25
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
 
   def run(cu, tail_zeros):
