@@ -343,9 +343,10 @@ def test_bwd_dh_packed_do_equals_aligned(K, V):
   args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
   f = lambda *a, **kw: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw)
   want = jax.jit(f)(*args)
-  got = jax.jit(lambda *a: f(*a, do_packed=do_p, rows=padding.chunk_rows(layout)))(*args)
-  for name in FIELDS:
-    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  for config in (None, mgd.Config(terms_two_ctas=True)):   # do's landing in bf16(-du)'s or v_new's bytes
+    got = jax.jit(lambda *a: f(*a, do_packed=do_p, rows=padding.chunk_rows(layout), config=config))(*args)
+    for name in FIELDS:
+      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), (config, name))
 
 
 def test_bwd_dh_packed_do_terms_kernel_lowers_with_the_same_smem():
@@ -386,5 +387,9 @@ def test_bwd_dh_terms_two_ctas_equals_the_default():
       S((Ta, HV, V), f32), S((NTa, HV, K), f32))
   print(f"\n  bwd_dh terms SMEM, two CTAs: {smem} bytes")
   assert smem <= SMEM_TWO_CTAS
-  with pytest.raises(ValueError, match="aligned do only"):
-    mgd._terms_kernel(Ta, HV, K, V, sem=None, interp=None, share_vn=True, packed_scale=0.1)
+  packed = lowered_smem_bytes(
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=plgpu.LoweringSemantics.Lane, interp=None, share_vn=True,
+                                   packed_scale=K ** -0.5)(*a),
+      S((5,), jnp.int32), S((NTa,), jnp.int32), S((NTa,), jnp.int32), S((NTa, HV, K, V), bf),
+      S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((4000, HV, V), bf), S((Ta, HV, V), f32), S((NTa, HV, K), f32))
+  assert packed <= SMEM_TWO_CTAS, packed

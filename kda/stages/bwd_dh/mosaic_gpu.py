@@ -56,7 +56,9 @@ bf16(-du) tiles, 116744 bytes at K = V = 128 (1 KiB past two CTAs per SM).
 Packed do (`apply(..., do_packed=, rows=)`): the terms kernel reads do packed [1, T, HV, V] bf16
 (chunk c's rows r < count[c] at packed row src[c] + r) by TMA into a plain landing that shares
 bf16(-du)'s bytes, and forms sdo = bf16(scale * do) with the other rows zero (a select: they may
-hold other sequences' tokens or NaN); the walk still takes the aligned do. The same bits.
+hold other sequences' tokens or NaN); the walk still takes the aligned do. The same bits. With
+Config.terms_two_ctas (no bf16(-du) tile) do lands in v_new's bytes instead, and v_new's TMA
+follows once the landing is read, on a second barrier.
 
 Precision (simulator, against the float32 reference given the same bf16-exact qg, kg, w, h, v_new;
 tests/stages/test_bwd_dh_mosaic.py): max|d| / max|ref| <= 2.8e-3 over all fields (dgc_last now
@@ -97,8 +99,8 @@ class Config:
   seq_major: bool = True        # sequences on the slowest-dispatched grid axis (if N <= 65535)
   lane_semantics: bool = True   # Mosaic GPU LoweringSemantics.Lane (H200: 1.40 ms on A, Warpgroup 1.51)
   # the terms kernel forms bf16(-du) in v_new's tile once dkg's wgmma is done (no tile of its own:
-  # 100360 bytes, two CTAs per SM, against 116744 and one); with do packed the kernel keeps its
-  # own tile (do's landing is there). None: TERMS_TWO_CTAS
+  # 100360 bytes, two CTAs per SM, against 116744 and one; with do packed, do lands in v_new's
+  # bytes first). None: TERMS_TWO_CTAS
   terms_two_ctas: Optional[bool] = None
 
   def __post_init__(self):
@@ -235,13 +237,17 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
   packed = packed_scale is not None
   if packed:
     src_g, cnt_g, *refs = refs
+  bar_vn = None
   if share_vn:    # bf16(-du) goes into v_new's tile after dkg's product has read it
-    h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, bar = refs
+    h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, bar, *bar_vn = refs
+    bar_vn = bar_vn[0] if bar_vn else None
+    if packed:    # do lands in plain SMEM sharing v_new's bytes (v_new's TMA after the landing is read)
+      vn_s, land_s = vn_s
     dub_s = vn_s
   else:
     h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, dub_s, bar = refs
-  if packed:      # do lands in plain SMEM sharing bf16(-du)'s bytes (filled after the landing is read)
-    dub_s, land_s = dub_s
+    if packed:    # do lands in plain SMEM sharing bf16(-du)'s bytes (filled after the landing is read)
+      dub_s, land_s = dub_s
   N = cu_g.shape[0] - 1
   K = h_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
@@ -256,7 +262,8 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
       plgpu.copy_gmem_to_smem(dh_g.at[c, i_h, :, slab(j)], dh_s.at[j], bar)
     if packed:    # any packed row: plain SMEM takes TMA there; whole [64, 64] tiles loaded
       src, cnt = src_g[c], cnt_g[c]
-      copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar)
+      if bar_vn is None:
+        copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar)
       for j in range(nv):
         plgpu.copy_gmem_to_smem(do_g.at[pl.ds(src, BT), i_h, slab(j)], land_s.at[j], bar)
       plgpu.barrier_wait(bar)
@@ -264,7 +271,9 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
       for j in range(nv):
         x = _load(land_s.at[j]).astype(F32) * packed_scale
         do_s.at[j][...] = jnp.where(real, x, 0.0).astype(BF16)
-      plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before bf16(-du) reuses it
+      plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before its bytes are reused
+      if bar_vn is not None:
+        copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar_vn)
     else:
       copy_chunk_slabs(((vn_g, vn_s), (do_g, do_s)), rows, i_h, bar)
 
@@ -277,6 +286,8 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
     if not packed:
       plgpu.barrier_wait(bar)
     dqg_g[rows, i_h, :] = _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
+    if bar_vn is not None:
+      plgpu.barrier_wait(bar_vn)
     dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
     if share_vn:    # dkg's store above waited for its wgmma: v_new's tile is free
       minus_du()
@@ -298,13 +309,17 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
 
 def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=None, share_vn=False):
   """The terms kernel; packed_scale (not None): it reads do packed and scales it; share_vn:
-  bf16(-du) in v_new's tile (aligned do only) (_terms_body)."""
-  if share_vn and packed_scale is not None:
-    raise ValueError("mosaic_gpu bwd_dh kernel: Config(terms_two_ctas=True) takes the aligned do only")
+  bf16(-du) in v_new's tile (_terms_body)."""
   BT, NTa, nv = 64, Ta // 64, V // SLAB
+  packed = packed_scale is not None
+  landing = lambda tile: plgpu.RefUnion(tile, plgpu.SMEM((nv, BT, SLAB), BF16))   # do's, packed
+  vn = _swz((nv, BT, SLAB))
   dub = [] if share_vn else [_swz((nv, BT, SLAB))]                  # bf16(-du)
-  if packed_scale is not None:                                      # (packed: do's landing there)
-    dub = [plgpu.RefUnion(dub[0], plgpu.SMEM((nv, BT, SLAB), BF16))]
+  bars = [plgpu.Barrier(num_arrivals=4 * nv)]
+  if packed and share_vn:           # do lands in v_new's bytes; v_new's TMA then on its own barrier
+    vn, bars = landing(vn), [plgpu.Barrier(num_arrivals=3 * nv), plgpu.Barrier(num_arrivals=nv)]
+  elif packed:
+    dub = [landing(dub[0])]
   terms_kw = {} if tail_zeros else dict(tail_zeros=False)
   if packed_scale is not None:
     terms_kw["packed_scale"] = packed_scale
@@ -319,9 +334,9 @@ def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=No
       grid=(HV, NTa), grid_names=("h", "c"),
       scratch_types=[
           _swz((nv, K, SLAB)), _swz((nv, K, SLAB)),                 # h, dh tiles (64-column slabs)
-          _swz((nv, BT, SLAB)), _swz((nv, BT, SLAB)),               # v_new, scale * do
+          vn, _swz((nv, BT, SLAB)),                                 # v_new, scale * do
           *dub,
-          plgpu.Barrier(num_arrivals=4 * nv),
+          *bars,
       ],
       compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
       kernel_name="kda_bwd_dh_terms", interpret=interp,
@@ -398,7 +413,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
                      f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
   two = TERMS_TWO_CTAS if config.terms_two_ctas is None else config.terms_two_ctas
   terms = _terms_kernel(Ta, HV, K, V, sem=sem, interp=interp, tail_zeros=tail_zeros,
-                        packed_scale=float(scale) if packed else None, share_vn=bool(two) and not packed)
+                        packed_scale=float(scale) if packed else None, share_vn=bool(two))
   if packed:
     dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,
                               v_new, do_packed[0], du, decay)
