@@ -430,10 +430,14 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
 
   tail = {} if TAIL_ZEROS else dict(tail_zeros=False)   # the packed backward's unwritten tail
 
+  def packed_kernel(name, *args, **extra):
+    """Whether the backward runs packed and stage `name` selects its kernel on these arguments."""
+    return pk is not None and choose(plan, name, *args, **backward_kwargs(plan, name), **extra) == "mosaic_gpu"
+
   def packed_kw(name, *args, store=False, **extra):
     """The packed backward's keywords for stage `name`'s kernel where the call selects it: the
     unwritten tail and, with `store`, its packed output store (rows, pieces, T)."""
-    if pk is None or choose(plan, name, *args, **backward_kwargs(plan, name), **extra) != "mosaic_gpu":
+    if not packed_kernel(name, *args, **extra):
       return {}
     return dict(tail, **(dict(rows=pk.rows, pieces=pk.pieces, T=layout.T) if store else {}))
 
@@ -449,8 +453,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
   dh_kw = packed_kw("bwd_dh", *dh_args)
-  if (PACKED_DO and pk is not None and do_packed.dtype == jnp.bfloat16
-      and choose(plan, "bwd_dh", *dh_args, **backward_kwargs(plan, "bwd_dh")) == "mosaic_gpu"):
+  if PACKED_DO and do_packed.dtype == jnp.bfloat16 and packed_kernel("bwd_dh", *dh_args):
     dh_kw.update(do_packed=do_packed, rows=pk.rows)   # the terms kernel reads do packed
   ds = run("bwd_dh", *dh_args, **dh_kw)
   # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes

@@ -321,7 +321,7 @@ def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=No
   elif packed:
     dub = [landing(dub[0])]
   terms_kw = {} if tail_zeros else dict(tail_zeros=False)
-  if packed_scale is not None:
+  if packed:
     terms_kw["packed_scale"] = packed_scale
   if share_vn:
     terms_kw["share_vn"] = True
@@ -405,7 +405,6 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   *dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, *(() if dht_zero else (dht.astype(F32),)))
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
-  nv = V // SLAB
   packed = do_packed is not None
   if packed and (rows is None or do_packed.ndim != 4 or do_packed.shape[0] != 1
                  or do_packed.shape[2:] != (HV, V) or do_packed.dtype != BF16):
