@@ -14,6 +14,8 @@ CI_BUDGET_LARGE = {
     "tests/stages/test_intra_mosaic.py::test_packed_equals_aligned[K64-V64-HV2]": 9.5,   # [K128-V128-HV1-strong]
     "tests/stages/test_intra_mosaic.py::test_packed_kernels_lower_for_cuda[64-128]": 5.1,  # [128-128]
     "tests/stages/test_intra_mosaic.py::test_kernels_lower_for_cuda[K128-V64-auto-bounded_auto]": 7.4,  # the packed [128-128], [K64-V128-always-...]
+    "tests/stages/test_intra_mosaic.py::test_packed_unwritten_tail": 7.8,   # the gate's; tests/test_pipeline.py's packed runs (TAIL_ZEROS=False)
+    "tests/test_grad.py::test_custom_vjp_matches_autodiff_of_the_forward_stages[trailing_empty+13nan-f32-BT32-noh0]": 6.0,  # [softplus-in-kernel+7nan-f32-BT32]
     "tests/test_extreme_gates.py::test_gate_in_kernel_extremes[pallas]": 8.6,   # [reference], the mosaic simulator tests
     "tests/test_extreme_gates.py::test_bf16_never_nan[pallas]": 7.7,            # [reference]
     "tests/test_extreme_gates.py::test_forward_f32[-1e5-pallas]": 3.3,          # [one_inf-pallas], [-1e4-pallas]
