@@ -86,9 +86,8 @@ from kda.stages.bwd_dh import Out
 from kda.stages.state import chunk_decay
 
 
-# Config.terms_two_ctas's default: off until tools.packed_check has run it on an H200
-# (--variant kda.stages.bwd_dh.mosaic_gpu.TERMS_TWO_CTAS=1 --baseline "").
-TERMS_TWO_CTAS = False
+# Config.terms_two_ctas's default: on the H200 the same bits as one CTA per SM (shapes A, B).
+TERMS_TWO_CTAS = True
 
 
 @dataclasses.dataclass(frozen=True)
