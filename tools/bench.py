@@ -210,25 +210,28 @@ def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
 
 
 def calls(name, gate, impl, total=TOTAL):
-  """The timed calls of a shape: (args, fwd, loss) with args = (q, k, v, g, beta, diff_kw, traced_kw),
-  fwd(*args) -> o and loss(*args) = sum(o * do). diff_kw holds the differentiable keywords (A_log,
-  dt_bias), traced_kw cu_seqlens: both are arguments of the jitted call, so cu_seqlens is traced
-  as a training step passes it (the static-bound layout, one compile per N); a closed-over
-  cu_seqlens would be concrete and get the exact layout. impl: "auto" (chunk_kda's default:
-  kernels where a stage has one), or an impl string."""
+  """The timed calls of a shape: (args, fwd, loss) with args = (q, k, v, g, beta, diff_kw, traced_kw,
+  do), fwd(*args) -> o and loss(*args) = sum(o * do), differentiated in args[:6]. diff_kw holds the
+  differentiable keywords (A_log, dt_bias), traced_kw cu_seqlens: both are arguments of the jitted
+  call, so cu_seqlens is traced as a training step passes it (the static-bound layout, one compile
+  per N); a closed-over cu_seqlens would be concrete and get the exact layout. do is an argument
+  too, as the jax peer passes it (closed over, it would be a 128 MiB constant of the program, whose
+  lowering and compile then take seconds longer). impl: "auto" (chunk_kda's default: kernels where
+  a stage has one), or an impl string."""
   impl = None if impl == "auto" else impl
   args, kw, do = make_inputs(name, gate, total=total)
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
   traced_kw = {k: v for k, v in kw.items() if k == "cu_seqlens"}
   static_kw = {k: v for k, v in kw.items() if k not in diff_kw and k not in traced_kw}
 
-  def fwd(q, k, v, g, beta, dk, tk):
+  def fwd(q, k, v, g, beta, dk, tk, do=None):
+    del do
     return kda.chunk_kda(q, k, v, g, beta, impl=impl, **static_kw, **dk, **tk)[0]
 
-  def loss(q, k, v, g, beta, dk, tk):
+  def loss(q, k, v, g, beta, dk, tk, do):
     return jnp.sum(fwd(q, k, v, g, beta, dk, tk).astype(jnp.float32) * do.astype(jnp.float32))
 
-  return (*args, diff_kw, traced_kw), fwd, loss
+  return (*args, diff_kw, traced_kw, do), fwd, loss
 
 
 def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):

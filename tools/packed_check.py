@@ -67,9 +67,8 @@ def switches(text):
 
 def check(name, gate, reps, total=bench.TOTAL, impl="auto", max_ulps=1, variant=None, baseline=None):
   args, fwd, _ = bench.calls(name, gate, impl, total)
-  _, _, do = bench.make_inputs(name, gate, total=total)
 
-  def loss(q, k, v, g, beta, dk, tk):
+  def loss(q, k, v, g, beta, dk, tk, do):
     o = fwd(q, k, v, g, beta, dk, tk)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 

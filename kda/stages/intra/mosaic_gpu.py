@@ -62,6 +62,9 @@ from kda.stages.intra import Out, to_chunks
 BT = 64
 BOUNDED_SPAN = 80.0       # exp(+-80) is a normal float32 / bf16 number
 SLAB = 64                 # gc / operand columns handled at once (register pressure)
+# True: the two-part scores kernel alone, no lax.cond to the gc_frac-only one (which gives the same
+# bits while gc_int == 0): the cond lowers and compiles both kernels, seconds of compile time
+TWO_PART_ONLY = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,7 +539,7 @@ def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *
     flag = bounded_chunks(gc_int, gc_frac)
   run = lambda *gis: _scores(cu, rows, q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
                              interpret=interpret, config=config, tail_zeros=tail_zeros)
-  if config.two_part == "always":
+  if config.two_part == "always" or TWO_PART_ONLY:
     akh, akl, aqk, qg, kg, kd = run(gi, gf)
   else:   # gc_int == 0 everywhere (every gate > -1): gc is gc_frac, the same decays bit for bit
     pred = jnp.any(gi != 0) if two_part is None else two_part
