@@ -19,6 +19,15 @@ HEAD_DIMS = (64, 128)                # K and V the kernels take
 MAX_GRID_YZ = 65535                  # CUDA's limit on grid y and z (Mosaic GPU's g0, g1)
 
 
+def params(lane, **kw):
+  """plgpu.CompilerParams with Lane lowering semantics if `lane`, else Warpgroup; kw as theirs.
+  Lane lowers without layout inference (most of the CUDA lowering time of a large kernel), but
+  stores a register array to SMEM through a swap that loads the old value first (one ldmatrix per
+  stmatrix): the kernels whose Lane code is the same as their Warpgroup code take Lane."""
+  sem = plgpu.LoweringSemantics.Lane if lane else plgpu.LoweringSemantics.Warpgroup
+  return plgpu.CompilerParams(lowering_semantics=sem, **kw)
+
+
 def swz(shape, dtype=BF16, cols=None):
   """SMEM tiled + swizzled along its minor dim, as TMA and wgmma operands want it; `cols` caps the
   tile width (so column-slab views stay whole tiles)."""

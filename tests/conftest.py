@@ -42,7 +42,7 @@ CI_BUDGET_LARGE = {
     "tests/stages/test_state_mosaic.py::test_state_matches_reference_boundaries[K128-V64]": 4.1,  # [K64-V64]
     "tests/stages/test_state_mosaic.py::test_state_matches_reference_configs[direct-stores]": 3.7,
     "tests/stages/test_gate_mosaic.py::test_packed_configs[tma-stores-unroll8]": 3.4,  # the default config's tests
-    "tests/stages/test_gate_mosaic.py::test_packed_configs[lane-no-unroll]": 2.2,
+    "tests/stages/test_gate_mosaic.py::test_packed_configs[warpgroup-no-unroll]": 2.2,
     "tests/test_fused_state_output.py::test_fused_packed_o_equals_unaligned[K128-V64-split]": 3.8,  # [K128-V128-split-bf16]
     "tests/test_fused_state_output.py::test_fused_packed_o_equals_unaligned[K64-V128-serial-bf16]": 2.7,
     "tests/test_fused_state_output.py::test_fused_matches_composed_references_warp_specialized[K128-V128]": 2.8,

@@ -171,10 +171,10 @@ def test_kernel_matches_reference(lens, HV, K, dtype, form):
     check_scan_exact(got, args)
 
 
-@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=True),
+@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=False),
                                     pytest.param(mgb.Config(unroll=1), marks=pytest.mark.large),
                                     pytest.param(mgb.Config(unroll=8), marks=pytest.mark.large)],
-                         ids=["lane", "no-unroll", "unroll8"])
+                         ids=["warpgroup", "no-unroll", "unroll8"])
 def test_kernel_configs(config):
   args, kw = make_case([50], 2, 64, F32, "softplus")
   got, secs = run_kernel(args, kw, config)
@@ -335,7 +335,7 @@ def test_kernel_lowers_for_cuda(form, dtype, HV, K):
 
 
 @pytest.mark.large
-@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=True), mgb.Config(unroll=8)], ids=["lane", "unroll8"])
+@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=False), mgb.Config(unroll=8)], ids=["warpgroup", "unroll8"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_kernel_configs_lower_for_cuda(config, dtype):
   _lower("softplus", dtype, 16, 128, config)

@@ -124,8 +124,8 @@ def test_kernel_matches_reference(lens, HV, K, dtype, form):
   check_scan_exact(got)
 
 
-@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(lane_semantics=True),
-                                    mgg.Config(unroll=1)], ids=["tma-stores", "lane", "no-unroll"])
+@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(lane_semantics=False),
+                                    mgg.Config(unroll=1)], ids=["tma-stores", "warpgroup", "no-unroll"])
 def test_kernel_configs(config):
   _, _, _, g, _, valid, A_log, dt_bias = pooled_inputs(lens=[50], HV=2, K=64, BT=BT, gate_kind="raw")
   g = jnp.where(valid[:, :, None, None], g, jnp.nan)
@@ -210,9 +210,9 @@ def test_kernel_lowers_for_cuda(form, dtype, HV, K):
   _lower(form, dtype, HV, K, None)
 
 
-@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(lane_semantics=True),
-                                    mgg.Config(stage_stores=True, lane_semantics=True), mgg.Config(unroll=8)],
-                         ids=["tma-stores", "lane", "tma-stores-lane", "unroll8"])
+@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(lane_semantics=False),
+                                    mgg.Config(stage_stores=True, lane_semantics=False), mgg.Config(unroll=8)],
+                         ids=["tma-stores", "warpgroup", "tma-stores-warpgroup", "unroll8"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_kernel_configs_lower_for_cuda(config, dtype):
   _lower("softplus", dtype, 16, 128, config)
@@ -355,7 +355,7 @@ def test_packed_extreme_gates(form):
 
 
 @pytest.mark.parametrize("config", [mgg.Config(stage_stores=True, unroll=8),
-                                    mgg.Config(lane_semantics=True, unroll=1)], ids=["tma-stores-unroll8", "lane-no-unroll"])
+                                    mgg.Config(lane_semantics=False, unroll=1)], ids=["tma-stores-unroll8", "warpgroup-no-unroll"])
 def test_packed_configs(config):
   layout, _ = packed_layout([30, 65], [2, 0], extra_T=4)
   g, A_log, dt_bias = packed_gates(5, layout.T, 2, 64, jnp.bfloat16, "raw")
@@ -385,7 +385,7 @@ def test_packed_takes_reasons():
 # the forms' variety over the two shapes, and the configs once each
 LOWER_PACKED = [("identity", jnp.float32, 2, 64, None), ("softplus", jnp.bfloat16, 16, 128, None),
                 ("sigmoid", jnp.bfloat16, 16, 128, None), ("sigmoid-noA-nobias", jnp.float32, 2, 64, None),
-                ("softplus", jnp.bfloat16, 16, 128, mgg.Config(stage_stores=True, lane_semantics=True)),
+                ("softplus", jnp.bfloat16, 16, 128, mgg.Config(stage_stores=True, lane_semantics=False)),
                 ("sigmoid-nobias", jnp.float32, 2, 64, mgg.Config(unroll=1))]
 
 

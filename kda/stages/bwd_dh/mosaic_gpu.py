@@ -77,6 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_order, tile_shapes, tail_share
+from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import aligned_cu_reason, live_chunk, with_absent, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota
 from kda._mosaic_gpu import load as _load
@@ -306,7 +307,7 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
     pl.when(jnp.logical_not(live))(tail)
 
 
-def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=None, share_vn=False):
+def _terms_kernel(Ta, HV, K, V, *, lane, interp, tail_zeros=True, packed_scale=None, share_vn=False):
   """The terms kernel; packed_scale (not None): it reads do packed and scales it; share_vn:
   bf16(-du) in v_new's tile (_terms_body)."""
   BT, NTa, nv = 64, Ta // 64, V // SLAB
@@ -337,7 +338,7 @@ def _terms_kernel(Ta, HV, K, V, *, sem, interp, tail_zeros=True, packed_scale=No
           *dub,
           *bars,
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      compiler_params=_params(lane),
       kernel_name="kda_bwd_dh_terms", interpret=interp,
   )
 
@@ -373,7 +374,6 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   h = h[0].astype(BF16)
   sdo = (do[0].astype(F32) * scale).astype(BF16)
   dv = dv[0].astype(F32)
-  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
   interp = plgpu.InterpretGPUParams() if interpret else None
 
   if config.seq_major and N <= MAX_GRID_YZ:
@@ -398,7 +398,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
           _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
           plgpu.Barrier(num_arrivals=6, num_barriers=2),
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      compiler_params=_params(config.lane_semantics),
       kernel_name="kda_bwd_dh_walk", interpret=interp,
   )
   *dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, *(() if dht_zero else (dht.astype(F32),)))
@@ -410,7 +410,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
                      f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
   two = TERMS_TWO_CTAS if config.terms_two_ctas is None else config.terms_two_ctas
-  terms = _terms_kernel(Ta, HV, K, V, sem=sem, interp=interp, tail_zeros=tail_zeros,
+  terms = _terms_kernel(Ta, HV, K, V, lane=config.lane_semantics, interp=interp, tail_zeros=tail_zeros,
                         packed_scale=float(scale) if packed else None, share_vn=bool(two))
   if packed:
     dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,

@@ -42,6 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda.stages.output import Out
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, tile_shapes
+from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import swz as _swz
 
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
@@ -54,7 +55,7 @@ class Config:
   chunks_per_program: int = 4    # consecutive chunks per program; > 1 double-buffers the loads
   out_dtype: str = "float32"     # o as stored: "float32" or "bfloat16"
   stage_store: bool = True       # o through SMEM + TMA (else registers -> GMEM stores)
-  lane_semantics: bool = False   # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+  lane_semantics: bool = False   # Mosaic GPU LoweringSemantics.Lane (kda._mosaic_gpu.params) instead of Warpgroup
 
   def __post_init__(self):
     if self.block_v not in (64, 128):
@@ -174,7 +175,6 @@ def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None)
     grid, names = (G, HV, V // BV), ("g", "h", "v")
   else:
     grid, names = (V // BV, HV, G), ("v", "h", "g")
-  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
   if config.stage_store:
     o_stage = _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32)
   else:
@@ -191,7 +191,7 @@ def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None)
           o_stage,
           plgpu.Barrier(num_arrivals=4, num_barriers=slots),
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      compiler_params=_params(config.lane_semantics),
       kernel_name="kda_output", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return Out(f(qg, h, Aqk, v_new)[None])

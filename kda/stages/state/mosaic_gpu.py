@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes, tail_share, with_absent, zeros
+from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import aligned_cu_reason
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
@@ -72,7 +73,7 @@ class Config:
   longest_first: bool = True   # rank r of the grid takes the r-th longest sequence
   seq_major: bool = True       # sequences on the slowest-dispatched grid axis (if N <= 65535)
   stage_stores: bool = True    # h and v_new through SMEM + TMA (else registers -> GMEM stores)
-  lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane instead of Warpgroup
+  lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane (kda._mosaic_gpu.params) instead of Warpgroup
   swizzle_stages: bool = False  # the f32 store stages tiled + 128-byte swizzled (fewer bank conflicts)
   store_dtype: Optional[str] = None  # h and v_new as stored; None: bfloat16 if kg, w, u are, else float32
 
@@ -251,7 +252,6 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     grid, names = (N, HV, V // BV), ("r", "h", "v")
   else:
     grid, names = (V // BV, HV, N), ("v", "h", "r")
-  sem = plgpu.LoweringSemantics.Lane if config.lane_semantics else plgpu.LoweringSemantics.Warpgroup
   stage = lambda shape: _swz(shape, F32) if config.swizzle_stages else plgpu.SMEM(shape, F32)
   f32_stages = config.stage_stores and sdt == F32         # bf16 stores reuse the wgmma operands
   body = lambda *refs: _body(*refs, BT=BT, BV=BV, stage_stores=config.stage_stores)
@@ -272,7 +272,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
           stage((BT, BV) if f32_stages else (8, BV)),               # v_new store stage
           plgpu.Barrier(num_arrivals=4, num_barriers=2),
       ],
-      compiler_params=plgpu.CompilerParams(lowering_semantics=sem),
+      compiler_params=_params(config.lane_semantics),
       kernel_name="kda_state", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   h0 = () if zero_h0 else (initial_state.astype(F32),)
