@@ -357,12 +357,10 @@ def test_bwd_dh_packed_do_terms_kernel_lowers_with_the_same_smem():
   bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
   common = (S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf))
   tail = (S((Ta, HV, V), f32), S((NTa, HV, K), f32))
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  sem = plgpu.LoweringSemantics.Lane
-  aligned = lowered_smem_bytes(lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=sem, interp=None)(*a),
+  aligned = lowered_smem_bytes(lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None)(*a),
                                S((5,), i32), *common, S((Ta, HV, V), bf), *tail)
   packed = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=sem, interp=None, packed_scale=K ** -0.5)(*a),
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None, packed_scale=K ** -0.5)(*a),
       S((5,), i32), S((NTa,), i32), S((NTa,), i32), *common, S((T, HV, V), bf), *tail)
   print(f"\n  bwd_dh terms SMEM: aligned {aligned}, packed do {packed} bytes")
   assert packed == aligned == 116744
@@ -372,7 +370,6 @@ def test_bwd_dh_terms_two_ctas_equals_one_cta():
   """Config(terms_two_ctas=True) (the default): bf16(-du) formed in v_new's tile after dkg's product
   gives every output bit for bit the own-tile kernel's (simulator); as lowered at K = V = 128 the
   terms kernel fits two CTAs per SM."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
   from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
   args, _, _ = make_case(LENS, 64, 64)
   want, _ = run_kernel(args, mgd.Config(terms_two_ctas=False))
@@ -383,13 +380,13 @@ def test_bwd_dh_terms_two_ctas_equals_one_cta():
   NTa = Ta // BT
   bf, f32 = jnp.bfloat16, jnp.float32
   smem = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=plgpu.LoweringSemantics.Lane, interp=None, share_vn=True)(*a),
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None, share_vn=True)(*a),
       S((5,), jnp.int32), S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((Ta, HV, V), bf),
       S((Ta, HV, V), f32), S((NTa, HV, K), f32))
   print(f"\n  bwd_dh terms SMEM, two CTAs: {smem} bytes")
   assert smem <= SMEM_TWO_CTAS
   packed = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, sem=plgpu.LoweringSemantics.Lane, interp=None, share_vn=True,
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None, share_vn=True,
                                    packed_scale=K ** -0.5)(*a),
       S((5,), jnp.int32), S((NTa,), jnp.int32), S((NTa,), jnp.int32), S((NTa, HV, K, V), bf),
       S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((4000, HV, V), bf), S((Ta, HV, V), f32), S((NTa, HV, K), f32))
