@@ -97,12 +97,13 @@ def tile_shapes(chunk_size, k_name, kx, v_name, vx):
   return reason, (None if reason else (Ta, HV, K, V))
 
 
-def tail_share(cu_g, N, NTa, r, BT=64):
+def tail_share(cu_g, N, NTa, r, BT=64, programs=None):
   """(first, count): the chunks at or past aligned_cu[-1] (read from the GMEM ref cu_g [N+1]) that
-  grid rank r of N takes, round-robin, the shortest sequence's rank first: chunks first,
-  first + N, ..., count of them."""
-  first = cu_g[N] // BT + (N - 1 - r)
-  return first, jnp.maximum(NTa - first + N - 1, 0) // N
+  grid rank r of `programs` (None: N) takes, round-robin, the last rank first: chunks first,
+  first + programs, ..., count of them."""
+  P = N if programs is None else programs
+  first = cu_g[N] // BT + (P - 1 - r)
+  return first, jnp.maximum(NTa - first + P - 1, 0) // P
 
 
 def aligned_cu_reason(aligned_cu):

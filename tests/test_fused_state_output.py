@@ -289,8 +289,8 @@ def test_fused_packed_o_equals_unaligned(KV, config):
   check_packed(lens, cu[:-1], int(cu[-1]) + 11, *KV, config)
 
 
-@pytest.mark.parametrize("config", [SERIAL, so.Config(warp_specialized=True, out_dtype="bfloat16")],
-                         ids=["serial", "split-bf16"])
+@pytest.mark.parametrize("config", [SERIAL, so.Config(warp_specialized=True, out_dtype="bfloat16"),
+                                    so.Config(group_chunks=2)], ids=["serial", "split-bf16", "grouped"])
 def test_fused_packed_o_segment_gaps(config):
   """segment_ids-style layout (padding.make_layout): a leading gap, gaps between runs, an empty slot
   (start T) and a trailing gap: every gap token exactly 0; T = 237."""
@@ -328,11 +328,12 @@ def test_fused_packed_supports_checks_rows():
 
 
 PACKED_LOWER = [SERIAL, SPLIT, so.Config(warp_specialized=True, out_dtype="bfloat16"),
-                so.Config(warp_specialized=True, lane_semantics=True), so.Config(input_slots=1, stage_o=False)]
+                so.Config(warp_specialized=True, lane_semantics=True), so.Config(input_slots=1, stage_o=False),
+                so.Config(group_chunks=8)]
 
 
 @pytest.mark.parametrize("config", PACKED_LOWER, ids=["serial", "warp-specialized", "warp-specialized-bf16-o",
-                                                      "warp-specialized-lane", "one-slot-direct-o"])
+                                                      "warp-specialized-lane", "one-slot-direct-o", "grouped"])
 def test_fused_packed_lowers_for_cuda(config):
   """Packed mode lowers for CUDA with T not a multiple of 8 (plain SMEM stage, TMA stores of 1..64
   rows at dynamic rows); its SMEM is the aligned mode's, except that stage_o=False keeps the stage."""
@@ -376,3 +377,27 @@ def test_fused_packed_store_rows_writes_exactly_count_rows():
   rows = np.arange(2 * BT)
   want = ((rows[None, :] >= 37) & (rows[None, :] < 37 + np.arange(BT + 1)[:, None])).astype(np.float32)
   np.testing.assert_array_equal(got, np.broadcast_to(want[:, :, None], got.shape))
+
+
+GROUP_LENS = [1, 63, 64, 0, 65, 130, 3, 0, 70, 1]   # 12 chunks, two of them tail: NTa 14, N 10
+
+
+@pytest.mark.parametrize("G", [2, 3], ids=["G2", "G3"])
+def test_fused_grouped_walk_same_bits(G):
+  """Config(group_chunks=G): each program walks the consecutive sequences starting in one window
+  of G chunks (S from each one's h0, final_state at each one's end, the prefetch running on across
+  them): o and final_state bit for bit the one-program-per-sequence kernel's, with empty sequences
+  inside groups and the NaN-poisoned tail zeroed by P = cdiv(NTa, G) < N programs."""
+  bf, _, _ = fused_case(GROUP_LENS, 64, 64, HV=2, seed=6)
+  assert -(-bf[0].shape[1] // BT // G) < len(GROUP_LENS)        # grouped mode applies
+  want = _fused(0.125, SERIAL)(*bf)
+  got = _fused(0.125, so.Config(group_chunks=G))(*bf)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fused_grouped_walk_packed():
+  """Grouped mode with o packed: equal to the aligned grouped o unaligned (check_packed), hence to
+  the per-sequence kernel's; every packed token of no sequence exactly 0."""
+  cu = np.concatenate([[0], np.cumsum(GROUP_LENS)])
+  check_packed(GROUP_LENS, cu[:-1], int(cu[-1]) + 9, 64, 64, so.Config(group_chunks=2), seed=7)

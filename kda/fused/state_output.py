@@ -97,6 +97,7 @@ from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
+GROUP_CHUNKS = 0                  # Config.group_chunks' default (0: one program per sequence)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,9 @@ class Config:
   # serial only: 1 input slot (no prefetch) so that two programs may share an SM instead
   input_slots: int = 2
   stage_o: bool = True            # o through SMEM + TMA (else registers -> GMEM stores; aligned mode only)
+  # serial only: > 0 walks groups of consecutive sequences (those starting in the same window of
+  # this many chunks) per program where that makes fewer programs than sequences; None: GROUP_CHUNKS
+  group_chunks: Optional[int] = None
 
   def __post_init__(self):
     if self.block_v != 64:
@@ -119,6 +123,8 @@ class Config:
       raise ValueError(f"input_slots must be 1 or 2, got {self.input_slots}")
     if self.warp_specialized and self.input_slots != 2:
       raise ValueError("the warp-specialised variant needs input_slots=2")
+    if self.group_chunks is not None and (not isinstance(self.group_chunks, int) or self.group_chunks < 0):
+      raise ValueError(f"group_chunks must be None or an int >= 0, got {self.group_chunks!r}")
     if self.out_dtype not in OUT_DTYPES:
       raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {self.out_dtype!r}")
 
@@ -169,20 +175,29 @@ def takes(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chun
   return reason
 
 
-def _body(*refs, BT, BV, scale, split, stage_o, packed):
+def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
   # GMEM: order [N], cu [N+1] int32; (packed mode) tab [4N+2] int32 (`_packed_table`); kg, w, qg
   # [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16; dec [NTa, HV, K], h0, ht [N, HV, K, V] f32;
   # o [Ta, HV, V] (aligned mode) or [T, HV, V] (packed mode) f32 or bf16. h0 None: zero (not an
   # input); ht None: not stored (not an output).
+  # grouped: order [P] ranks the groups, grp [P + 1] int32 their sequence ranges (`_groups`).
   order_g, cu_g, *refs = refs
+  grp_g = refs.pop(0) if grouped else None
   tab_g = refs.pop(0) if packed else None
   (kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
    kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars) = refs
-  N = order_g.shape[0]
+  N = cu_g.shape[0] - 1
   NTa, K = kg_g.shape[0] // BT, kg_g.shape[-1]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
-  i_n = order_g[r]
-  bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  if grouped:                    # the group's chunks: those of its sequences [n_lo, n_hi), consecutive
+    programs = order_g.shape[0]
+    g_id = order_g[r]
+    n_lo, n_hi = grp_g[g_id], grp_g[g_id + 1]
+    bos, eos = cu_g[n_lo], cu_g[n_hi]
+  else:
+    programs = N
+    i_n = order_g[r]
+    bos, eos = cu_g[i_n], cu_g[i_n + 1]
   nch = (eos - bos) // BT
   cols = pl.ds(i_v * BV, BV)
   rows_of = lambda i: pl.ds(pl.multiple_of(bos + i * BT, BT), BT)
@@ -200,19 +215,21 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
     plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(A_g.at[rows, i_h, :], A_s.at[slot], bar)
 
-  if packed:                     # the sequence's packed rows [p_start, p_end)
+  if packed and not grouped:     # the sequence's packed rows [p_start, p_end)
     p_start, p_end = tab_g[i_n], tab_g[N + i_n]
 
   def store_rows(row, n):
     _store_rows(o_s, lambda ds: o_g.at[ds, i_h, cols], row, n)
 
-  def store_o(o, i):
+  def store_o(o, i, seq=None):
+    # seq (grouped mode): the chunk's sequence (packed start, packed end, its first chunk's i)
     if packed:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_s[...] = o.astype(o_s.dtype)
       plgpu.commit_smem()
-      row = p_start + i * BT
-      store_rows(row, jnp.minimum(p_end - row, BT))
+      start, end, i0 = (p_start, p_end, 0) if seq is None else seq
+      row = start + (i - i0) * BT
+      store_rows(row, jnp.minimum(end - row, BT))
       return
     if not stage_o:
       o_g[rows_of(i), i_h, cols] = o.astype(o_g.dtype)
@@ -247,14 +264,22 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
 
         lax.fori_loop(0, (hi - lo + BT - 1) // BT, piece, 0)
 
-    gap(r)
-    pl.when(r == N - 1)(lambda: gap(N))
+    if not grouped:
+      gap(r)
+      pl.when(r == N - 1)(lambda: gap(N))
+      return
+
+    def gaps(m, carry):          # program r of P: gaps r, r + P, ..., up to gap N
+      gap(r + m * programs)
+      return carry
+
+    lax.fori_loop(0, (N - r) // programs + 1, gaps, 0)
 
   def zero_tail():
     if packed:
       return zero_gaps()
     # chunks past aligned_cu[-1] round-robin over the N programs of this (head, V tile)
-    first, count = tail_share(cu_g, N, NTa, r, BT)
+    first, count = tail_share(cu_g, N, NTa, r, BT, programs)
     zeros = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG).astype(o_g.dtype)
 
     @pl.when(count > 0)
@@ -265,7 +290,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
         plgpu.commit_smem()
 
       def zero(j, carry):
-        rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
+        rows = pl.ds(pl.multiple_of((first + j * programs) * BT, BT), BT)
         if stage_o:
           plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, i_h, cols])
         else:
@@ -274,11 +299,11 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
 
       lax.fori_loop(0, count, zero, 0)
 
-  S0 = lambda: _zeros((K, BV)) if h0_g is None else _load(h0_g.at[i_n, i_h, :, cols])
+  S0 = lambda n=None: _zeros((K, BV)) if h0_g is None else _load(h0_g.at[i_n if n is None else n, i_h, :, cols])
 
-  def store_final_state(S):
+  def store_final_state(S, n=None):
     if ht_g is not None:
-      ht_g[i_n, i_h, :, cols] = S
+      ht_g[i_n if n is None else n, i_h, :, cols] = S
 
   if not split:
     (in_bar,) = bars
@@ -293,7 +318,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
     def _():
       fetch(0, 0)
 
-    def step(i, S):
+    def step(i, S, seq=None):
       slot = lax.rem(i, 2) if slots == 2 else 0
       if slots == 2:
         @pl.when(i + 1 < nch)
@@ -320,7 +345,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
       def finish(acc_a, acc_s):
         plgpu.wgmma(acc_a, A_s.at[slot], vb)
         plgpu.wgmma(acc_s, kg_s.at[slot].T, vb)
-        store_o(scale * qS + plgpu.wgmma_accumulator_load(acc_a, wait_n=1), i)   # kg^T v_new runs on
+        store_o(scale * qS + plgpu.wgmma_accumulator_load(acc_a, wait_n=1), i, seq)   # kg^T v_new runs on
         decay = _load(dec_s.at[slot], ROW)               # [K], one per row of S
         return S * lax.broadcast_in_dim(decay, (K, BV), [0]) + acc_s[...]
 
@@ -328,7 +353,18 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
       plgpu.wgmma_wait(0)        # no wgmma may stay in flight across the loop's back-edge
       return S
 
-    store_final_state(lax.fori_loop(0, nch, step, S0()))
+    if grouped:
+      # sequence by sequence, S from its h0; the prefetch runs on across sequences (the group's
+      # chunks are consecutive), so the TMA pipeline stays full over the group's short sequences
+      def sequence(n, carry):
+        i0, i1 = (cu_g[n] - bos) // BT, (cu_g[n + 1] - bos) // BT
+        seq = (tab_g[n], tab_g[N + n], i0) if packed else None
+        store_final_state(lax.fori_loop(i0, i1, lambda i, S: step(i, S, seq), S0(n)), n)
+        return carry
+
+      lax.fori_loop(n_lo, n_hi, sequence, 0)
+    else:
+      store_final_state(lax.fori_loop(0, nch, step, S0()))
     zero_tail()
     plgpu.wait_smem_to_gmem(0)   # every TMA store has landed before the program exits
     return
@@ -403,6 +439,19 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed):
   plgpu.barrier_wait(done)
 
 
+def _groups(aligned_cu, NTa, G, BT):
+  """Grouped mode: ([P] the groups by descending chunk count, [P + 1] int32 the first sequence of
+  each group and N), P = cdiv(NTa, G): group p holds the sequences whose first chunk lies in
+  [p * G, (p + 1) * G), so it walks at most G chunks plus its last sequence's; N-sized XLA ops."""
+  N = aligned_cu.shape[0] - 1
+  P = -(-NTa // G)
+  c0 = aligned_cu[:-1] // BT
+  lo = jnp.searchsorted(c0, jnp.arange(P, dtype=jnp.int32) * G, side="left").astype(jnp.int32)
+  bounds = jnp.concatenate([lo, jnp.full((1,), N, jnp.int32)])
+  work = aligned_cu[bounds[1:]] - aligned_cu[bounds[:-1]]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32), bounds
+
+
 def _packed_table(rows, aligned_cu, T, BT):
   """[4N + 2] int32 for packed mode: padding.packed_gaps (each sequence's packed rows [start, end),
   then the N + 1 packed gaps [lo, hi) that no sequence owns) concatenated."""
@@ -439,14 +488,22 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
     return jnp.zeros((1, To, HV, V), odt), jnp.zeros((0, HV, K, V), F32)
   aligned_cu = aligned_cu.astype(jnp.int32)
   table = (_packed_table(rows, aligned_cu, T, BT),) if packed else ()
-  order = sequence_order(aligned_cu, config.longest_first)
+  NTa = Ta // BT
+  G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
+  grouped = bool(G) and not config.warp_specialized and -(-NTa // G) < N
+  if grouped:
+    order, bounds = _groups(aligned_cu, NTa, G, BT)
+    table = (bounds, *table)
+  else:
+    order = sequence_order(aligned_cu, config.longest_first)
+  R = order.shape[0]                         # programs per (head, V tile)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u, qg, Aqk = (x[0].astype(BF16) for x in (kg, w, u, qg, Aqk))
 
-  if N <= MAX_GRID_YZ:
-    grid, names = (N, HV, V // BV), ("r", "h", "v")
+  if R <= MAX_GRID_YZ:
+    grid, names = (R, HV, V // BV), ("r", "h", "v")
   else:
-    grid, names = (V // BV, HV, N), ("v", "h", "r")
+    grid, names = (V // BV, HV, R), ("v", "h", "r")
   split, ns = config.warp_specialized, config.input_slots
   pub = 2 if split else 1                    # slots of the published bf16(S), bf16(v_new)
   if split:
@@ -460,8 +517,8 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
     bars = [plgpu.Barrier(num_arrivals=6, num_barriers=ns)]
     extra = {}
   body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split, stage_o=config.stage_o,
-                             packed=packed)
-  base = 3 if packed else 2                  # order, cu (and the packed table) come first
+                             packed=packed, **({"grouped": True} if grouped else {}))
+  base = 2 + grouped + packed                # order, cu (the groups, the packed table) come first
   absent = [base + 6] * zero_h0 + [base + 8] * (not store_final)   # h0_g, ht_g in _body's refs
   if absent:
     body = with_absent(body, absent)
