@@ -157,6 +157,22 @@ def sequence_order(aligned_cu, longest_first=True):
   return jnp.argsort(aligned_cu[:-1] - aligned_cu[1:], stable=True).astype(jnp.int32)
 
 
+def sequence_groups(aligned_cu, NTa, G, BT=64):
+  """Grouped walks: None where G is 0 or P = cdiv(NTa, G) is not below N, else ([P] int32 the groups
+  by descending chunk count, [P + 1] int32 each group's first sequence, then N). Group p holds the
+  consecutive sequences whose first chunk lies in [p * G, (p + 1) * G), so its program walks at most
+  G chunks plus its last sequence's, and P programs replace N; N-sized XLA ops."""
+  N = aligned_cu.shape[0] - 1
+  if not G or -(-NTa // G) >= N:
+    return None
+  P = -(-NTa // G)
+  c0 = aligned_cu[:-1] // BT
+  lo = jnp.searchsorted(c0, jnp.arange(P, dtype=jnp.int32) * G, side="left").astype(jnp.int32)
+  bounds = jnp.concatenate([lo, jnp.full((1,), N, jnp.int32)])
+  work = aligned_cu[bounds[1:]] - aligned_cu[bounds[:-1]]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32), bounds
+
+
 def copy_chunk_slabs(pairs, rows, h, bar, slab=64):
   """TMA one chunk's rows of head h into SMEM by 64-column slabs: each (gmem [Ta, HV, D], smem
   [D // slab, BT, slab]) pair, every copy arriving on `bar` (one arrival per slab)."""

@@ -89,7 +89,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda import padding
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tail_share
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_groups, sequence_order, tail_share
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import store_rows as _store_rows, with_absent, zeros as _zeros
 from kda._mosaic_gpu import load as _load
@@ -180,7 +180,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
   # [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16; dec [NTa, HV, K], h0, ht [N, HV, K, V] f32;
   # o [Ta, HV, V] (aligned mode) or [T, HV, V] (packed mode) f32 or bf16. h0 None: zero (not an
   # input); ht None: not stored (not an output).
-  # grouped: order [P] ranks the groups, grp [P + 1] int32 their sequence ranges (`_groups`).
+  # grouped: order [P] ranks the groups, grp [P + 1] int32 their sequence ranges (sequence_groups).
   order_g, cu_g, *refs = refs
   grp_g = refs.pop(0) if grouped else None
   tab_g = refs.pop(0) if packed else None
@@ -439,19 +439,6 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
   plgpu.barrier_wait(done)
 
 
-def _groups(aligned_cu, NTa, G, BT):
-  """Grouped mode: ([P] the groups by descending chunk count, [P + 1] int32 the first sequence of
-  each group and N), P = cdiv(NTa, G): group p holds the sequences whose first chunk lies in
-  [p * G, (p + 1) * G), so it walks at most G chunks plus its last sequence's; N-sized XLA ops."""
-  N = aligned_cu.shape[0] - 1
-  P = -(-NTa // G)
-  c0 = aligned_cu[:-1] // BT
-  lo = jnp.searchsorted(c0, jnp.arange(P, dtype=jnp.int32) * G, side="left").astype(jnp.int32)
-  bounds = jnp.concatenate([lo, jnp.full((1,), N, jnp.int32)])
-  work = aligned_cu[bounds[1:]] - aligned_cu[bounds[:-1]]
-  return jnp.argsort(-work, stable=True).astype(jnp.int32), bounds
-
-
 def _packed_table(rows, aligned_cu, T, BT):
   """[4N + 2] int32 for packed mode: padding.packed_gaps (each sequence's packed rows [start, end),
   then the N + 1 packed gaps [lo, hi) that no sequence owns) concatenated."""
@@ -490,9 +477,10 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   table = (_packed_table(rows, aligned_cu, T, BT),) if packed else ()
   NTa = Ta // BT
   G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
-  grouped = bool(G) and not config.warp_specialized and -(-NTa // G) < N
+  groups = None if config.warp_specialized else sequence_groups(aligned_cu, NTa, G, BT)
+  grouped = groups is not None
   if grouped:
-    order, bounds = _groups(aligned_cu, NTa, G, BT)
+    order, bounds = groups
     table = (bounds, *table)
   else:
     order = sequence_order(aligned_cu, config.longest_first)

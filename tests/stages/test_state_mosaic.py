@@ -12,6 +12,7 @@ float32 ones rounded (the arithmetic does not depend on the store dtype).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -234,8 +235,8 @@ def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
                          ids=["K64-V64", "K64-V128", "K128-V64", "K128-V128"])
 @pytest.mark.parametrize("config", [mgs.Config(), mgs.Config(stage_stores=False),
                                     mgs.Config(lane_semantics=True), mgs.Config(store_dtype="float32"),
-                                    mgs.Config(store_dtype="float32", swizzle_stages=True)],
-                         ids=["default", "direct-stores", "lane", "f32-stores", "f32-swizzled-stages"])
+                                    mgs.Config(store_dtype="float32", swizzle_stages=True), mgs.Config(group_chunks=8)],
+                         ids=["default", "direct-stores", "lane", "f32-stores", "f32-swizzled-stages", "grouped"])
 def test_state_lowers_for_cuda(K, V, config):
   args = _abstract(32768 + 489 * BT, 16, K, V, 489)
   f = lambda *a: mgs.apply(*a, chunk_size=BT, config=config)
@@ -251,3 +252,19 @@ def test_state_lowers_for_cuda_many_sequences_and_f32_inputs():
   # N > 65535 would break CUDA's grid z limit: the launcher moves the sequences to grid x
   args = _abstract(70000 * BT, 1, 64, 64, 70000, jnp.float32)
   jax.jit(lambda *a: mgs.apply(*a, chunk_size=BT)).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("config", [mgs.Config(group_chunks=2), mgs.Config(group_chunks=3, store_dtype="float32")],
+                         ids=["G2", "G3-f32-stores"])
+def test_state_grouped_walk_same_bits(config):
+  """Config(group_chunks=G): a program walks the consecutive sequences starting in one window of G
+  chunks (S from each h0, final_state at each end, the prefetch running on across them), P =
+  cdiv(NTa, G) < N programs: h, v_new and final_state bit for bit one program per sequence's, with
+  empty sequences inside groups and the tail zeroed."""
+  lens = [1, 63, 64, 0, 65, 130, 3, 0, 70, 1]
+  args, _, _ = make_case(lens, 64, 64, seed=8)
+  assert -(-args[0].shape[1] // BT // config.group_chunks) < len(lens)     # grouped mode applies
+  got, _ = run_kernel(args, config)
+  want, _ = run_kernel(args, dataclasses.replace(config, group_chunks=0))
+  for name in ("h", "v_new", "final_state"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)

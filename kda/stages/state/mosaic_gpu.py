@@ -56,13 +56,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_order, tile_shapes, tail_share, with_absent, zeros
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_groups, sequence_order, tile_shapes, tail_share, with_absent, zeros
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import aligned_cu_reason
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 from kda.stages.state import Out, chunk_decay
+
+GROUP_CHUNKS = 0                  # Config.group_chunks' default (0: one program per sequence)
 
 
 
@@ -76,10 +78,15 @@ class Config:
   lane_semantics: bool = False  # Mosaic GPU LoweringSemantics.Lane (kda._mosaic_gpu.params) instead of Warpgroup
   swizzle_stages: bool = False  # the f32 store stages tiled + 128-byte swizzled (fewer bank conflicts)
   store_dtype: Optional[str] = None  # h and v_new as stored; None: bfloat16 if kg, w, u are, else float32
+  # > 0 walks groups of consecutive sequences (those starting in the same window of this many
+  # chunks) per program where that makes fewer programs than sequences; None: GROUP_CHUNKS
+  group_chunks: Optional[int] = None
 
   def __post_init__(self):
     if self.block_v != 64:
       raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
+    if self.group_chunks is not None and (not isinstance(self.group_chunks, int) or self.group_chunks < 0):
+      raise ValueError(f"group_chunks must be None or an int >= 0, got {self.group_chunks!r}")
     if self.store_dtype not in (None, "float32", "bfloat16"):
       raise ValueError(f"store_dtype must be None, 'float32' or 'bfloat16', got {self.store_dtype!r}")
 
@@ -127,18 +134,27 @@ def takes(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, *
   return reason
 
 
-def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
-          kg_s, w_s, u_s, dec_s, sb_s, vb_s, hf_s, vf_s, bars, *, BT, BV, stage_stores):
-  # GMEM: order [N], cu [N+1] int32; kg, w [Ta, HV, K] bf16; u [Ta, HV, V] bf16; dec [NTa, HV, K] f32;
-  # h0, ht [N, HV, K, V] f32; h [NTa, HV, K, V], vn [Ta, HV, V] f32 or bf16.
-  N = order_g.shape[0]
+def _body(order_g, cu_g, *refs, BT, BV, stage_stores, grouped=False):
+  # GMEM: order [N] (grouped: [P], the groups' ranks), cu [N+1] int32; (grouped) grp [P+1] int32 the
+  # groups' sequence ranges (fused.state_output._groups); kg, w [Ta, HV, K] bf16; u [Ta, HV, V]
+  # bf16; dec [NTa, HV, K] f32; h0, ht [N, HV, K, V] f32; h [NTa, HV, K, V], vn [Ta, HV, V] f32 or bf16.
+  grp_g = refs[0] if grouped else None
+  (kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
+   kg_s, w_s, u_s, dec_s, sb_s, vb_s, hf_s, vf_s, bars) = refs[grouped:]
+  N = cu_g.shape[0] - 1
+  programs = order_g.shape[0]
   NTa, K = h_g.shape[0], h_g.shape[2]
   bf16_out = h_g.dtype == BF16
   # bf16 stores go out of the wgmma operand copies themselves; f32 ones through their own stages
   h_st, v_st = (sb_s, vb_s) if bf16_out else (hf_s, vf_s)
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
-  i_n = order_g[r]
-  bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  if grouped:                    # the group's chunks: those of its sequences [n_lo, n_hi), consecutive
+    g_id = order_g[r]
+    n_lo, n_hi = grp_g[g_id], grp_g[g_id + 1]
+    bos, eos = cu_g[n_lo], cu_g[n_hi]
+  else:
+    i_n = order_g[r]
+    bos, eos = cu_g[i_n], cu_g[i_n + 1]
   nch = (eos - bos) // BT
   cols = pl.ds(i_v * BV, BV)
 
@@ -191,14 +207,24 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return S
 
-  S0 = zeros((K, BV)) if h0_g is None else _load(h0_g.at[i_n, i_h, :, cols])   # None: h0 is zero
-  final = lax.fori_loop(0, nch, step, S0)
-  if ht_g is not None:                                                        # None: not stored
-    ht_g[i_n, i_h, :, cols] = final
+  def walk(n, i0, i1):           # sequence n's chunks [i0, i1) from its h0 (None: zero), ht at the end
+    S0 = zeros((K, BV)) if h0_g is None else _load(h0_g.at[n, i_h, :, cols])
+    final = lax.fori_loop(i0, i1, step, S0)
+    if ht_g is not None:                                                      # None: not stored
+      ht_g[n, i_h, :, cols] = final
+
+  if grouped:                    # the prefetch runs on across the group's sequences
+    def sequence(n, carry):
+      walk(n, (cu_g[n] - bos) // BT, (cu_g[n + 1] - bos) // BT)
+      return carry
+
+    lax.fori_loop(n_lo, n_hi, sequence, 0)
+  else:
+    walk(i_n, 0, nch)
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
   # the shortest sequence's program first; each stores the same zeroed tiles, so SMEM is written once.
-  first, count = tail_share(cu_g, N, NTa, r, BT)
+  first, count = tail_share(cu_g, N, NTa, r, BT, programs)
   zh = plgpu.layout_cast(jnp.zeros((K, BV), F32), WG)
   zv = plgpu.layout_cast(jnp.zeros((BT, BV), F32), WG)
 
@@ -211,7 +237,7 @@ def _body(order_g, cu_g, kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
       plgpu.commit_smem()
 
     def zero(j, carry):
-      c = first + j * N
+      c = first + j * programs
       rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
       if stage_stores:
         plgpu.copy_smem_to_gmem(h_st, h_g.at[c, i_h, :, cols])
@@ -244,18 +270,23 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     return Out(jnp.zeros((1, NTa, HV, K, V), sdt), jnp.zeros((1, Ta, HV, V), sdt),
                jnp.zeros((0, HV, K, V), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
-  order = sequence_order(aligned_cu, config.longest_first)
+  G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
+  groups = sequence_groups(aligned_cu, NTa, G, BT)
+  order, bounds = groups if groups is not None else (sequence_order(aligned_cu, config.longest_first), None)
+  R = order.shape[0]                          # programs per (head, V tile)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u = (x[0].astype(BF16) for x in (kg, w, u))
 
-  if config.seq_major and N <= MAX_GRID_YZ:
-    grid, names = (N, HV, V // BV), ("r", "h", "v")
+  if config.seq_major and R <= MAX_GRID_YZ:
+    grid, names = (R, HV, V // BV), ("r", "h", "v")
   else:
-    grid, names = (V // BV, HV, N), ("v", "h", "r")
+    grid, names = (V // BV, HV, R), ("v", "h", "r")
   stage = lambda shape: _swz(shape, F32) if config.swizzle_stages else plgpu.SMEM(shape, F32)
   f32_stages = config.stage_stores and sdt == F32         # bf16 stores reuse the wgmma operands
-  body = lambda *refs: _body(*refs, BT=BT, BV=BV, stage_stores=config.stage_stores)
-  absent = [6] * zero_h0 + [9] * (not store_final)             # h0_g, ht_g in _body's refs
+  grouped = bounds is not None
+  body = lambda *refs: _body(*refs, BT=BT, BV=BV, stage_stores=config.stage_stores,
+                             **({"grouped": True} if grouped else {}))
+  absent = [6 + grouped] * zero_h0 + [9 + grouped] * (not store_final)   # h0_g, ht_g in _body's refs
   if absent:
     body = with_absent(body, absent)
   f = plgpu.kernel(
@@ -276,5 +307,5 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
       kernel_name="kda_state", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   h0 = () if zero_h0 else (initial_state.astype(F32),)
-  h, v_new, *final = f(order, aligned_cu, kg, w, u, decay, *h0)
+  h, v_new, *final = f(order, aligned_cu, *(() if bounds is None else (bounds,)), kg, w, u, decay, *h0)
   return Out(h[None], v_new[None], final[0] if store_final else jnp.zeros((N, HV, K, V), F32))
