@@ -391,3 +391,21 @@ def test_bwd_dh_terms_two_ctas_equals_one_cta():
       S((5,), jnp.int32), S((NTa,), jnp.int32), S((NTa,), jnp.int32), S((NTa, HV, K, V), bf),
       S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((4000, HV, V), bf), S((Ta, HV, V), f32), S((NTa, HV, K), f32))
   assert packed <= SMEM_TWO_CTAS, packed
+
+
+def test_bwd_dh_grouped_walk_same_bits():
+  """Config(group_chunks=2): a walk program takes the consecutive sequences starting in one window
+  of 2 chunks (the last first, dS from each dht, dh0 at each start, the prefetch running on across
+  them), P = cdiv(NTa, 2) < N programs: every output bit for bit one program per sequence's, with
+  empty sequences inside groups and the tail's du = dv."""
+  lens = [1, 63, 64, 0, 65, 130, 3, 0, 70, 1]
+  args, _, _ = make_case(lens, 64, 64, seed=9)
+  assert -(-args[0].shape[1] // BT // 2) < len(lens)               # grouped mode applies
+  got, _ = run_kernel(args, mgd.Config(group_chunks=2))
+  want, _ = run_kernel(args, mgd.Config(group_chunks=0))
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+
+
+def test_bwd_dh_grouped_walk_lowers_for_cuda():
+  lower_check(128, 128, mgd.Config(group_chunks=8))

@@ -76,7 +76,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_order, tile_shapes, tail_share
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_groups, sequence_order
+from kda._mosaic_gpu import tile_shapes, tail_share
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import aligned_cu_reason, live_chunk, with_absent, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota
@@ -89,6 +90,7 @@ from kda.stages.state import chunk_decay
 
 # Config.terms_two_ctas's default: on the H200 the same bits as one CTA per SM (shapes A, B).
 TERMS_TWO_CTAS = True
+GROUP_CHUNKS = 0                  # Config.group_chunks' default (0: one walk program per sequence)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +104,15 @@ class Config:
   # 100360 bytes, two CTAs per SM, against 116744 and one; with do packed, do lands in v_new's
   # bytes first). None: TERMS_TWO_CTAS
   terms_two_ctas: Optional[bool] = None
+  # > 0: the walk takes groups of consecutive sequences (those starting in the same window of this
+  # many chunks) per program where that makes fewer programs than sequences; None: GROUP_CHUNKS
+  group_chunks: Optional[int] = None
 
   def __post_init__(self):
     if self.block_v != 64:
       raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
+    if self.group_chunks is not None and (not isinstance(self.group_chunks, int) or self.group_chunks < 0):
+      raise ValueError(f"group_chunks must be None or an int >= 0, got {self.group_chunks!r}")
 
 
 _DTYPES = (jnp.dtype(BF16), jnp.dtype(F32))
@@ -157,17 +164,25 @@ def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chun
   return reason
 
 
-def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
-               dh0_g, du_g, dh_g,
-               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, BT, BV, tail_zeros=True):
-  # GMEM: order [N], cu [N+1] int32; qg, kg, w [Ta, HV, K], do [Ta, HV, V] bf16 (do scaled);
-  # dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V] f32;
-  # dh [NTa, HV, K, V] bf16 (dS_next of every chunk; unwritten at the tail).
-  N = order_g.shape[0]
+def _walk_body(order_g, cu_g, *refs, BT, BV, tail_zeros=True, grouped=False):
+  # GMEM: order [N] (grouped: [P], the groups' ranks), cu [N+1] int32; (grouped) grp [P+1] int32
+  # the groups' sequence ranges (_mosaic_gpu.sequence_groups); qg, kg, w [Ta, HV, K], do [Ta, HV, V]
+  # bf16 (do scaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V]
+  # f32; dh [NTa, HV, K, V] bf16 (dS_next of every chunk; unwritten at the tail).
+  grp_g = refs[0] if grouped else None
+  (qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, du_g, dh_g,
+   qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars) = refs[grouped:]
+  N = cu_g.shape[0] - 1
+  programs = order_g.shape[0]
   NTa, K = dec_g.shape[0], dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
-  i_n = order_g[r]
-  bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  if grouped:                    # the group's chunks: those of its sequences [n_lo, n_hi), consecutive
+    g_id = order_g[r]
+    n_lo, n_hi = grp_g[g_id], grp_g[g_id + 1]
+    bos, eos = cu_g[n_lo], cu_g[n_hi]
+  else:
+    i_n = order_g[r]
+    bos, eos = cu_g[i_n], cu_g[i_n + 1]
   nch = (eos - bos) // BT
   c_last = bos // BT + nch - 1          # chunk of loop step 0 (the walk is in reverse)
   cols = pl.ds(i_v * BV, BV)
@@ -210,18 +225,29 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g,
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return dS
 
-  dS = zeros((K, BV)) if dht_g is None else _load(dht_g.at[i_n, i_h, :, cols])   # None: dht is zero
-  dS = lax.fori_loop(0, nch, step, dS)
-  if dh0_g is not None:                                                          # None: not stored
-    dh0_g[i_n, i_h, :, cols] = dS
+  def walk(n, j0, j1):           # sequence n's steps [j0, j1) from its dht (None: zero), dh0 at the end
+    dS = zeros((K, BV)) if dht_g is None else _load(dht_g.at[n, i_h, :, cols])
+    dS = lax.fori_loop(j0, j1, step, dS)
+    if dh0_g is not None:                                                        # None: not stored
+      dh0_g[n, i_h, :, cols] = dS
+
+  if grouped:                    # the last sequence first; the prefetch runs on across sequences
+    def sequence(m, carry):
+      n = n_hi - 1 - m
+      walk(n, (eos - cu_g[n + 1]) // BT, (eos - cu_g[n]) // BT)
+      return carry
+
+    lax.fori_loop(0, n_hi - n_lo, sequence, 0)
+  else:
+    walk(i_n, 0, nch)
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
   # the shortest sequence's program first: du = dv (the terms kernel writes their zeros).
   # tail_zeros=False: left unwritten (callers that never read them).
-  first, count = tail_share(cu_g, N, NTa, r, BT)
+  first, count = tail_share(cu_g, N, NTa, r, BT, programs)
 
   def tail(j, carry):
-    rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
+    rows = pl.ds(pl.multiple_of((first + j * programs) * BT, BT), BT)
     du_g[rows, i_h, cols] = _load(dv_g.at[rows, i_h, cols])
     return carry
 
@@ -368,7 +394,10 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     zk = jnp.zeros((1, Ta, HV, K), F32)
     return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
-  order = sequence_order(aligned_cu, config.longest_first)
+  G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
+  groups = sequence_groups(aligned_cu, NTa, G, BT)
+  order, bounds = groups if groups is not None else (sequence_order(aligned_cu, config.longest_first), None)
+  grouped, R = bounds is not None, order.shape[0]                  # R programs per (head, V tile)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))
   h = h[0].astype(BF16)
@@ -376,12 +405,13 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   dv = dv[0].astype(F32)
   interp = plgpu.InterpretGPUParams() if interpret else None
 
-  if config.seq_major and N <= MAX_GRID_YZ:
-    grid, names = (N, HV, NV), ("r", "h", "v")
+  if config.seq_major and R <= MAX_GRID_YZ:
+    grid, names = (R, HV, NV), ("r", "h", "v")
   else:
-    grid, names = (NV, HV, N), ("v", "h", "r")
-  body = functools.partial(_walk_body, BT=BT, BV=BV, **({} if tail_zeros else dict(tail_zeros=False)))
-  absent = [8] * dht_zero + [9] * (not need_dh0)                 # dht_g, dh0_g in _walk_body's refs
+    grid, names = (NV, HV, R), ("v", "h", "r")
+  body = functools.partial(_walk_body, BT=BT, BV=BV, **({} if tail_zeros else dict(tail_zeros=False)),
+                           **({"grouped": True} if grouped else {}))
+  absent = [8 + grouped] * dht_zero + [9 + grouped] * (not need_dh0)   # dht_g, dh0_g in _walk_body's refs
   if absent:
     body = with_absent(body, absent)
   walk = plgpu.kernel(
@@ -401,7 +431,8 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
       compiler_params=_params(config.lane_semantics),
       kernel_name="kda_bwd_dh_walk", interpret=interp,
   )
-  *dh0, du, dh = walk(order, aligned_cu, qg, kg, w, sdo, dv, decay, *(() if dht_zero else (dht.astype(F32),)))
+  *dh0, du, dh = walk(order, aligned_cu, *(() if bounds is None else (bounds,)), qg, kg, w, sdo, dv, decay,
+                      *(() if dht_zero else (dht.astype(F32),)))
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
   packed = do_packed is not None
