@@ -188,9 +188,10 @@ def _abstract(Ta, HV, K, V, N):
 CONFIGS = [SERIAL, SPLIT, so.Config(out_dtype="bfloat16"), so.Config(warp_specialized=True, out_dtype="bfloat16"),
            so.Config(lane_semantics=True), so.Config(warp_specialized=True, lane_semantics=True),
            so.Config(input_slots=1), so.Config(input_slots=1, stage_o=False),
-           so.Config(warp_specialized=True, stage_o=False)]
+           so.Config(warp_specialized=True, stage_o=False), so.Config(group_chunks=0)]
 CONFIG_IDS = ["serial", "warp-specialized", "serial-bf16-o", "warp-specialized-bf16-o", "serial-lane",
-              "warp-specialized-lane", "one-slot", "one-slot-direct-o", "warp-specialized-direct-o"]
+              "warp-specialized-lane", "one-slot", "one-slot-direct-o", "warp-specialized-direct-o",
+              "one-program-per-sequence"]
 
 
 @pytest.mark.parametrize("K,V", KV, ids=[f"K{k}-V{v}" for k, v in KV])
@@ -290,7 +291,7 @@ def test_fused_packed_o_equals_unaligned(KV, config):
 
 
 @pytest.mark.parametrize("config", [SERIAL, so.Config(warp_specialized=True, out_dtype="bfloat16"),
-                                    so.Config(group_chunks=2)], ids=["serial", "split-bf16", "grouped"])
+                                    so.Config(group_chunks=0)], ids=["serial", "split-bf16", "one-program-per-sequence"])
 def test_fused_packed_o_segment_gaps(config):
   """segment_ids-style layout (padding.make_layout): a leading gap, gaps between runs, an empty slot
   (start T) and a trailing gap: every gap token exactly 0; T = 237."""
@@ -329,11 +330,12 @@ def test_fused_packed_supports_checks_rows():
 
 PACKED_LOWER = [SERIAL, SPLIT, so.Config(warp_specialized=True, out_dtype="bfloat16"),
                 so.Config(warp_specialized=True, lane_semantics=True), so.Config(input_slots=1, stage_o=False),
-                so.Config(group_chunks=8)]
+                so.Config(group_chunks=0)]
 
 
 @pytest.mark.parametrize("config", PACKED_LOWER, ids=["serial", "warp-specialized", "warp-specialized-bf16-o",
-                                                      "warp-specialized-lane", "one-slot-direct-o", "grouped"])
+                                                      "warp-specialized-lane", "one-slot-direct-o",
+                                                      "one-program-per-sequence"])
 def test_fused_packed_lowers_for_cuda(config):
   """Packed mode lowers for CUDA with T not a multiple of 8 (plain SMEM stage, TMA stores of 1..64
   rows at dynamic rows); its SMEM is the aligned mode's, except that stage_o=False keeps the stage."""
@@ -384,13 +386,13 @@ GROUP_LENS = [1, 63, 64, 0, 65, 130, 3, 0, 70, 1]   # 12 chunks, two of them tai
 
 @pytest.mark.parametrize("G", [2, 3], ids=["G2", "G3"])
 def test_fused_grouped_walk_same_bits(G):
-  """Config(group_chunks=G): each program walks the consecutive sequences starting in one window
+  """Config(group_chunks=G) (8 the default): each program walks the consecutive sequences starting in one window
   of G chunks (S from each one's h0, final_state at each one's end, the prefetch running on across
   them): o and final_state bit for bit the one-program-per-sequence kernel's, with empty sequences
   inside groups and the NaN-poisoned tail zeroed by P = cdiv(NTa, G) < N programs."""
   bf, _, _ = fused_case(GROUP_LENS, 64, 64, HV=2, seed=6)
   assert -(-bf[0].shape[1] // BT // G) < len(GROUP_LENS)        # grouped mode applies
-  want = _fused(0.125, SERIAL)(*bf)
+  want = _fused(0.125, so.Config(group_chunks=0))(*bf)
   got = _fused(0.125, so.Config(group_chunks=G))(*bf)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -40,6 +40,14 @@ the accumulators and final_state are float32. The roundings are those of the sta
 the output kernel with bf16 h and v_new, so o agrees with that composition to float32 summation
 order.
 
+Grouped walk (serial variant, Config.group_chunks = G, 8 by default; where P = cdiv(NTa, G) < N):
+grid (P, HV, V // BV), program rank r takes group order[r] (the most chunks first), the
+consecutive sequences whose first chunk lies in [p * G, (p + 1) * G) (`_mosaic_gpu.sequence_groups`,
+N-sized XLA ops). It walks their chunks as one run, sequence by sequence: S from each one's h0,
+final_state stored at each one's end, the next chunk's tiles prefetched across the sequence
+boundaries, so short sequences do not each pay an empty pipeline; the tail chunks and the packed
+gaps go round-robin over the P programs. The arithmetic per chunk is unchanged (the same bits).
+
 Tail: the chunks past aligned_cu[-1] get o = 0 from the kernel (the N programs of each (head,
 V tile) take them round-robin with TMA stores of one zeroed SMEM tile, as the state kernel does for
 h), so o is defined everywhere without a pass over it in the launcher.
@@ -97,7 +105,9 @@ from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
-GROUP_CHUNKS = 0                  # Config.group_chunks' default (0: one program per sequence)
+# Config.group_chunks' default. H200, shape B (489 sequences of 1-128 tokens): forward 2.19 ms
+# device time with 8 against 2.25 one program per sequence, the same bits
+GROUP_CHUNKS = 8
 
 
 @dataclasses.dataclass(frozen=True)

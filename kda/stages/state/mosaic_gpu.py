@@ -64,7 +64,9 @@ from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 from kda.stages.state import Out, chunk_decay
 
-GROUP_CHUNKS = 0                  # Config.group_chunks' default (0: one program per sequence)
+# Config.group_chunks' default (0: one program per sequence). H200, shape B, 8 with the fused
+# kernel's 8: forward+backward 13.37 ms either way, the same bits
+GROUP_CHUNKS = 0
 
 
 
