@@ -173,6 +173,19 @@ def sequence_groups(aligned_cu, NTa, G, BT=64):
   return jnp.argsort(-work, stable=True).astype(jnp.int32), bounds
 
 
+def walk_range(order_g, grp_g, cu_g, r):
+  """A walk program's (first sequence, end sequence, bos, eos): rank r takes the group order_g[r],
+  the sequences [grp[g], grp[g + 1]) (grouped: grp_g the [P + 1] ref of sequence_groups), else the
+  one sequence order_g[r] (grp_g None; end sequence None); bos, eos from cu_g (aligned_cu): their
+  chunks' rows."""
+  if grp_g is None:
+    n = order_g[r]
+    return n, None, cu_g[n], cu_g[n + 1]
+  g = order_g[r]
+  n_lo, n_hi = grp_g[g], grp_g[g + 1]
+  return n_lo, n_hi, cu_g[n_lo], cu_g[n_hi]
+
+
 def copy_chunk_slabs(pairs, rows, h, bar, slab=64):
   """TMA one chunk's rows of head h into SMEM by 64-column slabs: each (gmem [Ta, HV, D], smem
   [D // slab, BT, slab]) pair, every copy arriving on `bar` (one arrival per slab)."""

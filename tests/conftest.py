@@ -61,6 +61,9 @@ CI_BUDGET_LARGE = {
     "tests/test_pipeline.py::test_seq_lens_matrix[30_50-f32-BT64]": 3.8,  # the other three
     # the packed forward's wiring: test_packed_backward_equals_the_aligned_one checks its o too
     "tests/test_pipeline.py::test_packed_group_runs_and_equals_the_aligned_kernels": 15.5,
+    # the grouped walks (2026-12-02): one case of each in the default run
+    "tests/stages/test_state_mosaic.py::test_state_grouped_walk_same_bits[G3-f32-stores]": 6.1,   # [G2]
+    "tests/test_fused_state_output.py::test_fused_grouped_walk_same_bits[G3]": 3.1,              # [G2]
 }
 
 

@@ -98,6 +98,7 @@ from kda import padding
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_groups, sequence_order, tail_share
+from kda._mosaic_gpu import walk_range
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import store_rows as _store_rows, with_absent, zeros as _zeros
 from kda._mosaic_gpu import load as _load
@@ -199,15 +200,9 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
   N = cu_g.shape[0] - 1
   NTa, K = kg_g.shape[0] // BT, kg_g.shape[-1]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
-  if grouped:                    # the group's chunks: those of its sequences [n_lo, n_hi), consecutive
-    programs = order_g.shape[0]
-    g_id = order_g[r]
-    n_lo, n_hi = grp_g[g_id], grp_g[g_id + 1]
-    bos, eos = cu_g[n_lo], cu_g[n_hi]
-  else:
-    programs = N
-    i_n = order_g[r]
-    bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  programs = order_g.shape[0] if grouped else N
+  n_lo, n_hi, bos, eos = walk_range(order_g, grp_g, cu_g, r)   # grouped: consecutive sequences
+  i_n = n_lo
   nch = (eos - bos) // BT
   cols = pl.ds(i_v * BV, BV)
   rows_of = lambda i: pl.ds(pl.multiple_of(bos + i * BT, BT), BT)

@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_groups, sequence_order
-from kda._mosaic_gpu import tile_shapes, tail_share
+from kda._mosaic_gpu import tile_shapes, tail_share, walk_range
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import aligned_cu_reason, live_chunk, with_absent, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota
@@ -178,13 +178,8 @@ def _walk_body(order_g, cu_g, *refs, BT, BV, tail_zeros=True, grouped=False):
   programs = order_g.shape[0]
   NTa, K = dec_g.shape[0], dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
-  if grouped:                    # the group's chunks: those of its sequences [n_lo, n_hi), consecutive
-    g_id = order_g[r]
-    n_lo, n_hi = grp_g[g_id], grp_g[g_id + 1]
-    bos, eos = cu_g[n_lo], cu_g[n_hi]
-  else:
-    i_n = order_g[r]
-    bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  n_lo, n_hi, bos, eos = walk_range(order_g, grp_g, cu_g, r)   # grouped: consecutive sequences
+  i_n = n_lo
   nch = (eos - bos) // BT
   c_last = bos // BT + nch - 1          # chunk of loop step 0 (the walk is in reverse)
   cols = pl.ds(i_v * BV, BV)

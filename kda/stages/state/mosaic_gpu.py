@@ -58,7 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_groups, sequence_order, tile_shapes, tail_share, with_absent, zeros
 from kda._mosaic_gpu import params as _params
-from kda._mosaic_gpu import aligned_cu_reason
+from kda._mosaic_gpu import aligned_cu_reason, walk_range
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
@@ -150,13 +150,8 @@ def _body(order_g, cu_g, *refs, BT, BV, stage_stores, grouped=False):
   # bf16 stores go out of the wgmma operand copies themselves; f32 ones through their own stages
   h_st, v_st = (sb_s, vb_s) if bf16_out else (hf_s, vf_s)
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
-  if grouped:                    # the group's chunks: those of its sequences [n_lo, n_hi), consecutive
-    g_id = order_g[r]
-    n_lo, n_hi = grp_g[g_id], grp_g[g_id + 1]
-    bos, eos = cu_g[n_lo], cu_g[n_hi]
-  else:
-    i_n = order_g[r]
-    bos, eos = cu_g[i_n], cu_g[i_n + 1]
+  n_lo, n_hi, bos, eos = walk_range(order_g, grp_g, cu_g, r)   # grouped: consecutive sequences
+  i_n = n_lo
   nch = (eos - bos) // BT
   cols = pl.ds(i_v * BV, BV)
 
