@@ -173,6 +173,13 @@ def sequence_groups(aligned_cu, NTa, G, BT=64):
   return jnp.argsort(-work, stable=True).astype(jnp.int32), bounds
 
 
+def walk_order(aligned_cu, NTa, G, longest_first=True, BT=64):
+  """A walk kernel's (order, bounds): sequence_groups' groups where they apply (G chunks a window),
+  else (sequence_order, None), one program per sequence."""
+  groups = sequence_groups(aligned_cu, NTa, G, BT)
+  return groups if groups is not None else (sequence_order(aligned_cu, longest_first), None)
+
+
 def walk_range(order_g, grp_g, cu_g, r):
   """A walk program's (first sequence, end sequence, bos, eos): rank r takes the group order_g[r],
   the sequences [grp[g], grp[g + 1]) (grouped: grp_g the [P + 1] ref of sequence_groups), else the

@@ -97,8 +97,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda import padding
 from kda.stages.state import chunk_decay
 from kda.stages.state import mosaic_gpu as state_mgpu
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_groups, sequence_order, tail_share
-from kda._mosaic_gpu import walk_range
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, tail_share, walk_order, walk_range
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import store_rows as _store_rows, with_absent, zeros as _zeros
 from kda._mosaic_gpu import load as _load
@@ -304,11 +303,11 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
 
       lax.fori_loop(0, count, zero, 0)
 
-  S0 = lambda n=None: _zeros((K, BV)) if h0_g is None else _load(h0_g.at[i_n if n is None else n, i_h, :, cols])
+  S0 = lambda n: _zeros((K, BV)) if h0_g is None else _load(h0_g.at[n, i_h, :, cols])
 
-  def store_final_state(S, n=None):
+  def store_final_state(S, n):
     if ht_g is not None:
-      ht_g[i_n if n is None else n, i_h, :, cols] = S
+      ht_g[n, i_h, :, cols] = S
 
   if not split:
     (in_bar,) = bars
@@ -369,7 +368,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
 
       lax.fori_loop(n_lo, n_hi, sequence, 0)
     else:
-      store_final_state(lax.fori_loop(0, nch, step, S0()))
+      store_final_state(lax.fori_loop(0, nch, step, S0(i_n)), i_n)
     zero_tail()
     plgpu.wait_smem_to_gmem(0)   # every TMA store has landed before the program exits
     return
@@ -405,7 +404,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
       plgpu.wgmma_wait(0)
       return S
 
-    store_final_state(lax.fori_loop(0, nch, step, S0()))
+    store_final_state(lax.fori_loop(0, nch, step, S0(i_n)), i_n)
     for back in (1, 2):          # observe the hand-backs of the last two chunks too
       pl.when(nch >= back)(lambda back=back: plgpu.barrier_wait(free.at[lax.rem(nch - back, 2)]))
 
@@ -481,14 +480,11 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   aligned_cu = aligned_cu.astype(jnp.int32)
   table = (_packed_table(rows, aligned_cu, T, BT),) if packed else ()
   NTa = Ta // BT
-  G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
-  groups = None if config.warp_specialized else sequence_groups(aligned_cu, NTa, G, BT)
-  grouped = groups is not None
+  G = 0 if config.warp_specialized else GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
+  order, bounds = walk_order(aligned_cu, NTa, G, config.longest_first, BT)
+  grouped = bounds is not None
   if grouped:
-    order, bounds = groups
     table = (bounds, *table)
-  else:
-    order = sequence_order(aligned_cu, config.longest_first)
   R = order.shape[0]                         # programs per (head, V tile)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u, qg, Aqk = (x[0].astype(BF16) for x in (kg, w, u, qg, Aqk))

@@ -76,8 +76,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, sequence_groups, sequence_order
-from kda._mosaic_gpu import tile_shapes, tail_share, walk_range
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, tile_shapes, tail_share
+from kda._mosaic_gpu import walk_order, walk_range
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import aligned_cu_reason, live_chunk, with_absent, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota
@@ -392,8 +392,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
   G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
-  groups = sequence_groups(aligned_cu, NTa, G, BT)
-  order, bounds = groups if groups is not None else (sequence_order(aligned_cu, config.longest_first), None)
+  order, bounds = walk_order(aligned_cu, NTa, G, config.longest_first, BT)
   grouped, R = bounds is not None, order.shape[0]                  # R programs per (head, V tile)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, sequence_groups, sequence_order, tile_shapes, tail_share, with_absent, zeros
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, tile_shapes, tail_share, walk_order, with_absent, zeros
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import aligned_cu_reason, walk_range
 from kda._mosaic_gpu import load as _load
@@ -268,8 +268,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
                jnp.zeros((0, HV, K, V), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
   G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
-  groups = sequence_groups(aligned_cu, NTa, G, BT)
-  order, bounds = groups if groups is not None else (sequence_order(aligned_cu, config.longest_first), None)
+  order, bounds = walk_order(aligned_cu, NTa, G, config.longest_first, BT)
   R = order.shape[0]                          # programs per (head, V tile)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u = (x[0].astype(BF16) for x in (kg, w, u))
