@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kda import padding
-from kda.fused import state_output
+from kda.fused import gate_intra, state_output
 from kda.padding import Layout
 from kda import stages
 from kda.stages.base import resolve
@@ -64,6 +64,8 @@ PACKED_BACKWARD = True
 # (B: a quarter of its chunks; on the H200 the same bits as True for shapes A, B, C, and B's
 # forward+backward 13.78 ms against 14.46 with the zeros written).
 TAIL_ZEROS = False
+# the packed forward's gate -> intra group (kda.fused.gate_intra) where it takes the call
+FUSE_GATE_INTRA = True
 
 # Whether the packed backward's S2 terms kernel reads do packed (the align folded into its load,
 # scaled there as the walk's aligned sdo: the same bits in the simulator), so that the aligned do
@@ -264,16 +266,23 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
   if intra_mgpu.packed_supports(q, k, v, beta, gi, gi, layout.aligned_cu, rows, **forward_kwargs(plan, "intra")):
     return None
   tail = {} if TAIL_ZEROS else dict(tail_zeros=False)   # only this group's kernels read the tail's gc,
-  with scope("gate"):                                   # Akk, qg, kg, w, u (they skip it)
-    gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret,
-                                                          **gkw, **tail)
-  with scope("intra"):
-    it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
-                           two_part=two_part, interpret=plan.interpret, **forward_kwargs(plan, "intra"), **tail)
+  ikw = forward_kwargs(plan, "intra")                   # Akk, qg, kg, w, u (they skip it)
+  gc_int = gc_frac = decay = None
+  if FUSE_GATE_INTRA and gate_intra.takes(q, k, v, beta, g, layout.aligned_cu, rows, **{**ikw, **gkw}) is None:
+    with scope("gate+intra"):
+      it, decay = gate_intra.mosaic_gpu(q, k, v, beta, g, layout.aligned_cu, rows, interpret=plan.interpret,
+                                        **ikw, **tail)
+  else:
+    with scope("gate"):
+      gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret,
+                                                            **gkw, **tail)
+    with scope("intra"):
+      it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
+                             two_part=two_part, interpret=plan.interpret, **ikw, **tail)
   with scope("state+output"):
     o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
                            scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),
-                           rows=rows, T=layout.T, **plan.state_kwargs())
+                           rows=rows, T=layout.T, decay=decay, **plan.state_kwargs())
   return o.astype(v.dtype), final_state, {"intra": it}
 
 

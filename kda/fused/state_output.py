@@ -451,7 +451,7 @@ def _packed_table(rows, aligned_cu, T, BT):
 
 def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,
                interpret=False, config=None, out_dtype=None, rows=None, T=None, zero_h0=False,
-               store_final=True):
+               store_final=True, decay=None):
   """(o [1, Ta, HV, V], final_state [N, HV, K, V] float32); see the module docstring. `out_dtype`
   (float32 or bfloat16) overrides config.out_dtype: the pipeline asks for v's dtype, as o ends in it.
 
@@ -460,8 +460,11 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   bit for bit: each chunk's o goes from its SMEM stage straight to packed rows src[c] + r,
   r < count[c], and the tokens that no sequence owns are 0 (module docstring, "Packed mode").
   zero_h0: initial_state is known to be zero (not read); store_final=False: the final state is not
-  stored (zeros are returned in its place, for callers that drop it)."""
+  stored (zeros are returned in its place, for callers that drop it). decay ([NTa, HV, K] float32,
+  chunk_decay's, e.g. from kda.fused.gate_intra) stands for gc_int, gc_frac, which may then be None."""
   config = config or Config()
+  if decay is not None:
+    gc_int = gc_frac = jax.ShapeDtypeStruct(kg.shape, F32)
   if out_dtype is not None:
     config = dataclasses.replace(config, out_dtype=jnp.dtype(out_dtype).name)
   reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
@@ -486,7 +489,8 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   if grouped:
     table = (bounds, *table)
   R = order.shape[0]                         # programs per (head, V tile)
-  decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
+  if decay is None:
+    decay = chunk_decay(gc_int, gc_frac, BT)                        # [NTa, HV, K] f32
   kg, w, u, qg, Aqk = (x[0].astype(BF16) for x in (kg, w, u, qg, Aqk))
 
   if R <= MAX_GRID_YZ:

@@ -174,6 +174,24 @@ def _softplus(x):
   return jnp.where(x != x, x, sp)      # NaN in, NaN out (as jnp.logaddexp)
 
 
+def row_parts(x, real, a=None, bias=None, *, act=False, lower_bound=None):
+  """One row of raw gates [COLS] (any float dtype) -> (x, ceil(x)): x activated (if `act`), floored
+  and 0 where not `real` (a scalar); the scan adds ceil(x) to gc_int and x - ceil(x) to gc_frac."""
+  x = x.astype(F32)
+  if act:
+    if bias is not None:
+      x = x + bias
+    if lower_bound is None:
+      x = -a * _softplus(x)
+    else:
+      x = lower_bound * jax.nn.sigmoid(x if a is None else a * x)
+  x = floor(x)
+  # a select, not a product: padding gates may be NaN (packed: other sequences' tokens). Broadcast
+  # explicitly: Warpgroup semantics has no implicit scalar broadcast.
+  x = jnp.where(lax.broadcast(real, (COLS,)), x, 0.0)
+  return x, _ceil(x)
+
+
 def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, packed, tail_zeros=True):
   # GMEM in: aligned: g [Ta, C] (input dtype), valid [Ta] f32; packed: src [NTa], count [NTa] int32,
   # g [T, C]; then (a [C] f32), (bias [C] f32). GMEM out: aligned: g_act, gc_int, gc_frac [Ta, C] f32;
@@ -204,20 +222,9 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
 
   def step(r, carry):
     acc_i, acc_f, *nz = carry
-    x = plgpu.load(g_s.at[r], layout=LINE, optimized=False).astype(F32)
-    if act:
-      if has_bias:
-        x = x + bias
-      if lower_bound is None:
-        x = -a * _softplus(x)
-      else:
-        x = lower_bound * jax.nn.sigmoid(x if a is None else a * x)
-    x = floor(x)
-    # a select, not a product: padding gates may be NaN (packed: other sequences' tokens). Broadcast
-    # explicitly: Warpgroup semantics has no implicit scalar broadcast.
+    x = plgpu.load(g_s.at[r], layout=LINE, optimized=False)
     real = r < count if packed else valid_s[r] > 0.0
-    x = jnp.where(lax.broadcast(real, (COLS,)), x, 0.0)
-    whole = _ceil(x)
+    x, whole = row_parts(x, real, a, bias, act=act, lower_bound=lower_bound)
     acc_i = acc_i + whole
     acc_f = acc_f + (x - whole)
     for k, v in enumerate((acc_i, acc_f) if packed else (x, acc_i, acc_f)):

@@ -58,6 +58,7 @@ from kda._mosaic_gpu import params as _mgpu_params
 from kda._mosaic_gpu import live_chunk
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda.stages.gate import exponent
+from kda.stages.gate import mosaic_gpu as gate_mgpu
 from kda.stages.intra import Out, to_chunks
 
 # Lane semantics (kda._mosaic_gpu.params): lowers in 3.0 s instead of 7.9 (both scores kernels, on a
@@ -154,19 +155,29 @@ def _beta(b_g, i_h, rows, src, cnt):
   return lambda shape: jnp.where(_iota(0, shape) < cnt, lax.broadcast_in_dim(b, shape, [0]), 0.0)
 
 
-def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed, tail_zeros=True):
+def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True, gated=False):
   """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
-  kd = beta k exp(gc), all bf16. packed: q, k, beta come packed and `src`, `cnt` place the chunk."""
+  kd = beta k exp(gc), all bf16. packed: q, k, beta come packed and `src`, `cnt` place the chunk.
+  gated (packed, one part, K = 128): the raw gates come packed in place of gc and the gate scan runs
+  here (kda.fused.gate_intra, `_gate_scan`); each program also stores its gc row 63 and, per column,
+  the sum of ceil(g)**2 (nonzero iff gc_int would be)."""
+  rest = list(rest)
+  flag_g = None if gated else rest.pop(0)
   if packed:
     src_g, cnt_g, *rest = rest
   q_g, k_g, b_g, *rest = rest
-  if two_part:
+  if gated:
+    g_g, *rest = rest
+  elif two_part:
     gi_g, gf_g, *rest = rest
   else:
     gf_g, *rest = rest
   # swizzled SMEM first, the plain buffers after it: no alignment gaps (two CTAs per SM at K = 128)
-  akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, q_s, k_s, *rest = rest
-  if packed:      # q, k land in plain SMEM that shares the level operands' bytes
+  akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, *rest = rest
+  if gated:
+    last_g, nz_g, *rest = rest
+  q_s, k_s, *rest = rest
+  if packed:      # q, k (and bf16 gates) land in plain SMEM that shares the level operands' bytes
     ops, *rest = rest
     (lk_s, lq_s, rk_s), landing = ops
   else:
@@ -191,7 +202,11 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed, tail_zer
     else:
       plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
       plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
-    plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
+    if gated:       # float32 gates land in gc's tile and the scan overwrites them row by row
+      g_land = gf_s if g_g.dtype == F32 else landing[2]
+      plgpu.copy_gmem_to_smem(g_g.at[pl.ds(src, BT), i_h, :], g_land, bar)
+    else:
+      plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
     if two_part:
       plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
     plgpu.barrier_wait(bar)
@@ -201,6 +216,8 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed, tail_zer
       real = _iota(0, (BT, K)) < cnt
       for land, dst in zip(landing, (q_s, k_s)):
         dst[...] = jnp.where(real, _load(land), jnp.zeros((), BF16))
+      if gated:
+        _gate_scan(g_land, gf_s, last_g, nz_g, c, i_h, cnt)
       plgpu.commit_smem()   # also a warpgroup barrier: the landing zone is read before reuse
 
     # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
@@ -287,7 +304,9 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed, tail_zer
       store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
                    p_qk + jnp.where(same & (col <= row), qk, 0.0))
 
-    if bounded:
+    if bounded and gated:     # every chunk the fused path keeps is bounded (_gate_scan)
+      two_levels()
+    elif bounded:
       flag = flag_g[i_h * NTa + c]
       pl.when(flag != 0)(two_levels)
       pl.when(flag == 0)(exact)
@@ -311,6 +330,10 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed, tail_zer
   @pl.when(jnp.logical_not(live))
   def _():                                      # tail: zeros (its inputs are zeros anyway)
     zero = lambda shape: plgpu.layout_cast(jnp.zeros(shape, BF16), WG)
+    if gated:
+      line0 = plgpu.layout_cast(jnp.zeros((K,), F32), gate_mgpu.LINE)
+      last_g[c, i_h, :] = line0
+      nz_g[c, i_h, :] = line0
     lq_s.at[0][...] = zero((BT, BT))
     if tail_zeros:
       for buf in (lk_s.at[0], lk_s.at[1]):
@@ -335,6 +358,28 @@ def _scores_body(cu_g, flag_g, *rest, scale, two_part, bounded, packed, tail_zer
   else:           # the tail's Akk, qg, kg, kd left unwritten: only this forward's kernels read them
     pl.when(live)(store_rest)
   plgpu.wait_smem_to_gmem(0)
+
+
+def _gate_scan(g_s, gf_s, last_g, nz_g, c, i_h, cnt):
+  """The gate kernel's row scan (kda.stages.gate.mosaic_gpu, no activation) on the chunk's raw gates
+  g_s [BT, 128] (rows >= cnt masked): gc_frac row by row into gf_s (in place where g_s is gf_s: each
+  thread reads its column's row before writing it), gc row 63 to last_g[c, i_h] and the column sums
+  of ceil(g)**2 to nz_g[c, i_h] (nonzero iff gc_int is somewhere: the caller then discards this
+  chunk's results). While they are all 0 every gate is in (-1, 0], so each span bounded_chunks
+  reads (16 rows of gc) is within 16 of 0: the chunk is bounded."""
+  LINE = gate_mgpu.LINE
+
+  def step(r, carry):
+    acc_f, nz = carry
+    x, whole = gate_mgpu.row_parts(plgpu.load(g_s.at[r], layout=LINE, optimized=False), r < cnt)
+    acc_f = acc_f + (x - whole)
+    gf_s.at[r][...] = acc_f
+    return acc_f, nz + whole * whole
+
+  zero = plgpu.layout_cast(jnp.zeros((gate_mgpu.COLS,), F32), LINE)
+  acc_f, nz = lax.fori_loop(0, BT, step, (zero, zero), unroll=4)
+  last_g[c, i_h, :] = acc_f
+  nz_g[c, i_h, :] = nz
 
 
 def _solve_body(cu_g, *refs, packed, tail_zeros=True):
@@ -422,20 +467,28 @@ def _params(config):
   return _mgpu_params(LANE, approx_math=config.approx_math)
 
 
-def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config, tail_zeros=True):
-  """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,); rows: ChunkRows (packed q, k, beta_t) or None."""
-  Ta, HV, K = gis[0].shape
+def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config, tail_zeros=True, Ta=None,
+            into=None):
+  """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,); rows: ChunkRows (packed q, k, beta_t) or None.
+  flag None: gated (gis = (g,), the packed raw gates [T, HV, 128]; Ta given) -> also (last, nz).
+  into: six mutable refs (jax.new_ref) the results are written into in place, returning nothing."""
+  gated = flag is None
+  K = q.shape[2]
+  Ta, HV = (Ta, q.shape[1]) if gated else gis[0].shape[:2]
   two_part = len(gis) == 2
   packed = rows is not None
   body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded, packed=packed,
-                           tail_zeros=tail_zeros)
+                           tail_zeros=tail_zeros, gated=gated)
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   ops = [_swz((max(K // SLAB, 2), BT, SLAB)) for _ in range(3)]   # [64, 64] slabs; two at K = 64 too
-  if packed:    # the landing zone of q, k shares the operands' bytes (never live together)
-    ops = plgpu.RefUnion(ops, [plgpu.SMEM((BT, K), BF16), plgpu.SMEM((BT, K), BF16)])
+  if packed:    # the landing zone of q, k (bf16 gates) shares the operands' bytes (never live together)
+    bf16_g = gated and gis[0].dtype != F32
+    ops = plgpu.RefUnion(ops, [plgpu.SMEM((BT, K), BF16) for _ in range(2 + bf16_g)])
+  stats = [jax.ShapeDtypeStruct((Ta // BT, HV, K), F32)] * 2 if gated else []
+  outs = (shape(BT), shape(BT), shape(BT), shape(K), shape(K), shape(K), *stats)
   f = plgpu.kernel(
       body,
-      out_type=(shape(BT), shape(BT), shape(BT), shape(K), shape(K), shape(K)),
+      out_type=() if into else outs,      # in place: the refs follow the inputs, as the outputs would
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
           _swz((BT, K)), _swz((BT, K)),
@@ -444,9 +497,10 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
           plgpu.Barrier(num_arrivals=2 + len(gis)),
       ],
       compiler_params=_params(config),
-      kernel_name="kda_intra_scores", interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_gate_intra_scores" if gated else "kda_intra_scores",
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(cu, flag, *(() if rows is None else rows), q, k, beta_t, *gis)
+  return f(cu, *(() if gated else (flag,)), *(() if rows is None else rows), q, k, beta_t, *gis, *(into or ()))
 
 
 def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=True):

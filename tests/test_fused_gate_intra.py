@@ -1,0 +1,196 @@
+"""kda.fused.gate_intra (the gate stage's chunk cumsum inside intra's Mosaic GPU scores kernel):
+simulator runs on CPU and CUDA lowering.
+
+The fused call replaces kda.stages.gate.mosaic_gpu.packed -> kda.stages.intra.mosaic_gpu.packed and
+kda.stages.state.chunk_decay, so it must give their bits on every chunk a sequence owns (with
+tail_zeros=False, the pipeline's setting, the tail is left unwritten: NaN in the simulator). Gates
+all > -1 (float32 or bf16) keep the fused kernel's results; a gate <= -1 ("strong") makes its
+lax.cond fall back to the gate kernel and intra's two-part scores kernel. Against the members'
+references the tolerances are intra's (tests/stages/test_intra_mosaic.py).
+
+Inputs (_case): packed bf16 q, k (l2-normalised), v, float32 beta, sequences of 37, 0, 64, 65, 1
+tokens (boundaries 1/63/64/65, an empty sequence) and NaN in every input, g included, at the
+tokens after the last one. cu_seqlens is a jit argument: the layout is the static bound, with tail
+chunks past aligned_cu[-1].
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import padding
+from kda.fused import gate_intra
+from kda.stages import gate, intra
+from kda.stages.gate import mosaic_gpu as mgg
+from kda.stages.intra import mosaic_gpu as mgi
+from kda.stages.state import chunk_decay
+from tests.stages.test_intra_mosaic import EXACT, SMEM_TWO_CTAS, _scores_smem, errors, failures, fmt
+from tests.stages.test_output_mosaic import lowered_smem_bytes
+
+BT = 64
+F32, BF16 = jnp.float32, jnp.bfloat16
+LENS, T, HV, K, V = (37, 0, 64, 65, 1), 200, 1, 128, 64
+SCALE = K ** -0.5
+GATES = {"f32": (0.25, F32), "bf16": (0.25, BF16), "strong": (40.0, F32)}   # log_sigmoid(normal) * s
+KW = dict(scale=SCALE, chunk_size=BT, interpret=True, tail_zeros=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _case(gates):
+  """(q, k, v, beta, g, cu_seqlens): NaN at the tokens no sequence owns."""
+  s, dtype = GATES[gates]
+  ks = jax.random.split(jax.random.key(3), 5)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = unit(jax.random.normal(ks[0], (1, T, HV, K))), unit(jax.random.normal(ks[1], (1, T, HV, K)))
+  v = jax.random.normal(ks[2], (1, T, HV, V))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[3], (1, T, HV)))
+  g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (1, T, HV, K))) * s
+  cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
+  none = (jnp.arange(T) >= cu[-1])[None, :, None]
+  q, k, v = (jnp.where(none[..., None], jnp.nan, x).astype(BF16) for x in (q, k, v))
+  beta = jnp.where(none, jnp.nan, beta)
+  g = jnp.where(none[..., None], jnp.nan, g).astype(dtype)
+  return q, k, v, beta, g, jnp.asarray(cu)
+
+
+def _layout(cu):
+  layout = padding.layout_from_cu_seqlens(cu, T, BT)      # traced cu: the static bound
+  return layout, padding.chunk_rows(layout)
+
+
+@jax.jit
+def _fused(q, k, v, beta, g, cu):
+  layout, rows = _layout(cu)
+  out, decay = gate_intra.mosaic_gpu(q, k, v, beta, g, layout.aligned_cu, rows, **KW)
+  return out, decay, layout.aligned_cu
+
+
+@jax.jit
+def _unfused(q, k, v, beta, g, cu):
+  layout, rows = _layout(cu)
+  gi, gf, bounded, two_part = mgg.packed(g, rows, None, None, chunk_size=BT, use_gate_in_kernel=False,
+                                         lower_bound=None, interpret=True, tail_zeros=False)
+  out = mgi.packed(q, k, v, beta, gi, gf, layout.aligned_cu, rows, bounded=bounded, two_part=two_part, **KW)
+  return out, chunk_decay(gi, gf, BT)
+
+
+@jax.jit
+def _references(q, k, v, beta, g, cu):
+  layout, _ = _layout(cu)
+  al = lambda x: padding.align_with(layout, x)
+  gc = gate.reference.apply(al(g), padding.valid_mask(layout)[None], None, None, chunk_size=BT,
+                            use_gate_in_kernel=False, lower_bound=None)
+  out = intra.reference.apply(al(q), al(k), al(v), al(beta), gc.gc_int, gc.gc_frac, layout.aligned_cu,
+                              scale=SCALE, chunk_size=BT)
+  return out, gc.gc_int + gc.gc_frac
+
+
+@functools.lru_cache(maxsize=None)
+def _run_fused(gates):
+  """(Out, decay, owned tokens = aligned_cu[-1]): the simulator runs each gate case once."""
+  out, decay, acu = jax.block_until_ready(_fused(*_case(gates)))
+  return out, decay, int(acu[-1])
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(f"u{x.dtype.itemsize}")     # bit for bit: -0.0 != 0.0, NaN payloads count
+
+
+@pytest.mark.parametrize("gates", list(GATES))
+def test_fused_equals_unfused_kernels(gates):
+  """Every Out field and decay on the owned chunks: bit for bit the unfused kernels', finite (the
+  NaN tokens never leak in). The tail's decay says which branch of the cond ran: the fused kernel
+  writes exp(0) = 1 there, the unfused gate kernel leaves gc unwritten (NaN)."""
+  q, k, v, beta, g, cu = _case(gates)
+  real = np.asarray(g.astype(F32))[:, :int(cu[-1])]
+  assert np.isfinite(real).all()
+  assert (real <= -1).any() if gates == "strong" else (real > -1).all()   # the path the name says
+  out, decay, owned = _run_fused(gates)
+  want, want_decay = _unfused(q, k, v, beta, g, cu)
+  assert 0 < owned < out.Aqk.shape[1] and owned == sum(-(-n // BT) for n in LENS) * BT
+  for name in intra.Out._fields:
+    a, b = (getattr(o, name)[:, :owned] for o in (out, want))
+    assert a.dtype == b.dtype == BF16 and a.shape == b.shape, name
+    assert np.isfinite(np.asarray(a, np.float32)).all(), name
+    assert np.array_equal(_bits(a), _bits(b)), f"{name}: {int(np.sum(_bits(a) != _bits(b)))} elements differ"
+  n = owned // BT
+  assert decay.dtype == F32 and decay.shape == want_decay.shape == (out.Aqk.shape[1] // BT, HV, K)
+  assert np.isfinite(decay[:n]).all() and np.array_equal(_bits(decay[:n]), _bits(want_decay[:n])), "decay"
+  tail = np.asarray(decay[n:])
+  assert np.isnan(tail).all() if gates == "strong" else (tail == 1).all(), "the tail's decay: the other branch ran"
+
+
+def test_fused_matches_member_references():
+  """float32 gates: the fused group against the gate reference followed by the intra reference on
+  the aligned inputs, on the owned chunks. The kernel's row scan and XLA's cumsum round differently
+  (gc differs by up to 6.7e-6 here, a few ulp of |gc| <= 16), so: intra's TOL; qg, kg within one
+  bf16 ulp of the reference (2 kg entries round the other way); decay within 2e-5 of exp of the
+  reference gc's last row per chunk (measured 5.7e-6: the gc difference, relative)."""
+  out, decay, owned = _run_fused("f32")
+  want, gc = _references(*_case("f32"))
+  own = lambda o: intra.Out(*(x[:, :owned] for x in o))
+  errs = errors(own(out), own(want))
+  print(f"\n  fused vs references: {fmt(errs)}")
+  assert not failures({n: e for n, e in errs.items() if n not in EXACT}), fmt(errs)
+  for name in EXACT:
+    a, b = (np.asarray(jnp.asarray(getattr(o, name)[:, :owned], F32)) for o in (out, want))
+    assert np.all(np.abs(a - b) <= 2 ** -8 * np.abs(b)), name
+  n = owned // BT
+  last = np.asarray(gc, np.float32)[0, BT - 1:owned:BT]        # [n, HV, K]
+  np.testing.assert_allclose(np.asarray(decay[:n]), np.exp(last), rtol=2e-5, atol=0)
+
+
+def test_takes():
+  """takes refuses what the fused kernel cannot run (activated gates, K = 64, a g unlike k, float16
+  g), naming the problem, and accepts the packed forward's K = 128 call."""
+  S = jax.ShapeDtypeStruct
+  NTa, T_ = 16, 1000
+  rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
+
+  def args(K=128, g_shape=None, g_dtype=F32):
+    x = S((1, T_, 2, K), BF16)
+    return (x, x, S((1, T_, 2, 64), BF16), S((1, T_, 2), F32), S(g_shape or x.shape, g_dtype), S((4,), jnp.int32),
+            rows)
+
+  takes = lambda a, gate_in_kernel=False: gate_intra.takes(*a, scale=SCALE, chunk_size=BT,
+                                                            use_gate_in_kernel=gate_in_kernel)
+  assert takes(args()) is None and takes(args(g_dtype=BF16)) is None
+  refused = {
+      "use_gate_in_kernel=False": takes(args(), gate_in_kernel=True),
+      "K = 128": takes(args(K=64)),
+      "g must have k's shape": takes(args(g_shape=(1, T_, 1, 128))),
+      "float16": takes(args(g_dtype=jnp.float16)),
+  }
+  for reason, why in refused.items():
+    assert why is not None and reason in why, (reason, why)
+  with pytest.raises(ValueError, match="mosaic_gpu gate_intra kernel: .*float16"):
+    gate_intra.mosaic_gpu(*args(g_dtype=jnp.float16), scale=SCALE, chunk_size=BT)
+
+
+@pytest.mark.parametrize("g_dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_fused_kernels_lower_for_cuda(g_dtype):
+  """The fused group lowers for CUDA from the CPU: four Mosaic GPU kernels (the fused scores
+  kernel; in the cond's fallback the gate kernel and the two-part scores kernel; the solve). The
+  fused scores kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the q, k
+  landing zone's union, float32 ones in gc's tile): two CTAs per SM."""
+  S, T_, HV_, NTa = jax.ShapeDtypeStruct, 4000, 2, 128
+  rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
+  args = (S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_), F32),
+          S((1, T_, HV_, 128), g_dtype), S((5,), jnp.int32), rows)
+  f = functools.partial(gate_intra.mosaic_gpu, scale=SCALE, chunk_size=BT, tail_zeros=False)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 4
+  Ta, HV_s, T_s = 4096, 16, 3000
+  sc = lambda cu, r0, r1, q, k, beta_t, g: mgi._scores(cu, (r0, r1), q, k, beta_t, (g,), None, scale=SCALE,
+                                                       bounded=True, interpret=False, config=mgi.Config(), Ta=Ta,
+                                                       tail_zeros=False)
+  r = S((Ta // BT,), jnp.int32)
+  smem = lowered_smem_bytes(sc, S((3,), jnp.int32), r, r, S((T_s, HV_s, 128), BF16), S((T_s, HV_s, 128), BF16),
+                            S((HV_s, T_s + BT), F32), S((T_s, HV_s, 128), g_dtype))
+  print(f"\n  fused scores kernel ({jnp.dtype(g_dtype).name} gates): SMEM {smem} bytes")
+  assert smem == _scores_smem(128, 1) and smem <= SMEM_TWO_CTAS
