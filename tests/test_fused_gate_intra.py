@@ -4,8 +4,8 @@ simulator runs on CPU and CUDA lowering.
 The fused call replaces kda.stages.gate.mosaic_gpu.packed -> kda.stages.intra.mosaic_gpu.packed and
 kda.stages.state.chunk_decay, so it must give their bits on every chunk a sequence owns (with
 tail_zeros=False, the pipeline's setting, the tail is left unwritten: NaN in the simulator). Gates
-all > -1 (float32 or bf16) keep the fused kernel's results; a gate <= -1 ("strong") makes its
-lax.cond fall back to the gate kernel and intra's two-part scores kernel. Against the members'
+all > -1 (float32 or bf16) keep the one-part fused kernel's results; a gate <= -1 ("strong",
+"mixed") makes the persistent two-part kernel redo its chunk in place. Against the members'
 references the tolerances are intra's (tests/stages/test_intra_mosaic.py).
 
 Inputs (_case): packed bf16 q, k (l2-normalised), v, float32 beta, sequences of 37, 0, 64, 65, 1
@@ -28,14 +28,16 @@ from kda.stages import gate, intra
 from kda.stages.gate import mosaic_gpu as mgg
 from kda.stages.intra import mosaic_gpu as mgi
 from kda.stages.state import chunk_decay
-from tests.stages.test_intra_mosaic import EXACT, SMEM_TWO_CTAS, _scores_smem, errors, failures, fmt
+from tests.stages.test_intra_mosaic import EXACT, SMEM_ONE_CTA, SMEM_TWO_CTAS, _scores_smem, errors, failures, fmt
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
 BT = 64
 F32, BF16 = jnp.float32, jnp.bfloat16
 LENS, T, HV, K, V = (37, 0, 64, 65, 1), 200, 1, 128, 64
 SCALE = K ** -0.5
-GATES = {"f32": (0.25, F32), "bf16": (0.25, BF16), "strong": (40.0, F32)}   # log_sigmoid(normal) * s
+# log_sigmoid(normal) * s; "mixed": the f32 gates with six tokens of one chunk at -3 (that chunk alone
+# needs gc_int: the two-part kernel redoes it, the others keep the one-part kernel's results)
+GATES = {"f32": (0.25, F32), "bf16": (0.25, BF16), "strong": (40.0, F32), "mixed": (0.25, F32)}
 KW = dict(scale=SCALE, chunk_size=BT, interpret=True, tail_zeros=False)
 
 
@@ -49,6 +51,8 @@ def _case(gates):
   v = jax.random.normal(ks[2], (1, T, HV, V))
   beta = jax.nn.sigmoid(jax.random.normal(ks[3], (1, T, HV)))
   g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (1, T, HV, K))) * s
+  if gates == "mixed":
+    g = g.at[:, 110:116, :, :5].set(-3.0)          # sequence 4's second chunk
   cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
   none = (jnp.arange(T) >= cu[-1])[None, :, None]
   q, k, v = (jnp.where(none[..., None], jnp.nan, x).astype(BF16) for x in (q, k, v))
@@ -104,12 +108,17 @@ def _bits(x):
 @pytest.mark.parametrize("gates", list(GATES))
 def test_fused_equals_unfused_kernels(gates):
   """Every Out field and decay on the owned chunks: bit for bit the unfused kernels', finite (the
-  NaN tokens never leak in). The tail's decay says which branch of the cond ran: the fused kernel
-  writes exp(0) = 1 there, the unfused gate kernel leaves gc unwritten (NaN)."""
+  NaN tokens never leak in); at the tail decay is exp(0) = 1 (both scores kernels zero its gc rows).
+  Strong gates take the two-part kernel's results: the one-part ones round gc differently, so they
+  would not give the unfused kernels' bits there; mixed ones take them on one chunk only (the unfused
+  scores kernel runs two parts on every chunk: on the others the same bits, gc_int being 0)."""
   q, k, v, beta, g, cu = _case(gates)
   real = np.asarray(g.astype(F32))[:, :int(cu[-1])]
   assert np.isfinite(real).all()
-  assert (real <= -1).any() if gates == "strong" else (real > -1).all()   # the path the name says
+  if gates in ("strong", "mixed"):                                          # the path the name says
+    assert (real <= -1).any() and ((real > -1).mean() > 0.9) == (gates == "mixed")
+  else:
+    assert (real > -1).all()
   out, decay, owned = _run_fused(gates)
   want, want_decay = _unfused(q, k, v, beta, g, cu)
   assert 0 < owned < out.Aqk.shape[1] and owned == sum(-(-n // BT) for n in LENS) * BT
@@ -121,8 +130,7 @@ def test_fused_equals_unfused_kernels(gates):
   n = owned // BT
   assert decay.dtype == F32 and decay.shape == want_decay.shape == (out.Aqk.shape[1] // BT, HV, K)
   assert np.isfinite(decay[:n]).all() and np.array_equal(_bits(decay[:n]), _bits(want_decay[:n])), "decay"
-  tail = np.asarray(decay[n:])
-  assert np.isnan(tail).all() if gates == "strong" else (tail == 1).all(), "the tail's decay: the other branch ran"
+  assert (np.asarray(decay[n:]) == 1).all(), "the tail's decay"
 
 
 def test_fused_matches_member_references():
@@ -174,17 +182,18 @@ def test_takes():
 
 @pytest.mark.parametrize("g_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_fused_kernels_lower_for_cuda(g_dtype):
-  """The fused group lowers for CUDA from the CPU: four Mosaic GPU kernels (the fused scores
-  kernel; in the cond's fallback the gate kernel and the two-part scores kernel; the solve). The
-  fused scores kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the q, k
-  landing zone's union, float32 ones in gc's tile): two CTAs per SM."""
+  """The fused group lowers for CUDA from the CPU: three Mosaic GPU kernels (the one-part fused
+  scores kernel, the persistent two-part one, the solve) and no conditional (no predicate goes to
+  the host). The one-part kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the
+  q, k landing zone's union, float32 ones in gc's tile): two CTAs per SM; the two-part one fits one."""
   S, T_, HV_, NTa = jax.ShapeDtypeStruct, 4000, 2, 128
   rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
   args = (S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_), F32),
           S((1, T_, HV_, 128), g_dtype), S((5,), jnp.int32), rows)
   f = functools.partial(gate_intra.mosaic_gpu, scale=SCALE, chunk_size=BT, tail_zeros=False)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 4
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 3
+  assert "stablehlo.case" not in txt and "stablehlo.if" not in txt
   Ta, HV_s, T_s = 4096, 16, 3000
   sc = lambda cu, r0, r1, q, k, beta_t, g: mgi._scores(cu, (r0, r1), q, k, beta_t, (g,), None, scale=SCALE,
                                                        bounded=True, interpret=False, config=mgi.Config(), Ta=Ta,
@@ -192,5 +201,33 @@ def test_fused_kernels_lower_for_cuda(g_dtype):
   r = S((Ta // BT,), jnp.int32)
   smem = lowered_smem_bytes(sc, S((3,), jnp.int32), r, r, S((T_s, HV_s, 128), BF16), S((T_s, HV_s, 128), BF16),
                             S((HV_s, T_s + BT), F32), S((T_s, HV_s, 128), g_dtype))
-  print(f"\n  fused scores kernel ({jnp.dtype(g_dtype).name} gates): SMEM {smem} bytes")
+  strong = lambda cu, p, redo, *a: mgi._scores(cu, a[:2], *a[2:5], (a[5],), None, scale=SCALE, bounded=True,
+                                               interpret=False, config=mgi.Config(), Ta=Ta, tail_zeros=False,
+                                               pred=(p, redo))
+  smem2 = lowered_smem_bytes(strong, S((3,), jnp.int32), S((1,), jnp.int32), S((HV_s * Ta // BT,), jnp.int32),
+                             r, r, S((T_s, HV_s, 128), BF16),
+                             S((T_s, HV_s, 128), BF16), S((HV_s, T_s + BT), F32), S((T_s, HV_s, 128), g_dtype))
+  print(f"\n  fused scores kernels ({jnp.dtype(g_dtype).name} gates): SMEM {smem} / {smem2} bytes")
   assert smem == _scores_smem(128, 1) and smem <= SMEM_TWO_CTAS
+  assert smem2 <= SMEM_ONE_CTA
+
+
+def test_pipeline_runs_the_group_where_switched_on(monkeypatch):
+  """chunk_kda (impl="mosaic_gpu", simulator, traced cu_seqlens) with kda.pipeline.FUSE_GATE_INTRA
+  on runs the group (log-space gates, K = 128) and gives o and the final states bit for bit as with
+  it off (the unfused gate and intra kernels), NaN at the unowned tokens never leaking."""
+  import kda
+  from kda import pipeline
+  q, k, v, beta, g, cu = _case("f32")
+  calls = []
+  real = gate_intra.mosaic_gpu
+  monkeypatch.setattr(gate_intra, "mosaic_gpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  run = lambda fuse: (monkeypatch.setattr(pipeline, "FUSE_GATE_INTRA", fuse), jax.jit(
+      lambda q, k, v, g, beta, cu: kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                                  impl="mosaic_gpu"))(q, k, v, g, beta, cu))[1]
+  (o, ht), n_on = run(True), len(calls)
+  o_off, ht_off = run(False)
+  assert n_on == 1 and len(calls) == 1
+  end = int(cu[-1])
+  assert np.isfinite(np.asarray(o, np.float32)).all() and (np.asarray(o, np.float32)[:, end:] == 0).all()
+  assert np.array_equal(_bits(o), _bits(o_off)) and np.array_equal(_bits(ht), _bits(ht_off))

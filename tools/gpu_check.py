@@ -7,7 +7,8 @@ On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths
   2. the whole forward (impl=None, the default: Mosaic GPU on Hopper; and impl="pallas") against
      the token-by-token recurrence in float32, next to the XLA-compiled reference pipeline's error
      on the same inputs; and impl=None (the packed group) against the same kernels on the aligned
-     layout (pipeline.forward(packed=False)), which must agree (0 on the H200);
+     layout (pipeline.forward(packed=False)), which must agree (0 on the H200), and impl=None with
+     kda.pipeline.FUSE_GATE_INTRA flipped (the gate -> intra group), which must give the same bits;
   3. per-stage times (kernel vs XLA reference on the recorded inputs; mosaic_gpu kernels also with
      the inputs they take in bf16 cast, "mosaic_gpu_bf16_inputs") and the whole forward's time
      (median after warm-up) against the reference pipeline compiled by XLA.
@@ -82,7 +83,22 @@ def forward_errors(lens, gate):
     res[label] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
     if label == "auto":
       res["auto_packed_vs_aligned"] = _packed_vs_aligned(inp, kw, (o, s))
+      res["auto_gate_intra_fused_vs_not"] = _fused_gate_intra(inp, kw, (o, s))
   return res
+
+
+def _fused_gate_intra(inp, kw, out):
+  """max |d| / max |ref| of impl=None's (o, final_state) with the gate -> intra group switched
+  (kda.pipeline.FUSE_GATE_INTRA flipped) against `out`: 0 where it runs as it should (it takes
+  log-space gates only; elsewhere the same kernels run)."""
+  saved, pipeline.FUSE_GATE_INTRA = pipeline.FUSE_GATE_INTRA, not pipeline.FUSE_GATE_INTRA
+  try:   # a new function: jit traces it under the switch
+    o, s = jax.jit(lambda i: __import__("kda").chunk_kda(
+        i.q, i.k, i.v, i.g, i.beta, initial_state=i.initial_state, output_final_state=True,
+        cu_seqlens=i.cu_seqlens, **kw))(inp)
+  finally:
+    pipeline.FUSE_GATE_INTRA = saved
+  return {"o": _rel(o, out[0]), "final": _rel(s, out[1])}
 
 
 def _packed_vs_aligned(inp, kw, packed_out):
@@ -132,6 +148,7 @@ def main(argv=None):
         for impl in ("auto", "pallas"):
           ok &= r["forward"][impl]["finite"] and r["forward"][impl]["o_rel"] < a.tol_o
         ok &= max(r["forward"]["auto_packed_vs_aligned"].values()) <= 1e-3   # measured 0 on the H200
+        ok &= max(r["forward"]["auto_gate_intra_fused_vs_not"].values()) == 0  # the same bits
         r["stage_ms"] = stage_times(lens, gate, a.reps)
       except Exception as e:  # noqa: BLE001 - report, go on with the other cases
         r["error"] = f"{type(e).__name__}: {e}"[:2000]

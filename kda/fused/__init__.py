@@ -9,4 +9,6 @@ kernel against the composition of its members' references.
 
 Groups (one module each, one function per backend, named after it, with its `takes` predicate):
 - state_output: state -> output; the state S stays in registers and neither h nor v_new is stored.
+- gate_intra: gate -> intra inside the packed forward (kda.pipeline.FUSE_GATE_INTRA, off by
+  default); the gate's chunk cumsum runs in intra's scores kernel and gc never reaches HBM.
 """

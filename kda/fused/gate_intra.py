@@ -10,15 +10,25 @@ and kda.stages.state.chunk_decay.
 The scores kernel (kda.stages.intra.mosaic_gpu, `gated`) loads the chunk's raw gates (packed rows,
 by TMA: float32 ones straight into gc's SMEM tile, bf16 ones into the q / k landing zone) and runs
 the gate kernel's row scan on them, one thread per column (kda.stages.gate.mosaic_gpu.row_parts:
-the same operations in the same order, so the same bits), writing gc_frac over the tile row by row.
-It stores per chunk and column gc's row 63 and the sum of ceil(g)**2.
+the same operations in the same order, so the same bits), writing gc over the tile row by row; it
+stores per chunk and column gc's row 63 (the state kernel's decay is its exp).
 
-One part only: while every gate is above -1 the ceilings are all 0, gc_int is 0 and gc is gc_frac
-(what intra's one-part kernel reads), and every chunk is bounded (16 rows of gates in (-1, 0] span
-less than 16): the kernel takes the two-level path without a flag and has no six-level code. Where any ceiling is not 0 (a gate at or below -1), the
-call's results are those of the unfused kernels instead: a lax.cond on the column sums runs the gate
-kernel and intra's two-part scores kernel (what the unfused pair runs then). The predicate copy is
-the one the unfused pair makes for its own cond, so plain gates cost the fused kernel alone.
+Two kernels, no host round trip:
+- one part (two CTAs per SM, every chunk): while every gate is above -1 the ceilings are all 0,
+  gc_int is 0 and gc is gc_frac (what intra's one-part kernel reads), and every chunk is bounded
+  (16 rows of gates in (-1, 0] span less than 16): the two-level path, no six-level code, no flag.
+  Per chunk and column it also stores the sum of ceil(g)**2.
+- two parts, persistent (grid (HV, 128 // HV), one CTA per SM): it redoes the chunks where one of
+  those sums is nonzero (a gate at or below -1, NaN included) with gc_int and gc_frac in SMEM, the
+  bounded flag formed per chunk (the six rows' spans, a min over the columns), writing its results
+  over the first kernel's in place (jax.new_ref); with no such chunk its programs exit at once.
+  So a call costs the first kernel and 128 empty programs, or both kernels on the flagged chunks:
+  the unfused pair's lax.cond on the same predicate makes the host wait for the gate kernel and
+  launch the rest after it.
+
+Off by default (kda.pipeline.FUSE_GATE_INTRA): where gates reach -1 in every chunk the one-part
+kernel's work is all redone (H200, A: 2.53 ms against 1.82 unfused), and it cannot skip those
+chunks itself yet (kda.stages.intra.mosaic_gpu._gate_scan says why).
 
 Where it applies (`takes`): the packed forward with gates given in log space (use_gate_in_kernel
 False; activated gates reach -1 often, and would pay both), K = 128 (one thread per column of the
@@ -30,12 +40,11 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from kda.stages.gate import exponent
 from kda.stages.gate import mosaic_gpu as gate_mgpu
 from kda.stages.intra import Out
 from kda.stages.intra import mosaic_gpu as intra_mgpu
-from kda.stages.state import chunk_decay
 
 F32 = jnp.float32
 BT = 64
@@ -60,6 +69,15 @@ def takes(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, use_gate_in_
   return intra_mgpu.packed_supports(q, k, v, beta, gi, gi, aligned_cu, rows, scale=scale, chunk_size=chunk_size)
 
 
+def _result_types(q, Ta):
+  """The scores kernels' results: Akk's split, Aqk [Ta, HV, 64], qg, kg, kd [Ta, HV, K] bf16, and
+  the gc rows 63 of both parts [NTa, HV, K] float32."""
+  _, HV, K = q.shape
+  S = jax.ShapeDtypeStruct
+  return ([S((Ta, HV, BT), intra_mgpu.BF16)] * 3 + [S((Ta, HV, K), intra_mgpu.BF16)] * 3
+          + [S((Ta // BT, HV, K), F32)] * 2)
+
+
 def mosaic_gpu(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, use_gate_in_kernel=False,
                interpret=False, config=None, tail_zeros=True, **_):
   """(intra Out, decay [NTa, HV, K] float32); see the module docstring."""
@@ -72,29 +90,25 @@ def mosaic_gpu(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, use_gat
   Ta = NTa * BT
   cu = aligned_cu.astype(jnp.int32)
   beta_t = jnp.pad(beta[0].astype(F32).T, ((0, 0), (0, BT)))   # as intra_mgpu.packed
-  chunk_rows, rows = rows, tuple(x.astype(jnp.int32) for x in rows)
+  rows = tuple(x.astype(jnp.int32) for x in rows)
   q, k, v = (x[0].astype(intra_mgpu.BF16) for x in (q, k, v))
   bounded = config.bounded == "auto"
   kw = dict(scale=float(scale), bounded=bounded, interpret=interpret, config=config, tail_zeros=bool(tail_zeros))
 
-  def unfused(into=None):   # some gate <= -1: the gate kernel and intra's two-part scores kernel
-    gi, gf, flag, _two = gate_mgpu.packed(g, chunk_rows, None, None, chunk_size=BT, use_gate_in_kernel=False,
-                                          lower_bound=None, interpret=interpret, tail_zeros=tail_zeros)
-    flag = flag if bounded else jnp.zeros_like(flag)
-    out = intra_mgpu._scores(cu, rows, q, k, beta_t, (gi[0], gf[0]), flag, **kw, into=into and into[:6])
-    if into:
-      into[6][...] = chunk_decay(gi, gf, BT)
-    return None if into else (*out, chunk_decay(gi, gf, BT))
-
+  g = g[0]
+  HV = q.shape[1]
   if config.two_part == "always" or intra_mgpu.TWO_PART_ONLY:
-    *scores, decay = unfused()
+    refs = [jax.new_ref(jnp.zeros(x.shape, x.dtype)) for x in _result_types(q, Ta)]
+    redo = jnp.ones((HV * NTa,), jnp.int32)
   else:
-    *scores, last, nz = intra_mgpu._scores(cu, rows, q, k, beta_t, (g[0],), None, Ta=Ta, **kw)
-    # gc_int is 0 everywhere here: exp(gc_last), as chunk_decay forms it from (0, gc_frac). Otherwise
-    # the unfused kernels overwrite the results in place: a cond passing them through would copy them
-    refs = [jax.new_ref(x) for x in (*scores, jnp.exp(last))]
-    lax.cond(jnp.any(nz != 0), lambda: unfused(refs), lambda: None)
-    *scores, decay = (jax.ref.freeze(r) for r in refs)
+    *scores, last, nz = intra_mgpu._scores(cu, rows, q, k, beta_t, (g,), None, Ta=Ta, **kw)
+    refs = [jax.new_ref(x) for x in (*scores, jnp.zeros_like(last), last)]
+    redo = jnp.any(nz != 0, axis=-1).T.reshape(-1).astype(jnp.int32)      # [HV * NTa], (head, chunk)
+  # the chunks with a gate <= -1: the two-part kernel redoes them in place; with none it exits
+  pred = jnp.any(redo != 0).astype(jnp.int32).reshape(1)
+  intra_mgpu._scores(cu, rows, q, k, beta_t, (g,), None, Ta=Ta, into=refs, pred=(pred, redo), **kw)
+  *scores, last_i, last_f = (jax.ref.freeze(r) for r in refs)
+  decay = jnp.exp(exponent(last_i, last_f))        # chunk_decay's formula on the last rows
   akh, akl, aqk, qg, kg, kd = scores
   ainv, w, u = intra_mgpu._solve(cu, rows, akh, akl, kd, v, beta_t, interpret=interpret, config=config,
                                  tail_zeros=tail_zeros)

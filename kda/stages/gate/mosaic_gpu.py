@@ -176,7 +176,8 @@ def _softplus(x):
 
 def row_parts(x, real, a=None, bias=None, *, act=False, lower_bound=None):
   """One row of raw gates [COLS] (any float dtype) -> (x, ceil(x)): x activated (if `act`), floored
-  and 0 where not `real` (a scalar); the scan adds ceil(x) to gc_int and x - ceil(x) to gc_frac."""
+  and 0 where not real() (a callable giving a bool scalar, formed after the floor: the gate kernel's
+  op order); the scan adds ceil(x) to gc_int and x - ceil(x) to gc_frac."""
   x = x.astype(F32)
   if act:
     if bias is not None:
@@ -188,7 +189,7 @@ def row_parts(x, real, a=None, bias=None, *, act=False, lower_bound=None):
   x = floor(x)
   # a select, not a product: padding gates may be NaN (packed: other sequences' tokens). Broadcast
   # explicitly: Warpgroup semantics has no implicit scalar broadcast.
-  x = jnp.where(lax.broadcast(real, (COLS,)), x, 0.0)
+  x = jnp.where(lax.broadcast(real(), (COLS,)), x, 0.0)
   return x, _ceil(x)
 
 
@@ -223,7 +224,7 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
   def step(r, carry):
     acc_i, acc_f, *nz = carry
     x = plgpu.load(g_s.at[r], layout=LINE, optimized=False)
-    real = r < count if packed else valid_s[r] > 0.0
+    real = (lambda: r < count) if packed else (lambda: valid_s[r] > 0.0)
     x, whole = row_parts(x, real, a, bias, act=act, lower_bound=lower_bound)
     acc_i = acc_i + whole
     acc_f = acc_f + (x - whole)

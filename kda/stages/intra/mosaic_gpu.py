@@ -68,6 +68,7 @@ LANE = False
 BT = 64
 BOUNDED_SPAN = 80.0       # exp(+-80) is a normal float32 / bf16 number
 SLAB = 64                 # gc / operand columns handled at once (register pressure)
+PERSISTENT_CTAS = 128     # programs of the persistent (fallback) scores kernel: one per SM
 # True: the two-part scores kernel alone, no lax.cond to the gc_frac-only one (which gives the same
 # bits while gc_int == 0). H200: the same bits, fwd+bwd compiles 3-9 s faster, but runs 0.3-0.4 ms
 # slower on plain gates (A 9.54 vs 9.15 ms, C 9.35 vs 9.04): off.
@@ -155,13 +156,16 @@ def _beta(b_g, i_h, rows, src, cnt):
   return lambda shape: jnp.where(_iota(0, shape) < cnt, lax.broadcast_in_dim(b, shape, [0]), 0.0)
 
 
-def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True, gated=False):
+def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True, gated=False, persistent=0):
   """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
   kd = beta k exp(gc), all bf16. packed: q, k, beta come packed and `src`, `cnt` place the chunk.
-  gated (packed, one part, K = 128): the raw gates come packed in place of gc and the gate scan runs
-  here (kda.fused.gate_intra, `_gate_scan`); each program also stores its gc row 63 and, per column,
-  the sum of ceil(g)**2 (nonzero iff gc_int would be)."""
+  gated (packed, K = 128; kda.fused.gate_intra): the raw gates come packed in place of gc and the
+  gate's row scan runs here (`_gate_scan`); each program also stores its gc row 63 (both parts'
+  where two_part) and, one part, per column the sum of ceil(g)**2 (nonzero iff gc_int would be).
+  persistent = W: grid (HV, W), program w takes chunks w, w + W, ..., those whose int32 flag
+  redo[h * NTa + c] is nonzero, and only if the int32 pred after cu is (else it exits at once)."""
   rest = list(rest)
+  pred_g, redo_g = (rest.pop(0), rest.pop(0)) if persistent else (None, None)
   flag_g = None if gated else rest.pop(0)
   if packed:
     src_g, cnt_g, *rest = rest
@@ -174,7 +178,10 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
     gf_g, *rest = rest
   # swizzled SMEM first, the plain buffers after it: no alignment gaps (two CTAs per SM at K = 128)
   akh_g, akl_g, aqk_g, qg_g, kg_g, kd_g, *rest = rest
-  if gated:
+  lasti_g = nz_g = None
+  if gated and two_part:
+    lasti_g, last_g, *rest = rest
+  elif gated:
     last_g, nz_g, *rest = rest
   q_s, k_s, *rest = rest
   if packed:      # q, k (and bf16 gates) land in plain SMEM that shares the level operands' bytes
@@ -189,197 +196,235 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
     gi_s = None
   NTa = qg_g.shape[0] // BT
   K = q_g.shape[2]
-  i_h, c = lax.axis_index("h"), lax.axis_index("c")
-  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  i_h = lax.axis_index("h")
   slabs = [pl.ds(s * SLAB, SLAB) for s in range(K // SLAB)]
-  src = src_g[c] if packed else None
-  cnt = cnt_g[c] if packed else None
 
-  def compute():
-    if packed:      # any packed row: plain SMEM takes TMA there (swizzled needs multiples of 8)
-      plgpu.copy_gmem_to_smem(q_g.at[pl.ds(src, BT), i_h, :], landing[0], bar)
-      plgpu.copy_gmem_to_smem(k_g.at[pl.ds(src, BT), i_h, :], landing[1], bar)
-    else:
-      plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
-      plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
-    if gated:       # float32 gates land in gc's tile and the scan overwrites them row by row
-      g_land = gf_s if g_g.dtype == F32 else landing[2]
-      plgpu.copy_gmem_to_smem(g_g.at[pl.ds(src, BT), i_h, :], g_land, bar)
-    else:
-      plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
-    if two_part:
-      plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
-    plgpu.barrier_wait(bar)
-    if packed:      # rows past the chunk's tokens belong to other sequences (or none): zeros
-      # whole tiles: a column slice of a plain bf16 tile loads wrong on the H200 (right in the
-      # simulator; plain float32 gc tiles slice fine there)
-      real = _iota(0, (BT, K)) < cnt
-      for land, dst in zip(landing, (q_s, k_s)):
-        dst[...] = jnp.where(real, _load(land), jnp.zeros((), BF16))
-      if gated:
-        _gate_scan(g_land, gf_s, last_g, nz_g, c, i_h, cnt)
-      plgpu.commit_smem()   # also a warpgroup barrier: the landing zone is read before reuse
+  def chunk(c):     # the work of chunk c
+    rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+    src = src_g[c] if packed else None
+    cnt = cnt_g[c] if packed else None
 
-    # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
-    def g_tile(cols):
-      if two_part:
-        return _load(gi_s.at[:, cols]), _load(gf_s.at[:, cols])
-      return _load(gf_s.at[:, cols])
+    def compute():
+      if packed:      # any packed row: plain SMEM takes TMA there (swizzled needs multiples of 8)
+        plgpu.copy_gmem_to_smem(q_g.at[pl.ds(src, BT), i_h, :], landing[0], bar)
+        plgpu.copy_gmem_to_smem(k_g.at[pl.ds(src, BT), i_h, :], landing[1], bar)
+      else:
+        plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, :], q_s, bar)
+        plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, :], k_s, bar)
+      if gated:       # float32 gates land in gc's tile and the scan overwrites them row by row
+        g_land = gf_s if g_g.dtype == F32 else landing[2]
+        plgpu.copy_gmem_to_smem(g_g.at[pl.ds(src, BT), i_h, :], g_land, bar)
+      else:
+        plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, :], gf_s, bar)
+      if two_part and not gated:
+        plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, :], gi_s, bar)
+      plgpu.barrier_wait(bar)
+      if packed:      # rows past the chunk's tokens belong to other sequences (or none): zeros
+        # whole tiles: a column slice of a plain bf16 tile loads wrong on the H200 (right in the
+        # simulator; plain float32 gc tiles slice fine there)
+        real = _iota(0, (BT, K)) < cnt
+        for land, dst in zip(landing, (q_s, k_s)):
+          dst[...] = jnp.where(real, _load(land), jnp.zeros((), BF16))
+        if gated:
+          flag = _gate_scan(g_land, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt)
+        plgpu.commit_smem()   # also a warpgroup barrier: the landing zone is read before reuse
 
-    def g_row(r, cols, shape):
-      vec = lambda s_: lax.broadcast_in_dim(_load(s_.at[r, cols], COL), shape, [1])
-      return (vec(gi_s), vec(gf_s)) if two_part else vec(gf_s)
+      # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
+      def g_tile(cols):
+        if two_part:
+          return _load(gi_s.at[:, cols]), _load(gf_s.at[:, cols])
+        return _load(gf_s.at[:, cols])
 
-    def where(m, a, b):
-      if two_part:
-        return tuple(jnp.where(m, x, y) for x, y in zip(a, b))
-      return jnp.where(m, a, b)
+      def g_row(r, cols, shape):
+        vec = lambda s_: lax.broadcast_in_dim(_load(s_.at[r, cols], COL), shape, [1])
+        return (vec(gi_s), vec(gf_s)) if two_part else vec(gf_s)
 
-    diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
-    whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
+      def where(m, a, b):
+        if two_part:
+          return tuple(jnp.where(m, x, y) for x, y in zip(a, b))
+        return jnp.where(m, a, b)
 
-    def operands(ls, both_sides):
-      """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
-      r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
-      second halves and rk outside first halves, the bounded level keeps every row."""
-      shape = (BT, SLAB)
-      row = _iota(0, shape)
-      blk = row >> ls
-      half = 1 << (ls - 1)
+      diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
+      whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
+
+      def operands(ls, both_sides):
+        """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
+        r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
+        second halves and rk outside first halves, the bounded level keeps every row."""
+        shape = (BT, SLAB)
+        row = _iota(0, shape)
+        blk = row >> ls
+        half = 1 << (ls - 1)
+        for i, cols in enumerate(slabs):
+          G = g_tile(cols)
+
+          def pick(b, R, cols=cols):
+            return where(blk == b, g_row((b << ls) + half, cols, shape), R)
+          R = lax.fori_loop(1, BT >> ls, pick, g_row(half, cols, shape))   # one select per block
+          kx = _load(k_s.at[:, cols]).astype(F32)
+          qx = _load(q_s.at[:, cols]).astype(F32)
+          if both_sides:
+            e_l, e_r = jnp.exp(diff(G, R)), jnp.exp(diff(R, G))
+            lk, lq, rk = kx * e_l, qx * e_l, kx * e_r
+          else:
+            second = (row & ((1 << ls) - 1)) >= half
+            e = jnp.exp(jnp.where(second, diff(G, R), diff(R, G)))
+            lk = jnp.where(second, kx * e, 0.0)
+            lq = jnp.where(second, qx * e, 0.0)
+            rk = jnp.where(second, 0.0, kx * e)
+          lk_s.at[i][...] = lk.astype(BF16)
+          lq_s.at[i][...] = lq.astype(BF16)
+          rk_s.at[i][...] = rk.astype(BF16)
+        plgpu.commit_smem()
+
+      def products():
+        n = range(len(slabs))
+        return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
+                _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
+
+      row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
+      beta = _beta(b_g, i_h, rows, src, cnt)   # from GMEM: no SMEM for it
+      operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
+      p_kk, p_qk = products()
+
+      def store_scores(a_kk, a_qk):
+        # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
+        hi, lo = _split(a_kk * beta((BT, BT)))
+        lk_s.at[0][...] = hi
+        lk_s.at[1][...] = lo
+        lq_s.at[0][...] = (a_qk * scale).astype(BF16)
+
+      def exact():
+        # Aqk's diagonal: the plain q . k of each row (a wgmma: a row sum would take SMEM scratch)
+        a_qk = p_qk + jnp.where(row == col, _acc([(q_s, k_s.T)], (BT, BT)), 0.0)
+
+        def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
+          ls = 5 - t
+          operands(ls, both_sides=False)
+          kk, qk = products()
+          same = (row >> ls) == (col >> ls)
+          return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
+        store_scores(*lax.fori_loop(0, 5, level, (p_kk, a_qk)))
+
+      def two_levels():
+        operands(5, both_sides=True)
+        kk, qk = products()
+        same = (row >> 5) == (col >> 5)
+        store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
+                     p_qk + jnp.where(same & (col <= row), qk, 0.0))
+
+      if bounded and gated and not two_part:   # every chunk the one-part fused path keeps is bounded
+        two_levels()
+      elif bounded:
+        bound = flag if gated else flag_g[i_h * NTa + c]
+        pl.when(bound != 0)(two_levels)
+        pl.when(bound == 0)(exact)
+      else:
+        exact()
+
+      # qg, kg and kd in place of q, k and their level operands' buffers
       for i, cols in enumerate(slabs):
         G = g_tile(cols)
-
-        def pick(b, R, cols=cols):
-          return where(blk == b, g_row((b << ls) + half, cols, shape), R)
-        R = lax.fori_loop(1, BT >> ls, pick, g_row(half, cols, shape))   # one select per block
-        kx = _load(k_s.at[:, cols]).astype(F32)
+        last = g_row(BT - 1, cols, (BT, SLAB))
         qx = _load(q_s.at[:, cols]).astype(F32)
-        if both_sides:
-          e_l, e_r = jnp.exp(diff(G, R)), jnp.exp(diff(R, G))
-          lk, lq, rk = kx * e_l, qx * e_l, kx * e_r
-        else:
-          second = (row & ((1 << ls) - 1)) >= half
-          e = jnp.exp(jnp.where(second, diff(G, R), diff(R, G)))
-          lk = jnp.where(second, kx * e, 0.0)
-          lq = jnp.where(second, qx * e, 0.0)
-          rk = jnp.where(second, 0.0, kx * e)
-        lk_s.at[i][...] = lk.astype(BF16)
-        lq_s.at[i][...] = lq.astype(BF16)
-        rk_s.at[i][...] = rk.astype(BF16)
-      plgpu.commit_smem()
+        kx = _load(k_s.at[:, cols]).astype(F32)
+        e = jnp.exp(whole(G))
+        q_s.at[:, cols][...] = (qx * e).astype(BF16)
+        k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
+        rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
 
-    def products():
-      n = range(len(slabs))
-      return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
-              _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
+    live = live_chunk(cu_g, c, BT)              # chunks past aligned_cu[-1] hold no token
+    pl.when(live)(compute)
 
-    row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
-    beta = _beta(b_g, i_h, rows, src, cnt)   # from GMEM: no SMEM for it
-    operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
-    p_kk, p_qk = products()
+    @pl.when(jnp.logical_not(live))
+    def _():                                      # tail: zeros (its inputs are zeros anyway)
+      zero = lambda shape: plgpu.layout_cast(jnp.zeros(shape, BF16), WG)
+      if gated:
+        line0 = plgpu.layout_cast(jnp.zeros((K,), F32), gate_mgpu.LINE)
+        for ref in (last_g, lasti_g if two_part else nz_g):
+          ref[c, i_h, :] = line0
+      lq_s.at[0][...] = zero((BT, BT))
+      if tail_zeros:
+        for buf in (lk_s.at[0], lk_s.at[1]):
+          buf[...] = zero((BT, BT))
+        for i, cols in enumerate(slabs):
+          q_s.at[:, cols][...] = zero((BT, SLAB))
+          k_s.at[:, cols][...] = zero((BT, SLAB))
+          rk_s.at[i][...] = zero((BT, SLAB))
 
-    def store_scores(a_kk, a_qk):
-      # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
-      hi, lo = _split(a_kk * beta((BT, BT)))
-      lk_s.at[0][...] = hi
-      lk_s.at[1][...] = lo
-      lq_s.at[0][...] = (a_qk * scale).astype(BF16)
-
-    def exact():
-      # Aqk's diagonal: the plain q . k of each row (a wgmma: a row sum would take SMEM scratch)
-      a_qk = p_qk + jnp.where(row == col, _acc([(q_s, k_s.T)], (BT, BT)), 0.0)
-
-      def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
-        ls = 5 - t
-        operands(ls, both_sides=False)
-        kk, qk = products()
-        same = (row >> ls) == (col >> ls)
-        return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
-      store_scores(*lax.fori_loop(0, 5, level, (p_kk, a_qk)))
-
-    def two_levels():
-      operands(5, both_sides=True)
-      kk, qk = products()
-      same = (row >> 5) == (col >> 5)
-      store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
-                   p_qk + jnp.where(same & (col <= row), qk, 0.0))
-
-    if bounded and gated:     # every chunk the fused path keeps is bounded (_gate_scan)
-      two_levels()
-    elif bounded:
-      flag = flag_g[i_h * NTa + c]
-      pl.when(flag != 0)(two_levels)
-      pl.when(flag == 0)(exact)
-    else:
-      exact()
-
-    # qg, kg and kd in place of q, k and their level operands' buffers
-    for i, cols in enumerate(slabs):
-      G = g_tile(cols)
-      last = g_row(BT - 1, cols, (BT, SLAB))
-      qx = _load(q_s.at[:, cols]).astype(F32)
-      kx = _load(k_s.at[:, cols]).astype(F32)
-      e = jnp.exp(whole(G))
-      q_s.at[:, cols][...] = (qx * e).astype(BF16)
-      k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
-      rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
-
-  live = live_chunk(cu_g, c, BT)              # chunks past aligned_cu[-1] hold no token
-  pl.when(live)(compute)
-
-  @pl.when(jnp.logical_not(live))
-  def _():                                      # tail: zeros (its inputs are zeros anyway)
-    zero = lambda shape: plgpu.layout_cast(jnp.zeros(shape, BF16), WG)
-    if gated:
-      line0 = plgpu.layout_cast(jnp.zeros((K,), F32), gate_mgpu.LINE)
-      last_g[c, i_h, :] = line0
-      nz_g[c, i_h, :] = line0
-    lq_s.at[0][...] = zero((BT, BT))
-    if tail_zeros:
-      for buf in (lk_s.at[0], lk_s.at[1]):
-        buf[...] = zero((BT, BT))
+    def store_rest():
+      plgpu.copy_smem_to_gmem(lk_s.at[0], akh_g.at[rows, i_h, :])
+      plgpu.copy_smem_to_gmem(lk_s.at[1], akl_g.at[rows, i_h, :])
+      plgpu.copy_smem_to_gmem(q_s, qg_g.at[rows, i_h, :])
+      plgpu.copy_smem_to_gmem(k_s, kg_g.at[rows, i_h, :])
       for i, cols in enumerate(slabs):
-        q_s.at[:, cols][...] = zero((BT, SLAB))
-        k_s.at[:, cols][...] = zero((BT, SLAB))
-        rk_s.at[i][...] = zero((BT, SLAB))
+        plgpu.copy_smem_to_gmem(rk_s.at[i], kd_g.at[rows, i_h, cols])
 
-  def store_rest():
-    plgpu.copy_smem_to_gmem(lk_s.at[0], akh_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(lk_s.at[1], akl_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(q_s, qg_g.at[rows, i_h, :])
-    plgpu.copy_smem_to_gmem(k_s, kg_g.at[rows, i_h, :])
-    for i, cols in enumerate(slabs):
-      plgpu.copy_smem_to_gmem(rk_s.at[i], kd_g.at[rows, i_h, cols])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lq_s.at[0], aqk_g.at[rows, i_h, :])   # Aqk, a residual: its tail zeros always
+    if tail_zeros:
+      store_rest()
+    else:           # the tail's Akk, qg, kg, kd left unwritten: only this forward's kernels read them
+      pl.when(live)(store_rest)
+    plgpu.wait_smem_to_gmem(0)
 
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(lq_s.at[0], aqk_g.at[rows, i_h, :])   # Aqk, a residual: its tail zeros always
-  if tail_zeros:
-    store_rest()
-  else:           # the tail's Akk, qg, kg, kd left unwritten: only this forward's kernels read them
-    pl.when(live)(store_rest)
-  plgpu.wait_smem_to_gmem(0)
+  if persistent:
+    W, w = persistent, lax.axis_index("c")
+
+    @pl.when(pred_g[0] != 0)
+    def _():
+      def step(i, carry):
+        c = w + i * W
+        pl.when(redo_g[i_h * NTa + c] != 0)(lambda: chunk(c))
+        return carry
+      lax.fori_loop(0, (NTa - w + W - 1) // W, step, 0)
+  else:
+    chunk(lax.axis_index("c"))
 
 
-def _gate_scan(g_s, gf_s, last_g, nz_g, c, i_h, cnt):
+def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt):
   """The gate kernel's row scan (kda.stages.gate.mosaic_gpu, no activation) on the chunk's raw gates
-  g_s [BT, 128] (rows >= cnt masked): gc_frac row by row into gf_s (in place where g_s is gf_s: each
-  thread reads its column's row before writing it), gc row 63 to last_g[c, i_h] and the column sums
-  of ceil(g)**2 to nz_g[c, i_h] (nonzero iff gc_int is somewhere: the caller then discards this
-  chunk's results). While they are all 0 every gate is in (-1, 0], so each span bounded_chunks
-  reads (16 rows of gc) is within 16 of 0: the chunk is bounded."""
-  LINE = gate_mgpu.LINE
+  g_s [BT, 128] (rows >= cnt masked), the same operations in the same order: gc_frac (and gc_int
+  into gi_s, if given) row by row into gf_s (in place where g_s is gf_s: each thread reads its
+  column's row before writing it); gc row 63 to last_g[c, i_h] (and lasti_g).
+  One part (gi_s None): the column sums of ceil(g)**2 to nz_g[c, i_h] (one nonzero: gc_int is not 0
+  somewhere in the chunk, and the two-part kernel redoes it); while they are all 0 every gate is in
+  (-1, 0], so each span bounded_chunks reads (16 rows of gc) is within 16 of 0: the chunk is bounded
+  (returns None). The scalar flag a skip of such chunks here would need takes a cross-warp
+  reduction, whose SMEM scratch (1 KiB as allocated) leaves this kernel 8 bytes over two CTAs per SM.
+  Two parts: -> the chunk's bounded flag (int32 scalar, as bounded_chunks: the
+  six rows' spans per column, then a min over the columns)."""
+  LINE, two = gate_mgpu.LINE, gi_s is not None
 
   def step(r, carry):
-    acc_f, nz = carry
-    x, whole = gate_mgpu.row_parts(plgpu.load(g_s.at[r], layout=LINE, optimized=False), r < cnt)
+    acc_i, acc_f, nz = carry
+    x = plgpu.load(g_s.at[r], layout=LINE, optimized=False)
+    real = r < cnt
+    x, whole = gate_mgpu.row_parts(x, lambda: real)
+    if two:
+      acc_i = acc_i + whole
+      gi_s.at[r][...] = acc_i
+    else:
+      nz = nz + whole * whole
     acc_f = acc_f + (x - whole)
     gf_s.at[r][...] = acc_f
-    return acc_f, nz + whole * whole
+    return acc_i, acc_f, nz
 
   zero = plgpu.layout_cast(jnp.zeros((gate_mgpu.COLS,), F32), LINE)
-  acc_f, nz = lax.fori_loop(0, BT, step, (zero, zero), unroll=4)
+  acc_i, acc_f, nz = lax.fori_loop(0, BT, step, (zero, zero, zero), unroll=4)
   last_g[c, i_h, :] = acc_f
-  nz_g[c, i_h, :] = nz
+  if not two:
+    nz_g[c, i_h, :] = nz
+    return None
+  lasti_g[c, i_h, :] = acc_i
+  at = lambda r: [plgpu.load(x.at[r], layout=LINE, optimized=False) for x in (gi_s, gf_s)]  # own column
+  span = None
+  for a, m, e in gate_mgpu.SPAN_ROWS:
+    for u, v in ((a, m), (m, e)):
+      d = exponent(*at(u), *at(v))
+      span = d if span is None else jnp.maximum(span, d)      # NaN-propagating, as the gate kernel's
+  ok = jnp.min(jnp.where(span <= BOUNDED_SPAN, 1.0, 0.0))     # NaN -> 0, as bounded_chunks
+  return (ok > 0.5).astype(jnp.int32)
 
 
 def _solve_body(cu_g, *refs, packed, tail_zeros=True):
@@ -468,39 +513,46 @@ def _params(config):
 
 
 def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config, tail_zeros=True, Ta=None,
-            into=None):
+            into=None, pred=None):
   """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,); rows: ChunkRows (packed q, k, beta_t) or None.
-  flag None: gated (gis = (g,), the packed raw gates [T, HV, 128]; Ta given) -> also (last, nz).
-  into: six mutable refs (jax.new_ref) the results are written into in place, returning nothing."""
+  flag None: gated (gis = (g,), the packed raw gates [T, HV, 128]; Ta given): one part -> also
+  (gc row 63, the ceil(g)**2 column sums), both [NTa, HV, K]; with pred = (int32 [1], the chunks
+  to redo: int32 [HV * NTa]) both parts, persistent (module docstring of kda.fused.gate_intra) ->
+  also (gc_int, gc_frac row 63).
+  into: the refs (jax.new_ref) the results are written into in place, returning nothing."""
   gated = flag is None
   K = q.shape[2]
   Ta, HV = (Ta, q.shape[1]) if gated else gis[0].shape[:2]
-  two_part = len(gis) == 2
+  two_part = len(gis) == 2 or pred is not None
   packed = rows is not None
+  NTa = Ta // BT
+  W = max(1, min(NTa, PERSISTENT_CTAS // HV)) if pred is not None else 0
   body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded, packed=packed,
-                           tail_zeros=tail_zeros, gated=gated)
+                           tail_zeros=tail_zeros, gated=gated, persistent=W)
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   ops = [_swz((max(K // SLAB, 2), BT, SLAB)) for _ in range(3)]   # [64, 64] slabs; two at K = 64 too
   if packed:    # the landing zone of q, k (bf16 gates) shares the operands' bytes (never live together)
     bf16_g = gated and gis[0].dtype != F32
     ops = plgpu.RefUnion(ops, [plgpu.SMEM((BT, K), BF16) for _ in range(2 + bf16_g)])
-  stats = [jax.ShapeDtypeStruct((Ta // BT, HV, K), F32)] * 2 if gated else []
+  stats = [jax.ShapeDtypeStruct((NTa, HV, K), F32)] * 2 if gated else []
   outs = (shape(BT), shape(BT), shape(BT), shape(K), shape(K), shape(K), *stats)
   f = plgpu.kernel(
       body,
       out_type=() if into else outs,      # in place: the refs follow the inputs, as the outputs would
-      grid=(HV, Ta // BT), grid_names=("h", "c"),
+      grid=(HV, W or NTa), grid_names=("h", "c"),
       scratch_types=[
           _swz((BT, K)), _swz((BT, K)),
           *([ops] if packed else ops),                     # level operands lk, lq, rk
-          *[plgpu.SMEM((BT, K), F32) for _ in gis],
-          plgpu.Barrier(num_arrivals=2 + len(gis)),
+          *[plgpu.SMEM((BT, K), F32) for _ in range(1 + two_part)],
+          plgpu.Barrier(num_arrivals=3 if gated else 2 + len(gis)),
       ],
       compiler_params=_params(config),
-      kernel_name="kda_gate_intra_scores" if gated else "kda_intra_scores",
+      kernel_name=("kda_gate_intra_scores_strong" if W else "kda_gate_intra_scores") if gated else "kda_intra_scores",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(cu, *(() if gated else (flag,)), *(() if rows is None else rows), q, k, beta_t, *gis, *(into or ()))
+  lead = () if pred is None else tuple(pred)
+  return f(cu, *lead, *(() if gated else (flag,)), *(() if rows is None else rows), q, k, beta_t, *gis,
+           *(into or ()))
 
 
 def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=True):
