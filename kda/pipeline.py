@@ -67,8 +67,9 @@ TAIL_ZEROS = False
 # The packed forward's gate -> intra group (kda.fused.gate_intra) where it takes the call. H200, the
 # same bits: forward back to back A 1.31 vs 1.44 ms, B 2.05 vs 2.21, C 1.29 vs 1.40 for gates above
 # -1, but 2.53 vs 1.82 (A) where gates reach -1 in every chunk (log-space gates computed outside, as
-# -exp(A_log) * softplus(x) gives them): the one-part kernel's work is then redone. Off until the
-# one-part kernel can skip those chunks (a scalar flag per chunk: see kda.stages.intra.mosaic_gpu).
+# -exp(A_log) * softplus(x) gives them): the one-part kernel's work was then redone. It now skips
+# those chunks (kda.stages.intra.mosaic_gpu.SKIP_STRONG), which has run in the simulator and lowered
+# for CUDA only: off until measured on the H200.
 FUSE_GATE_INTRA = False
 
 # Whether the packed backward's S2 terms kernel reads do packed (the align folded into its load,

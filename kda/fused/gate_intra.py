@@ -26,9 +26,11 @@ Two kernels, no host round trip:
   the unfused pair's lax.cond on the same predicate makes the host wait for the gate kernel and
   launch the rest after it.
 
-Off by default (kda.pipeline.FUSE_GATE_INTRA): where gates reach -1 in every chunk the one-part
-kernel's work is all redone (H200, A: 2.53 ms against 1.82 unfused), and it cannot skip those
-chunks itself yet (kda.stages.intra.mosaic_gpu._gate_scan says why).
+The one-part kernel skips the work of the chunks the two-part kernel redoes (SKIP_STRONG of
+kda.stages.intra.mosaic_gpu: per column a bf16 flag into a free SMEM row, then 128 scalar reads;
+a cross-warp reduction's scratch would cost it its second CTA per SM). Off by default
+(kda.pipeline.FUSE_GATE_INTRA): before that skip, gates reaching -1 in every chunk cost the group
+2.53 ms on A against 1.82 unfused (H200); the skip has run in the simulator and lowered only.
 
 Where it applies (`takes`): the packed forward with gates given in log space (use_gate_in_kernel
 False; activated gates reach -1 often, and would pay both), K = 128 (one thread per column of the

@@ -69,6 +69,9 @@ BT = 64
 BOUNDED_SPAN = 80.0       # exp(+-80) is a normal float32 / bf16 number
 SLAB = 64                 # gc / operand columns handled at once (register pressure)
 PERSISTENT_CTAS = 128     # programs of the persistent (fallback) scores kernel: one per SM
+# The one-part gated kernel skips the work of chunks the two-part kernel redoes (a gate <= -1):
+# simulator and CUDA lowering only so far (kda.fused.gate_intra is off by default)
+SKIP_STRONG = True
 # True: the two-part scores kernel alone, no lax.cond to the gc_frac-only one (which gives the same
 # bits while gc_int == 0). H200: the same bits, fwd+bwd compiles 3-9 s faster, but runs 0.3-0.4 ms
 # slower on plain gates (A 9.54 vs 9.15 ms, C 9.35 vs 9.04): off.
@@ -225,113 +228,122 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
         real = _iota(0, (BT, K)) < cnt
         for land, dst in zip(landing, (q_s, k_s)):
           dst[...] = jnp.where(real, _load(land), jnp.zeros((), BF16))
+        if gated and not two_part and SKIP_STRONG:   # q's raw tile is read before it takes the flags
+          plgpu.commit_smem()
         if gated:
-          flag = _gate_scan(g_land, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt)
+          flag = _gate_scan(g_land, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt,
+                            flag_s=landing[0] if SKIP_STRONG else None)
         plgpu.commit_smem()   # also a warpgroup barrier: the landing zone is read before reuse
 
-      # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
-      def g_tile(cols):
-        if two_part:
-          return _load(gi_s.at[:, cols]), _load(gf_s.at[:, cols])
-        return _load(gf_s.at[:, cols])
+      def scores():
+        # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
+        def g_tile(cols):
+          if two_part:
+            return _load(gi_s.at[:, cols]), _load(gf_s.at[:, cols])
+          return _load(gf_s.at[:, cols])
 
-      def g_row(r, cols, shape):
-        vec = lambda s_: lax.broadcast_in_dim(_load(s_.at[r, cols], COL), shape, [1])
-        return (vec(gi_s), vec(gf_s)) if two_part else vec(gf_s)
+        def g_row(r, cols, shape):
+          vec = lambda s_: lax.broadcast_in_dim(_load(s_.at[r, cols], COL), shape, [1])
+          return (vec(gi_s), vec(gf_s)) if two_part else vec(gf_s)
 
-      def where(m, a, b):
-        if two_part:
-          return tuple(jnp.where(m, x, y) for x, y in zip(a, b))
-        return jnp.where(m, a, b)
+        def where(m, a, b):
+          if two_part:
+            return tuple(jnp.where(m, x, y) for x, y in zip(a, b))
+          return jnp.where(m, a, b)
 
-      diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
-      whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
+        diff = (lambda a, b: exponent(*a, *b)) if two_part else (lambda a, b: a - b)
+        whole = (lambda a: exponent(*a)) if two_part else (lambda a: a)
 
-      def operands(ls, both_sides):
-        """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
-        r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
-        second halves and rk outside first halves, the bounded level keeps every row."""
-        shape = (BT, SLAB)
-        row = _iota(0, shape)
-        blk = row >> ls
-        half = 1 << (ls - 1)
+        def operands(ls, both_sides):
+          """Level s = 2**ls (ls may be traced) into SMEM: lk/lq = k/q * exp(gc - r), rk = k * exp(r - gc),
+          r the row at the first token of each s-block's second half; exact levels zero lk/lq outside
+          second halves and rk outside first halves, the bounded level keeps every row."""
+          shape = (BT, SLAB)
+          row = _iota(0, shape)
+          blk = row >> ls
+          half = 1 << (ls - 1)
+          for i, cols in enumerate(slabs):
+            G = g_tile(cols)
+
+            def pick(b, R, cols=cols):
+              return where(blk == b, g_row((b << ls) + half, cols, shape), R)
+            R = lax.fori_loop(1, BT >> ls, pick, g_row(half, cols, shape))   # one select per block
+            kx = _load(k_s.at[:, cols]).astype(F32)
+            qx = _load(q_s.at[:, cols]).astype(F32)
+            if both_sides:
+              e_l, e_r = jnp.exp(diff(G, R)), jnp.exp(diff(R, G))
+              lk, lq, rk = kx * e_l, qx * e_l, kx * e_r
+            else:
+              second = (row & ((1 << ls) - 1)) >= half
+              e = jnp.exp(jnp.where(second, diff(G, R), diff(R, G)))
+              lk = jnp.where(second, kx * e, 0.0)
+              lq = jnp.where(second, qx * e, 0.0)
+              rk = jnp.where(second, 0.0, kx * e)
+            lk_s.at[i][...] = lk.astype(BF16)
+            lq_s.at[i][...] = lq.astype(BF16)
+            rk_s.at[i][...] = rk.astype(BF16)
+          plgpu.commit_smem()
+
+        def products():
+          n = range(len(slabs))
+          return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
+                  _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
+
+        row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
+        beta = _beta(b_g, i_h, rows, src, cnt)   # from GMEM: no SMEM for it
+        operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
+        p_kk, p_qk = products()
+
+        def store_scores(a_kk, a_qk):
+          # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
+          hi, lo = _split(a_kk * beta((BT, BT)))
+          lk_s.at[0][...] = hi
+          lk_s.at[1][...] = lo
+          lq_s.at[0][...] = (a_qk * scale).astype(BF16)
+
+        def exact():
+          # Aqk's diagonal: the plain q . k of each row (a wgmma: a row sum would take SMEM scratch)
+          a_qk = p_qk + jnp.where(row == col, _acc([(q_s, k_s.T)], (BT, BT)), 0.0)
+
+          def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
+            ls = 5 - t
+            operands(ls, both_sides=False)
+            kk, qk = products()
+            same = (row >> ls) == (col >> ls)
+            return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
+          store_scores(*lax.fori_loop(0, 5, level, (p_kk, a_qk)))
+
+        def two_levels():
+          operands(5, both_sides=True)
+          kk, qk = products()
+          same = (row >> 5) == (col >> 5)
+          store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
+                       p_qk + jnp.where(same & (col <= row), qk, 0.0))
+
+        if bounded and gated and not two_part:   # every chunk the one-part fused path keeps is bounded
+          two_levels()
+        elif bounded:
+          bound = flag if gated else flag_g[i_h * NTa + c]
+          pl.when(bound != 0)(two_levels)
+          pl.when(bound == 0)(exact)
+        else:
+          exact()
+
+        # qg, kg and kd in place of q, k and their level operands' buffers
         for i, cols in enumerate(slabs):
           G = g_tile(cols)
-
-          def pick(b, R, cols=cols):
-            return where(blk == b, g_row((b << ls) + half, cols, shape), R)
-          R = lax.fori_loop(1, BT >> ls, pick, g_row(half, cols, shape))   # one select per block
-          kx = _load(k_s.at[:, cols]).astype(F32)
+          last = g_row(BT - 1, cols, (BT, SLAB))
           qx = _load(q_s.at[:, cols]).astype(F32)
-          if both_sides:
-            e_l, e_r = jnp.exp(diff(G, R)), jnp.exp(diff(R, G))
-            lk, lq, rk = kx * e_l, qx * e_l, kx * e_r
-          else:
-            second = (row & ((1 << ls) - 1)) >= half
-            e = jnp.exp(jnp.where(second, diff(G, R), diff(R, G)))
-            lk = jnp.where(second, kx * e, 0.0)
-            lq = jnp.where(second, qx * e, 0.0)
-            rk = jnp.where(second, 0.0, kx * e)
-          lk_s.at[i][...] = lk.astype(BF16)
-          lq_s.at[i][...] = lq.astype(BF16)
-          rk_s.at[i][...] = rk.astype(BF16)
-        plgpu.commit_smem()
+          kx = _load(k_s.at[:, cols]).astype(F32)
+          e = jnp.exp(whole(G))
+          q_s.at[:, cols][...] = (qx * e).astype(BF16)
+          k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
+          rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
 
-      def products():
-        n = range(len(slabs))
-        return (_acc([(lk_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)),
-                _acc([(lq_s.at[i], rk_s.at[i].T) for i in n], (BT, BT)))
-
-      row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
-      beta = _beta(b_g, i_h, rows, src, cnt)   # from GMEM: no SMEM for it
-      operands(6, both_sides=False)          # level 64: no mask (its operands are zero elsewhere)
-      p_kk, p_qk = products()
-
-      def store_scores(a_kk, a_qk):
-        # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
-        hi, lo = _split(a_kk * beta((BT, BT)))
-        lk_s.at[0][...] = hi
-        lk_s.at[1][...] = lo
-        lq_s.at[0][...] = (a_qk * scale).astype(BF16)
-
-      def exact():
-        # Aqk's diagonal: the plain q . k of each row (a wgmma: a row sum would take SMEM scratch)
-        a_qk = p_qk + jnp.where(row == col, _acc([(q_s, k_s.T)], (BT, BT)), 0.0)
-
-        def level(t, acc):                 # s = 32, 16, 8, 4, 2: one copy of the code for all five
-          ls = 5 - t
-          operands(ls, both_sides=False)
-          kk, qk = products()
-          same = (row >> ls) == (col >> ls)
-          return acc[0] + jnp.where(same, kk, 0.0), acc[1] + jnp.where(same, qk, 0.0)
-        store_scores(*lax.fori_loop(0, 5, level, (p_kk, a_qk)))
-
-      def two_levels():
-        operands(5, both_sides=True)
-        kk, qk = products()
-        same = (row >> 5) == (col >> 5)
-        store_scores(p_kk + jnp.where(same & (col < row), kk, 0.0),
-                     p_qk + jnp.where(same & (col <= row), qk, 0.0))
-
-      if bounded and gated and not two_part:   # every chunk the one-part fused path keeps is bounded
-        two_levels()
-      elif bounded:
-        bound = flag if gated else flag_g[i_h * NTa + c]
-        pl.when(bound != 0)(two_levels)
-        pl.when(bound == 0)(exact)
+      if gated and not two_part and SKIP_STRONG:   # a chunk needing gc_int: the two-part kernel's
+        pl.when(_any_flag(landing[0]) == 0)(scores)
       else:
-        exact()
-
-      # qg, kg and kd in place of q, k and their level operands' buffers
-      for i, cols in enumerate(slabs):
-        G = g_tile(cols)
-        last = g_row(BT - 1, cols, (BT, SLAB))
-        qx = _load(q_s.at[:, cols]).astype(F32)
-        kx = _load(k_s.at[:, cols]).astype(F32)
-        e = jnp.exp(whole(G))
-        q_s.at[:, cols][...] = (qx * e).astype(BF16)
-        k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
-        rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
+        scores()
 
     live = live_chunk(cu_g, c, BT)              # chunks past aligned_cu[-1] hold no token
     pl.when(live)(compute)
@@ -382,7 +394,15 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
     chunk(lax.axis_index("c"))
 
 
-def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt):
+def _any_flag(flag_s):
+  """1.0 if any of the 128 bf16 flags in flag_s's row 0 is nonzero, else 0.0: a scalar in every
+  thread, by scalar SMEM reads (no cross-warp reduction: its scratch would cost the kernel its second
+  CTA)."""
+  return lax.fori_loop(0, gate_mgpu.COLS, lambda j, m: jnp.maximum(m, flag_s[0, j].astype(F32)),
+                       jnp.float32(0.0), unroll=16)
+
+
+def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt, flag_s=None):
   """The gate kernel's row scan (kda.stages.gate.mosaic_gpu, no activation) on the chunk's raw gates
   g_s [BT, 128] (rows >= cnt masked), the same operations in the same order: gc_frac (and gc_int
   into gi_s, if given) row by row into gf_s (in place where g_s is gf_s: each thread reads its
@@ -390,9 +410,9 @@ def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt):
   One part (gi_s None): the column sums of ceil(g)**2 to nz_g[c, i_h] (one nonzero: gc_int is not 0
   somewhere in the chunk, and the two-part kernel redoes it); while they are all 0 every gate is in
   (-1, 0], so each span bounded_chunks reads (16 rows of gc) is within 16 of 0: the chunk is bounded
-  (returns None). The scalar flag a skip of such chunks here would need takes a cross-warp
-  reduction, whose SMEM scratch (1 KiB as allocated) leaves this kernel 8 bytes over two CTAs per SM.
-  Two parts: -> the chunk's bounded flag (int32 scalar, as bounded_chunks: the
+  (returns None). flag_s (a plain bf16 [64, 128] SMEM tile): into its row 0, per column 1 where the sum is nonzero, for the
+  caller's skip of such chunks (SKIP_STRONG; a cross-warp reduction's SMEM scratch, 1 KiB as
+  allocated, would take this kernel 8 bytes over two CTAs per SM). Two parts: -> the chunk's bounded flag (int32 scalar, as bounded_chunks: the
   six rows' spans per column, then a min over the columns)."""
   LINE, two = gate_mgpu.LINE, gi_s is not None
 
@@ -415,6 +435,8 @@ def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt):
   last_g[c, i_h, :] = acc_f
   if not two:
     nz_g[c, i_h, :] = nz
+    if flag_s is not None:         # per column: 1 where gc_int is not 0 (NaN included)
+      flag_s.at[0][...] = jnp.where(nz != 0, 1.0, 0.0).astype(BF16)
     return None
   lasti_g[c, i_h, :] = acc_i
   at = lambda r: [plgpu.load(x.at[r], layout=LINE, optimized=False) for x in (gi_s, gf_s)]  # own column
