@@ -63,6 +63,14 @@ def stage_times(lens, gate, reps):
   return out
 
 
+def _forward(impl, kw):
+  """A new jitted chunk_kda of make_inputs' record (new each call: jit traces it under the module
+  switches set then)."""
+  return jax.jit(lambda i: __import__("kda").chunk_kda(
+      i.q, i.k, i.v, i.g, i.beta, initial_state=i.initial_state, output_final_state=True,
+      cu_seqlens=i.cu_seqlens, impl=impl, **kw))
+
+
 def forward_errors(lens, gate):
   """Whole forward (impl=None, pallas, XLA reference) vs the recurrence, on the same bf16 inputs."""
   inp = make_inputs(1, lens, H=H, K=K, V=K, gate=gate, dtype=jnp.bfloat16)
@@ -76,10 +84,7 @@ def forward_errors(lens, gate):
   o_r, s_r = rec(inp, g_rec)
   res = {}
   for label, impl in (("auto", None), ("pallas", "pallas"), ("reference", "reference")):
-    f = jax.jit(lambda i, impl=impl: __import__("kda").chunk_kda(
-        i.q, i.k, i.v, i.g, i.beta, initial_state=i.initial_state, output_final_state=True,
-        cu_seqlens=i.cu_seqlens, impl=impl, **kw))
-    o, s = f(inp)
+    o, s = _forward(impl, kw)(inp)
     res[label] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
     if label == "auto":
       res["auto_packed_vs_aligned"] = _packed_vs_aligned(inp, kw, (o, s))
@@ -92,10 +97,8 @@ def _fused_gate_intra(inp, kw, out):
   (kda.pipeline.FUSE_GATE_INTRA flipped) against `out`: 0 where it runs as it should (it takes
   log-space gates only; elsewhere the same kernels run)."""
   saved, pipeline.FUSE_GATE_INTRA = pipeline.FUSE_GATE_INTRA, not pipeline.FUSE_GATE_INTRA
-  try:   # a new function: jit traces it under the switch
-    o, s = jax.jit(lambda i: __import__("kda").chunk_kda(
-        i.q, i.k, i.v, i.g, i.beta, initial_state=i.initial_state, output_final_state=True,
-        cu_seqlens=i.cu_seqlens, **kw))(inp)
+  try:
+    o, s = _forward(None, kw)(inp)
   finally:
     pipeline.FUSE_GATE_INTRA = saved
   return {"o": _rel(o, out[0]), "final": _rel(s, out[1])}

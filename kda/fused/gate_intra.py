@@ -91,8 +91,7 @@ def mosaic_gpu(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, use_gat
   NTa = rows.src.shape[0]
   Ta = NTa * BT
   cu = aligned_cu.astype(jnp.int32)
-  beta_t = jnp.pad(beta[0].astype(F32).T, ((0, 0), (0, BT)))   # as intra_mgpu.packed
-  rows = tuple(x.astype(jnp.int32) for x in rows)
+  beta_t, rows = intra_mgpu.packed_beta_rows(beta, rows)
   q, k, v = (x[0].astype(intra_mgpu.BF16) for x in (q, k, v))
   bounded = config.bounded == "auto"
   kw = dict(scale=float(scale), bounded=bounded, interpret=interpret, config=config, tail_zeros=bool(tail_zeros))

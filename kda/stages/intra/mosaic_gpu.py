@@ -635,6 +635,12 @@ def packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, 
   return None
 
 
+def packed_beta_rows(beta, rows):
+  """The packed kernels' beta [HV, T + BT] float32 (a chunk's BT rows from any src < T stay inside:
+  those loads are not TMA) and rows as an int32 (src, count) tuple."""
+  return jnp.pad(beta[0].astype(F32).T, ((0, 0), (0, BT))), tuple(x.astype(jnp.int32) for x in rows)
+
+
 def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_size, bounded=None,
            two_part=None, interpret=False, config=None, tail_zeros=True):
   """`apply` on packed q, k, v [1, T, ...], beta [1, T, HV]: the align folded into the loads.
@@ -653,8 +659,7 @@ def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_siz
     raise ValueError(f"mosaic_gpu intra kernel (packed): {reason}")
   Ta = gc_frac.shape[1]
   # [HV, T + BT]: a chunk's BT rows from any src < T stay inside (the loads there are not TMA)
-  beta_t = jnp.pad(beta[0].astype(F32).T, ((0, 0), (0, BT)))
-  rows = tuple(x.astype(jnp.int32) for x in rows)
+  beta_t, rows = packed_beta_rows(beta, rows)
   return _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, bounded, two_part, scale=scale,
                 interpret=interpret, config=config, Ta=Ta, tail_zeros=bool(tail_zeros))
 
