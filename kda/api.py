@@ -230,8 +230,12 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     # gradient of initial_state is the final_state cotangent and every other gradient is zero.
     return jnp.zeros_like(v), (h0 if output_final_state else None)
   pack = lambda x: x.reshape((1, B * T) + x.shape[2:])
-  o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), pack(g), pack(beta), h0, A_log,
-                         dt_bias)
+  g = pack(g)
+  if pipeline.segmented_takes(plan, contiguous=segment_ids is None, initial_state=initial_state,
+                              output_final_state=output_final_state, N=N):
+    layout, g = pipeline.segmented(layout, g)   # fewer, longer sequences; resets inside
+    h0 = h0[:layout.N]
+  o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)
   o = o.reshape(B, T, HV, V)
   return o, (final_state if output_final_state else None)
 

@@ -19,8 +19,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kda import padding
+from kda import padding, shapes
 from kda.fused import gate_intra, state_output
 from kda.padding import Layout
 from kda import stages
@@ -71,6 +72,52 @@ TAIL_ZEROS = False
 # those chunks (kda.stages.intra.mosaic_gpu.SKIP_STRONG), which has run in the simulator and lowered
 # for CUDA only: off until measured on the H200.
 FUSE_GATE_INTRA = False
+
+# Whether chunk_kda runs many short sequences as SEGMENT_PIECES longer ones where that is exact and
+# the forward runs Mosaic GPU kernels (`segmented_takes`): each piece starts at a sequence start and
+# holds the sequences that start before the next piece's start, chunked as one sequence, with a gate
+# of -inf at each of their later starts. The gate stage floors it to GATE_FLOOR, whose decay
+# exp(-128) is exactly 0 in float32: no term crosses the boundary and the state entering a sequence
+# is zero, as in the recurrence; the reset gate's gradient is 0 (so is the true one: it only decays
+# the zero initial state). Fewer chunks (B: 528 of a static bound of 544, against 755 aligned ones of
+# a bound of 994) for a chunk with a reset inside taking intra's six-level path. Conditions: a zero
+# initial state and an unused final state (a piece has one of each), log-space gates (a built-in
+# activation may not reach the floor), sequences that tile the stream (cu_seqlens or fixed-length
+# rows; segment_ids may leave gaps) and more of them than pieces. One stream (SEGMENT_PIECES = 1)
+# serialises the state walks: on the H200 forward A 2.67 ms back to back against 1.44. Off: with 16
+# pieces, shape B on the H200 (the same o and gradients to bf16 rounding) forward 4.25 ms against
+# 2.50 and forward+backward 14.54 against 14.03, in 2904 MiB of XLA temp against 5347: intra's
+# scores kernel takes 2.55 ms (0.72 aligned) on its six-level path for every chunk holding a reset.
+SEGMENTED = False
+SEGMENT_PIECES = 16
+
+
+def segmented_takes(plan: Plan, *, contiguous: bool, initial_state, output_final_state: bool, N: int) -> bool:
+  """Whether chunk_kda runs this call's sequences as SEGMENT_PIECES segmented ones (SEGMENTED)."""
+  return (SEGMENTED and contiguous and N > SEGMENT_PIECES and initial_state is None and not output_final_state
+          and not plan.use_gate_in_kernel and all(plan.impl(n) == "mosaic_gpu" for n in FORWARD_STAGES))
+
+
+def segmented(layout: Layout, g, pieces: int | None = None):
+  """(layout, packed g [1, T, HV, K]) -> (the layout of `pieces` sequences over the same tokens, g
+  with -inf at every other sequence start). Piece j starts at the first sequence start at or after
+  j * ceil(end / pieces) (end: the last sequence's end); pieces may be empty. Starts at T (empty
+  sequences at the end) are dropped."""
+  P = SEGMENT_PIECES if pieces is None else pieces
+  starts, ends = layout.starts, layout.starts + layout.lens
+  concrete = shapes.is_concrete(starts) and shapes.is_concrete(ends)
+  xp = np if concrete else jnp
+  starts, end = xp.asarray(starts, xp.int32), xp.asarray(ends[-1], xp.int32)
+  step = (end + P - 1) // P
+  at = xp.searchsorted(starts, xp.arange(P, dtype=xp.int32) * step, side="left")
+  first = xp.where(at < starts.shape[0], starts[xp.minimum(at, starts.shape[0] - 1)], end)
+  first = xp.minimum(first, end).astype(xp.int32)
+  first = first.at[0].set(0) if xp is jnp else np.concatenate([[0], first[1:]]).astype(np.int32)
+  lens = xp.diff(xp.concatenate([first, end.reshape(1)])).astype(xp.int32)
+  reset = jnp.where(jnp.isin(jnp.asarray(starts), jnp.asarray(first)), layout.T, jnp.asarray(starts))
+  return (padding.make_layout(first, lens, layout.T, layout.chunk_size),
+          g.at[0, reset].set(-jnp.inf, mode="drop"))
+
 
 # Whether the packed backward's S2 terms kernel reads do packed (the align folded into its load,
 # scaled there as the walk's aligned sdo: the same bits in the simulator), so that the aligned do

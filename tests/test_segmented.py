@@ -1,0 +1,79 @@
+"""kda.pipeline.SEGMENTED: short sequences run as fewer, longer ones with a -inf gate at each inner
+sequence start (exact: exp(GATE_FLOOR) == 0 in float32)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda
+from kda import padding, pipeline
+from kda.reference import recurrent_kda
+
+CU = np.array([0, 37, 37, 101, 166, 167, 197], np.int32)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["concrete", "traced"])
+def test_pieces_start_at_sequence_starts_and_reset_the_rest(traced):
+  T = 256
+  make = lambda cu: pipeline.segmented(padding.layout_from_cu_seqlens(cu, T, 64),
+                                       jnp.full((1, T, 1, 1), -0.5), 3)
+  lay, g = jax.jit(make)(jnp.asarray(CU)) if traced else make(CU)
+  np.testing.assert_array_equal(np.asarray(lay.starts), [0, 101, 166])
+  np.testing.assert_array_equal(np.asarray(lay.lens), [101, 65, 31])
+  g = np.asarray(g)[0, :, 0, 0]
+  np.testing.assert_array_equal(np.where(np.isinf(g))[0], [37, 167])   # the starts inside a piece
+  assert np.all(g[np.isfinite(g)] == -0.5)
+
+
+def test_takes_only_what_it_computes_exactly():
+  plan = lambda **a: pipeline.make_plan(scale=0.125, chunk_size=64, impl="mosaic_gpu", **a)
+  kw = dict(contiguous=True, initial_state=None, output_final_state=False, N=pipeline.SEGMENT_PIECES + 1)
+  on = lambda p, **a: pipeline.SEGMENTED and pipeline.segmented_takes(p, **{**kw, **a})
+  assert not pipeline.segmented_takes(plan(), **{**kw, "N": pipeline.SEGMENT_PIECES})
+  assert not on(plan(), contiguous=False)
+  assert not on(plan(), initial_state=jnp.zeros((1,)))
+  assert not on(plan(), output_final_state=True)
+  assert not on(plan(use_gate_in_kernel=True))
+  assert not on(pipeline.make_plan(scale=0.125, chunk_size=64, impl="reference"))
+
+
+@pytest.mark.large      # ~70 s in the simulator
+def test_segmented_forward_and_gradient_match_the_recurrence(monkeypatch):
+  """impl="mosaic_gpu" (simulator), two pieces over six sequences (one empty, boundaries mid-chunk),
+  NaN past cu_seqlens[-1]: o close to the recurrence and to the aligned run, every gradient close to
+  the aligned run's, finite, and exactly 0 past the end."""
+  monkeypatch.setattr(pipeline, "SEGMENTED", True)
+  monkeypatch.setattr(pipeline, "SEGMENT_PIECES", 2)
+  r = [np.random.default_rng(i) for i in range(6)]
+  T, H, HV, K, V = 256, 1, 2, 64, 64
+  none = (np.arange(T) >= CU[-1])[None, :, None, None]
+  bf = lambda x: jnp.asarray(np.where(none, np.nan, x), jnp.bfloat16)
+  x = (bf(r[0].standard_normal((1, T, H, K)) / 8), bf(r[1].standard_normal((1, T, H, K)) / 8),
+       bf(r[2].standard_normal((1, T, HV, V))),
+       jnp.asarray(np.where(none, np.nan, -np.log1p(np.exp(-r[3].standard_normal((1, T, HV, K)))) / 4), jnp.float32),
+       jnp.asarray(np.where(none[..., 0], np.nan, r[4].uniform(0.1, 0.9, (1, T, HV))), jnp.bfloat16))
+  do = jnp.asarray(r[5].standard_normal((1, T, HV, V)), jnp.float32)
+  cu = jnp.asarray(CU)
+  seen = []
+  real = pipeline.segmented
+  monkeypatch.setattr(pipeline, "segmented", lambda *a, **k: seen.append(1) or real(*a, **k))
+
+  def run():
+    fwd = lambda x, cu: kda.chunk_kda(*x, cu_seqlens=cu, impl="mosaic_gpu")[0]
+    loss = lambda x, cu: jnp.sum(fwd(x, cu).astype(jnp.float32) * do)
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    return f32(jax.jit(fwd)(x, cu)), [f32(a) for a in jax.jit(jax.grad(loss))(x, cu)]
+
+  o, grads = run()
+  assert seen
+  monkeypatch.setattr(pipeline, "SEGMENTED", False)
+  o_al, grads_al = run()
+  end = CU[-1]
+  clean = lambda a: jnp.asarray(np.nan_to_num(np.asarray(a.astype(jnp.float32))))
+  want = np.asarray(recurrent_kda(*map(clean, x), cu_seqlens=cu)[0])
+  assert np.isfinite(o).all() and np.all(o[:, end:] == 0)
+  assert np.abs(o[:, :end] - want[:, :end]).max() <= 1e-2 * np.abs(want[:, :end]).max()
+  assert np.abs(o - o_al).max() <= 2 ** -7 * np.abs(o_al).max()
+  for name, a, b in zip("q k v g beta".split(), grads, grads_al):
+    assert np.isfinite(a).all() and np.all(a[:, end:] == 0), name
+    assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), name
