@@ -79,8 +79,8 @@ FUSE_GATE_INTRA = False
 # of -inf at each of their later starts. The gate stage floors it to GATE_FLOOR, whose decay
 # exp(-128) is exactly 0 in float32: no term crosses the boundary and the state entering a sequence
 # is zero, as in the recurrence; the reset gate's gradient is 0 (so is the true one: it only decays
-# the zero initial state). Fewer chunks (B: 528 of a static bound of 544, against 755 aligned ones of
-# a bound of 994) for a chunk with a reset inside taking intra's six-level path. Conditions: a zero
+# the zero initial state). Fewer chunks (B: a static bound of 528, against 755 aligned ones of a bound
+# of 994) for a chunk with a reset inside taking intra's six-level path. Conditions: a zero
 # initial state and an unused final state (a piece has one of each), log-space gates (a built-in
 # activation may not reach the floor), sequences that tile the stream (cu_seqlens or fixed-length
 # rows; segment_ids may leave gaps) and more of them than pieces. One stream (SEGMENT_PIECES = 1)

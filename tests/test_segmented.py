@@ -25,16 +25,20 @@ def test_pieces_start_at_sequence_starts_and_reset_the_rest(traced):
   assert np.all(g[np.isfinite(g)] == -0.5)
 
 
-def test_takes_only_what_it_computes_exactly():
+def test_takes_only_what_it_computes_exactly(monkeypatch):
+  monkeypatch.setattr(pipeline, "SEGMENTED", True)
   plan = lambda **a: pipeline.make_plan(scale=0.125, chunk_size=64, impl="mosaic_gpu", **a)
   kw = dict(contiguous=True, initial_state=None, output_final_state=False, N=pipeline.SEGMENT_PIECES + 1)
-  on = lambda p, **a: pipeline.SEGMENTED and pipeline.segmented_takes(p, **{**kw, **a})
-  assert not pipeline.segmented_takes(plan(), **{**kw, "N": pipeline.SEGMENT_PIECES})
+  on = lambda p, **a: pipeline.segmented_takes(p, **{**kw, **a})
+  assert on(plan())
+  assert not on(plan(), N=pipeline.SEGMENT_PIECES)
   assert not on(plan(), contiguous=False)
   assert not on(plan(), initial_state=jnp.zeros((1,)))
   assert not on(plan(), output_final_state=True)
   assert not on(plan(use_gate_in_kernel=True))
   assert not on(pipeline.make_plan(scale=0.125, chunk_size=64, impl="reference"))
+  monkeypatch.setattr(pipeline, "SEGMENTED", False)
+  assert not on(plan())
 
 
 @pytest.mark.large      # ~70 s in the simulator
