@@ -112,7 +112,6 @@ def segmented(layout: Layout, g, pieces: int | None = None):
   at = xp.searchsorted(starts, xp.arange(P, dtype=xp.int32) * step, side="left")
   first = xp.where(at < starts.shape[0], starts[xp.minimum(at, starts.shape[0] - 1)], end)
   first = xp.minimum(first, end).astype(xp.int32)
-  first = first.at[0].set(0) if xp is jnp else np.concatenate([[0], first[1:]]).astype(np.int32)
   lens = xp.diff(xp.concatenate([first, end.reshape(1)])).astype(xp.int32)
   reset = jnp.where(jnp.isin(jnp.asarray(starts), jnp.asarray(first)), layout.T, jnp.asarray(starts))
   return (padding.make_layout(first, lens, layout.T, layout.chunk_size),
