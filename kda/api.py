@@ -233,15 +233,19 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   g = pack(g)
   if pipeline.segmented_takes(plan, contiguous=segment_ids is None, initial_state=initial_state,
                               output_final_state=output_final_state, N=N):
-    layout, g = pipeline.segmented(layout, g)   # fewer, longer sequences; resets inside
+    layout, g, resets = pipeline.segmented(layout, g)   # fewer, longer sequences; resets inside
     h0 = h0[:layout.N]
-  o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)
+  else:
+    resets = None
+  o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias,
+                         resets)
   o = o.reshape(B, T, HV, V)
   return o, (final_state if output_final_state else None)
 
 
-def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
-  """Packed inputs -> (o [1, T, HV, V], final_state [N, HV, K, V]), differentiable."""
+def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None):
+  """Packed inputs -> (o [1, T, HV, V], final_state [N, HV, K, V]), differentiable. resets: a
+  segmented layout's (kda.pipeline.segmented)."""
   # Inside shard_map every input varies over the same mesh axes, so each gradient has its input's
   # type; where an input was invariant (zeros made here, a replicated A_log) the cast's transpose
   # sums its gradient over the devices.
@@ -251,7 +255,7 @@ def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias):
     o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias)
     return o, final_state
   static = (layout.T, layout.Ta, layout.chunk_size)
-  ints = (layout.starts, layout.lens, layout.aligned_cu)
+  ints = (layout.starts, layout.lens, layout.aligned_cu) + (() if resets is None else (resets,))
   return _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias)
 
 
@@ -272,7 +276,7 @@ def _forward(plan, static, ints, args, *, keep):
   """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp: it is the
   primal or the fwd rule), so it may run unchecked where its kernels need it."""
   def run(ints, args):
-    o, final_state, records = pipeline.forward(plan, padding.Layout(*ints, *static), *args)
+    o, final_state, records = pipeline.forward(plan, _layout_of(ints, static), *args, resets=_resets(ints))
     return o, final_state, pipeline.saved(records) if keep else None
   if _unchecked_kernels(plan, pipeline.FORWARD_STAGES):
     return unchecked(run, ints, args)
@@ -283,12 +287,21 @@ def _staged_bwd(plan, static, res, cts):
   ints, args, saved = res
   do, dht = cts
   def run(ints, args, saved, do, dht):
-    return pipeline.backward(plan, padding.Layout(*ints, *static), *args, saved, do, dht)[0]
+    return pipeline.backward(plan, _layout_of(ints, static), *args, saved, do, dht, resets=_resets(ints))[0]
   if _unchecked_kernels(plan, pipeline.BACKWARD_STAGES):
     grads = unchecked(run, ints, args, saved, do, dht)
   else:
     grads = run(ints, args, saved, do, dht)
   return ((None,) * len(ints), *grads)
+
+
+def _layout_of(ints, static):
+  """The Layout of _staged's int arrays (starts, lens, aligned_cu[, resets]) and static sizes."""
+  return padding.Layout(*ints[:3], *static)
+
+
+def _resets(ints):
+  return ints[3] if len(ints) > 3 else None
 
 
 def _unchecked_kernels(plan, names) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kda import padding, shapes
 from kda.fused import gate_intra, state_output
@@ -100,9 +101,9 @@ def segmented_takes(plan: Plan, *, contiguous: bool, initial_state, output_final
 
 def segmented(layout: Layout, g, pieces: int | None = None):
   """(layout, packed g [1, T, HV, K]) -> (the layout of `pieces` sequences over the same tokens, g
-  with -inf at every other sequence start). Piece j starts at the first sequence start at or after
-  j * ceil(end / pieces) (end: the last sequence's end); pieces may be empty. Starts at T (empty
-  sequences at the end) are dropped."""
+  with -inf at every other sequence start, those starts [N] int32 (T where a start is a piece's)).
+  Piece j starts at the first sequence start at or after j * ceil(end / pieces) (end: the last
+  sequence's end); pieces may be empty. Starts at T (empty sequences at the end) are dropped."""
   P = SEGMENT_PIECES if pieces is None else pieces
   starts, ends = layout.starts, layout.starts + layout.lens
   concrete = shapes.is_concrete(starts) and shapes.is_concrete(ends)
@@ -115,7 +116,26 @@ def segmented(layout: Layout, g, pieces: int | None = None):
   lens = xp.diff(xp.concatenate([first, end.reshape(1)])).astype(xp.int32)
   reset = jnp.where(jnp.isin(jnp.asarray(starts), jnp.asarray(first)), layout.T, jnp.asarray(starts))
   return (padding.make_layout(first, lens, layout.T, layout.chunk_size),
-          g.at[0, reset].set(-jnp.inf, mode="drop"))
+          g.at[0, reset].set(-jnp.inf, mode="drop"), reset.astype(jnp.int32))
+
+
+def segment_rows(layout: Layout, resets) -> jax.Array:
+  """[2, Ta] float32 per aligned row of a segmented layout (`resets`: segmented()'s third result):
+  [0] n, the resets among its chunk's tokens up to it; [1] the chunk row where its segment starts
+  (0 for the chunk's first segment). Rows past a chunk's tokens take its last token's values, the
+  tail's are 0. The intra kernels mask their pairs to n_i == n_j (j >= start_i) and add 128 n to
+  gc_int, which takes the resets' -128 steps out of their decays (exact integers)."""
+  BT, T = layout.chunk_size, layout.T
+  rows = padding.chunk_rows(layout)
+  ind = jnp.zeros((T + 1,), jnp.int32).at[resets].set(1, mode="drop")[:T]   # empty sequences repeat a start
+  before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ind)])     # resets in [0, t)
+  r = jnp.minimum(jnp.arange(BT, dtype=jnp.int32)[None], jnp.maximum(rows.count - 1, 0)[:, None])
+  pos = rows.src[:, None] + r                                                  # [NTa, BT], < T
+  live = (rows.count > 0)[:, None]
+  n = jnp.where(live, before[pos + 1] - before[rows.src][:, None], 0)
+  at = jnp.where(live & (ind[jnp.minimum(pos, T - 1)] > 0), r, 0)              # the row of a reset
+  start = lax.cummax(at, axis=1)
+  return jnp.stack([n.reshape(-1), start.reshape(-1)]).astype(jnp.float32)
 
 
 # Whether the packed backward's S2 terms kernel reads do packed (the align folded into its load,
@@ -282,12 +302,14 @@ def _query_keys(plan: Plan, q, k, HV):
   return q, k
 
 
-def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias):
+def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets=None):
   """The whole forward as the fused group PACKED, or None where it does not apply: every forward
   stage selects mosaic_gpu on this call and each packed kernel takes it. The kernels fold align and
   unalign into their loads and stores (kda.padding.ChunkRows places each aligned chunk in the packed
   buffer): the gate and intra kernels read the packed inputs, the fused state + output kernel writes
-  o packed. Same arithmetic as the unfused mosaic_gpu stages on the aligned inputs.
+  o packed. Same arithmetic as the unfused mosaic_gpu stages on the aligned inputs. resets (a
+  segmented layout's, `segmented`): the gate and intra kernels take segment_rows, so that a chunk
+  holding a reset keeps intra's bounded path; the same o up to rounding.
   -> (o [1, T, HV, V], final_state, records {"intra": ...}) or None."""
   if any(plan.impl(n) != "mosaic_gpu" for n in FORWARD_STAGES):
     return None
@@ -319,17 +341,18 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
   tail = {} if TAIL_ZEROS else dict(tail_zeros=False)   # only this group's kernels read the tail's gc,
   ikw = forward_kwargs(plan, "intra")                   # Akk, qg, kg, w, u (they skip it)
   gc_int = gc_frac = decay = None
-  if FUSE_GATE_INTRA and gate_intra.takes(q, k, v, beta, g, layout.aligned_cu, rows, **{**ikw, **gkw}) is None:
+  seg = {} if resets is None else dict(seg=segment_rows(layout, resets))
+  if FUSE_GATE_INTRA and not seg and gate_intra.takes(q, k, v, beta, g, layout.aligned_cu, rows, **{**ikw, **gkw}) is None:
     with scope("gate+intra"):
       it, decay = gate_intra.mosaic_gpu(q, k, v, beta, g, layout.aligned_cu, rows, interpret=plan.interpret,
                                         **ikw, **tail)
   else:
     with scope("gate"):
       gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret,
-                                                            **gkw, **tail)
+                                                            **gkw, **tail, **seg)
     with scope("intra"):
       it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
-                             two_part=two_part, interpret=plan.interpret, **ikw, **tail)
+                             two_part=two_part, interpret=plan.interpret, **ikw, **tail, **seg)
   with scope("state+output"):
     o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
                            scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),
@@ -338,17 +361,18 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
 
 
 def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-            record: bool = False, packed: bool = True):
+            record: bool = False, packed: bool = True, resets=None):
   """Packed inputs [1, T, ...] -> (o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] f32, records).
 
   records maps each stage name to its output record (and "valid" to the [1, Ta] real-token mask,
   "inputs" to {stage: positional args}, the keywords being forward_kwargs) when `record` is set,
   else it holds "intra" alone (what saved() reads). Record mode runs every stage unfused; otherwise
   the fused group PACKED (packed_forward) runs where it applies, unless `packed` is False (the same
-  kernels on the aligned layout: tools.gpu_check compares the two).
+  kernels on the aligned layout: tools.gpu_check compares the two). resets: a segmented layout's
+  (`segmented`), for the packed kernels (the other paths need none: the -inf gates suffice).
   """
   if packed and not record:
-    out = packed_forward(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias)
+    out = packed_forward(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets)
     if out is not None:
       return out
   with scope("prepare"):
@@ -456,7 +480,7 @@ def packed_backward_rows(plan: Plan, layout: Layout, q, k, v, g, beta, A_log, dt
 
 
 def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved: Saved,
-             do, dht, *, record: bool = False, packed: bool = True):
+             do, dht, *, record: bool = False, packed: bool = True, resets=None):
   """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
 
   Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the
@@ -466,7 +490,8 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   dw, du) and O(NTa * K) ones (dgc_last). `do` may hold anything (even NaN) at
   tokens of no sequence: they are never read. records is as in forward (stage outputs and
   "inputs") when `record` is set, else empty. Outside record mode the backward runs packed where
-  `packed_backward_rows` says so (the same bits; `packed=False` keeps the aligned layout).
+  `packed_backward_rows` says so (the same bits; `packed=False` keeps the aligned layout). resets: as
+  in forward, for the packed bwd_intra kernel.
   """
   pk = None
   if packed and PACKED_BACKWARD and not record:
@@ -527,6 +552,8 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   dh0 = ds.dh0
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype)
+  if it_kw and resets is not None:
+    it_kw["seg"] = segment_rows(layout, resets)
   it = run("bwd_intra", *it_args, **grad_dtype, **it_kw)
   if pk is None:
     gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)

@@ -17,12 +17,13 @@ def test_pieces_start_at_sequence_starts_and_reset_the_rest(traced):
   T = 256
   make = lambda cu: pipeline.segmented(padding.layout_from_cu_seqlens(cu, T, 64),
                                        jnp.full((1, T, 1, 1), -0.5), 3)
-  lay, g = jax.jit(make)(jnp.asarray(CU)) if traced else make(CU)
+  lay, g, resets = jax.jit(make)(jnp.asarray(CU)) if traced else make(CU)
   np.testing.assert_array_equal(np.asarray(lay.starts), [0, 101, 166])
   np.testing.assert_array_equal(np.asarray(lay.lens), [101, 65, 31])
   g = np.asarray(g)[0, :, 0, 0]
   np.testing.assert_array_equal(np.where(np.isinf(g))[0], [37, 167])   # the starts inside a piece
   assert np.all(g[np.isfinite(g)] == -0.5)
+  assert sorted(set(np.asarray(resets).tolist()) - {T}) == [37, 167]  # the kernels' segment_rows take them
 
 
 def test_takes_only_what_it_computes_exactly(monkeypatch):

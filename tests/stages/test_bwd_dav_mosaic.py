@@ -86,7 +86,7 @@ def errors(got, want):
 
 
 def failures(errs, dtype):
-  return [n for n, e in errs.items() if e[0] > TOL[dtype][n][0] or e[1] > TOL[dtype][n][1]]
+  return [n for n, e in errs.items() if not (e[0] <= TOL[dtype][n][0] and e[1] <= TOL[dtype][n][1])]   # NaN fails
 
 
 DTYPES = {"bfloat16": BF16, "float32": F32, "all_bf16": "all_bf16"}

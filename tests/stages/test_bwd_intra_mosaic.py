@@ -110,7 +110,7 @@ def errors(got, want, fields=FIELDS):
 
 
 def failures(errs):
-  return [n for n, e in errs.items() if e[0] > TOL[n][0] or e[1] > TOL[n][1]]
+  return [n for n, e in errs.items() if not (e[0] <= TOL[n][0] and e[1] <= TOL[n][1])]   # NaN fails
 
 
 def fmt(errs):

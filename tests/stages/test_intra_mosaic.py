@@ -157,7 +157,7 @@ def failures(errs, unit=True):
   """The fields whose errors exceed TOL (EXACT fields: any element off)."""
   tol = dict(TOL, **({} if unit else TOL_NONUNIT))
   return [n for n, e in errs.items()
-          if (e != 0 if n in EXACT else (e[0] > tol[n][0] or e[1] > tol[n][1]))]
+          if (e != 0 if n in EXACT else not (e[0] <= tol[n][0] and e[1] <= tol[n][1]))]   # NaN fails
 
 
 def worst(got, want, name):

@@ -82,8 +82,9 @@ from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda._mosaic_gpu import packed_chunk
 from kda.stages.bwd_intra import Out
-from kda.stages.gate import exponent
+from kda.stages.gate import GATE_FLOOR, exponent
 from kda.stages.intra import to_chunks
+from kda.stages.intra.mosaic_gpu import reset_free
 
 # Lane semantics (kda._mosaic_gpu.params): lowers faster (0.85 s vs 1.07 on a CPU) but runs slower
 # (H200, A: 2.430 ms vs 2.374)
@@ -172,9 +173,12 @@ def bounded_levels(gc_int, gc_frac):
   return lb.T.reshape(-1).astype(jnp.int32)
 
 
-def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
-          oq_g, ok_g, og_g, odb_g,
-          q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar, *, scale, bounded, store=None):
+def _body(flag_g, *refs, scale, bounded, store=None, seg=False):
+  """One program. seg: a [2, Ta] float32 input after the flags (kda.pipeline.segment_rows): dA's
+  pairs masked to the chunk's segments, gc_int taken without the resets' -128 steps."""
+  seg_g, refs = (refs[0], refs[1:]) if seg else (None, refs)
+  (q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g, odb_g,
+   q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar) = refs
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
@@ -188,7 +192,13 @@ def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
   row, col = _iota(0, shape), _iota(1, shape)
   bcast_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
   beta = bcast_row(_load(b_g.at[i_h, rows], ROW))
-  dA = lambda ref: _load(ref.at[rows, i_h, :])              # [64, 64] float32 from GMEM
+  if seg:           # (i, j), j <= i, of one segment: j at or after the start row of i's
+    same = col.astype(F32) >= bcast_row(_load(seg_g.at[1, rows], ROW))
+    gi_s[...] = _load(gi_s) - GATE_FLOOR * bcast_row(_load(seg_g.at[0, rows], ROW))
+    plgpu.commit_smem()
+    dA = lambda ref: jnp.where(same, _load(ref.at[rows, i_h, :]), 0.0)
+  else:
+    dA = lambda ref: _load(ref.at[rows, i_h, :])            # [64, 64] float32 from GMEM
 
   def g_row(r):
     vec = lambda ref: lax.broadcast_in_dim(_load(ref.at[r], COL), shape, [1])
@@ -262,8 +272,9 @@ def _body(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g,
   finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), (zero, zero, zero)))
 
 
-def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g, odb_g,
-          *scratch, grads=True):
+def _tail(flag_g, *refs, grads=True, seg=False):
+  (q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g,
+   odb_g) = refs[1 if seg else 0:][:14]
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
@@ -272,32 +283,33 @@ def _tail(flag_g, q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, o
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True, seg=False):
   """Packed dq, dk (`packed_chunk`, the stage is the last scratch): program (s, h, c) stores its
   chunk's dq, dk rows packed and zeroes the gap pieces c, c + NTa, ... of both at its head and
   columns."""
   *refs, stage = refs
-  oq_g, ok_g = refs[11], refs[12]
+  oq_g, ok_g = refs[11 + seg], refs[12 + seg]
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
   dst = lambda o_g: lambda ds: o_g.at[ds, i_h, cols]
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: _body(*refs, scale=scale, bounded=bounded,
+               lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg,
                                    store=lambda o_g, x: store(dst(o_g), x)),
-               (lambda: _tail(*refs, grads=False)) if tail_zeros else None,
+               (lambda: _tail(*refs, grads=False, seg=seg)) if tail_zeros else None,
                [dst(oq_g), dst(ok_g)], BT)
 
 
 def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None,
-            tail_zeros=True):
+            tail_zeros=True, seg=False):
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
-  body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto")
+  segkw = dict(seg=True) if seg else {}
+  body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", **segkw)
   if packed_T is not None:
     body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto",
-                             **({} if tail_zeros else dict(tail_zeros=False)))
+                             **({} if tail_zeros else dict(tail_zeros=False)), **segkw)
   elif skip_tail:
-    body = skipping_tail(body, _tail if tail_zeros else None)
+    body = skipping_tail(body, functools.partial(_tail, **segkw) if tail_zeros else None)
   stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), grad_dtype)]
   Tq = Ta if packed_T is None else packed_T
   return plgpu.kernel(
@@ -316,7 +328,8 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
 
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
-          grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True):
+          grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
+          seg=None):
   """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
   past aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
   dk's dtype (float32 unless given; the kernel rounds them there, as the pipeline would after).
@@ -325,7 +338,9 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   are [1, T, HV, K], chunk c's row r < count[c] at packed row src[c] + r, 0 at tokens of no
   sequence; dbeta, dgc as without. tail_zeros=False (with the tail skipped): the outputs are left
   unwritten at the chunks at or past aligned_cu[-1] (callers that never read them: the packed
-  backward)."""
+  backward). seg (kda.pipeline.segment_rows of a segmented layout, whose reset gates are -inf): each
+  chunk's pairs masked to its segments and the resets' -128 steps taken out of gc_int, so that a
+  chunk holding one keeps the bounded levels; the same results up to rounding."""
   config = config or Config()
   reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
                     chunk_size=chunk_size)
@@ -342,15 +357,16 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
               grad_dtype=jnp.dtype(grad_dtype or F32), packed_T=T if packed else None,
-              tail_zeros=bool(tail_zeros) or not (skip or packed))
+              tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
-  if config.bounded == "auto":
-    flag = bounded_levels(gc_int, gc_frac)        # [HV * NTa]: 5, 4 or 0 (six exact levels)
+  if config.bounded == "auto":                    # [HV * NTa]: 5, 4 or 0 (six exact levels)
+    flag = bounded_levels(gc_int if seg is None else reset_free(gc_int.astype(F32), seg), gc_frac)
   else:
     flag = jnp.zeros((HV * (Ta // BT),), jnp.int32)
-  oq, ok, og, odb = f(*cu, flag, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
+  segs = () if seg is None else (seg.astype(F32),)
+  oq, ok, og, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
                       f32(dgc))
   db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
   return Out(oq[None], ok[None], db, og[None])

@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import BF16, F32
 from kda._mosaic_gpu import params as _params
 from kda._pallas import pad_dim
-from kda.stages.gate import Out, exponent, floor
+from kda.stages.gate import GATE_FLOOR, Out, exponent, floor
 
 COLS = 128                       # columns per program: one per thread of the warpgroup
 LINE = plgpu.Layout.WG_STRIDED((COLS,), vec_size=1)
@@ -335,14 +335,17 @@ class PackedOut(NamedTuple):
 
 
 def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, interpret=False,
-           config=None, tail_zeros=True):
+           config=None, tail_zeros=True, seg=None):
   """The gate stage on PACKED gates g [1, T, HV, K] (bf16 or float32), the align folded into the
   kernel's load: rows is kda.padding.chunk_rows(layout) (NTa chunks). -> PackedOut: gc_int, gc_frac
   [1, NTa * 64, HV, K] equal to `apply` on padding.align_with(layout, g) (neutralised if
   use_gate_in_kernel) and padding.valid_mask(layout); bounded and two_part for the intra kernel,
   from the kernel's per-(chunk, column) stats. The activated g is not written. tail_zeros=False
   leaves gc_int, gc_frac unwritten at the tail chunks (rows.count 0: past aligned_cu[-1]), for
-  callers whose consumers never read them there; the stats are the same."""
+  callers whose consumers never read them there; the stats are the same. seg (kda.pipeline.segment_rows
+  of a segmented layout, whose reset gates are -inf): bounded and two_part as if each reset's -128
+  step were not in gc_int (the intra kernel takes seg and masks its pairs instead): the ceil(g)**2
+  sums less GATE_FLOOR**2 per reset (exact integers), bounded from gc_int + 128 n."""
   from kda.stages.intra.mosaic_gpu import BOUNDED_SPAN   # here: intra imports the gate stage
   reason = packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
                            lower_bound=lower_bound)
@@ -356,7 +359,13 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
                           config=config or Config(), interpret=interpret, packed=True,
                           tail_zeros=bool(tail_zeros))
   span, nz = (stats[:, i, :C].reshape(NTa, HV, K) for i in (0, 1))
-  bounded = jnp.all(span <= BOUNDED_SPAN, axis=-1).T.reshape(-1).astype(jnp.int32)   # NaN -> 0
-  two_part = jnp.any(nz != 0)
   Ta = NTa * chunk_size
-  return PackedOut(gi[:, :C].reshape(1, Ta, HV, K), gf[:, :C].reshape(1, Ta, HV, K), bounded, two_part)
+  gi, gf = (x[:, :C].reshape(1, Ta, HV, K) for x in (gi, gf))
+  if seg is None:
+    bounded = jnp.all(span <= BOUNDED_SPAN, axis=-1).T.reshape(-1).astype(jnp.int32)   # NaN -> 0
+  else:
+    from kda.stages.intra.mosaic_gpu import bounded_chunks, reset_free
+    nz = nz - GATE_FLOOR ** 2 * seg[0].reshape(NTa, chunk_size)[:, -1, None, None]
+    bounded = bounded_chunks(reset_free(gi, seg), gf)
+  two_part = jnp.any(nz != 0)
+  return PackedOut(gi, gf, bounded, two_part)

@@ -57,7 +57,7 @@ from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, WG
 from kda._mosaic_gpu import params as _mgpu_params
 from kda._mosaic_gpu import live_chunk
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
-from kda.stages.gate import exponent
+from kda.stages.gate import GATE_FLOOR, exponent
 from kda.stages.gate import mosaic_gpu as gate_mgpu
 from kda.stages.intra import Out, to_chunks
 
@@ -159,17 +159,22 @@ def _beta(b_g, i_h, rows, src, cnt):
   return lambda shape: jnp.where(_iota(0, shape) < cnt, lax.broadcast_in_dim(b, shape, [0]), 0.0)
 
 
-def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True, gated=False, persistent=0):
+def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True, gated=False, persistent=0,
+                 seg=False):
   """Kernel 1, per (head, chunk): Akk (hi + lo bf16 split), Aqk, qg, kg and w's right-hand side
   kd = beta k exp(gc), all bf16. packed: q, k, beta come packed and `src`, `cnt` place the chunk.
   gated (packed, K = 128; kda.fused.gate_intra): the raw gates come packed in place of gc and the
   gate's row scan runs here (`_gate_scan`); each program also stores its gc row 63 (both parts'
   where two_part) and, one part, per column the sum of ceil(g)**2 (nonzero iff gc_int would be).
   persistent = W: grid (HV, W), program w takes chunks w, w + W, ..., those whose int32 flag
-  redo[h * NTa + c] is nonzero, and only if the int32 pred after cu is (else it exits at once)."""
+  redo[h * NTa + c] is nonzero, and only if the int32 pred after cu is (else it exits at once).
+  seg (not gated): a [2, Ta] float32 input after the flags, kda.pipeline.segment_rows: pairs of
+  different segments masked out, qg and kd zero after the chunk's first reset, kg zero before its
+  last, gc_int taken without the resets' -128 steps (`reset_free`)."""
   rest = list(rest)
   pred_g, redo_g = (rest.pop(0), rest.pop(0)) if persistent else (None, None)
   flag_g = None if gated else rest.pop(0)
+  seg_g = rest.pop(0) if seg else None
   if packed:
     src_g, cnt_g, *rest = rest
   q_g, k_g, b_g, *rest = rest
@@ -234,6 +239,14 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
           flag = _gate_scan(g_land, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt,
                             flag_s=landing[0] if SKIP_STRONG else None)
         plgpu.commit_smem()   # also a warpgroup barrier: the landing zone is read before reuse
+      if seg:
+        n_row, start_row = (_load(seg_g.at[i, rows], ROW) for i in (0, 1))
+        n_last = seg_g[0, c * BT + BT - 1]
+        per_row = lambda v, shape: lax.broadcast_in_dim(v, shape, [0])
+        if two_part:        # gc_int without the resets' steps, in place (one part: gc_frac has none)
+          for cols in slabs:
+            gi_s.at[:, cols][...] = _load(gi_s.at[:, cols]) - GATE_FLOOR * per_row(n_row, (BT, SLAB))
+          plgpu.commit_smem()
 
       def scores():
         # gc as one array or a tuple of its two parts; `diff` forms gc_a - gc_b from them
@@ -296,6 +309,9 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
 
         def store_scores(a_kk, a_qk):
           # Akk's split and Aqk into the (now free) operand buffers' [64, 64] slabs
+          if seg:           # j <= i in i's segment: j at or after its start row
+            same = col.astype(F32) >= per_row(start_row, (BT, BT))
+            a_kk, a_qk = jnp.where(same, a_kk, 0.0), jnp.where(same, a_qk, 0.0)
           hi, lo = _split(a_kk * beta((BT, BT)))
           lk_s.at[0][...] = hi
           lk_s.at[1][...] = lo
@@ -336,8 +352,12 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
           qx = _load(q_s.at[:, cols]).astype(F32)
           kx = _load(k_s.at[:, cols]).astype(F32)
           e = jnp.exp(whole(G))
+          e_last = jnp.exp(diff(last, G))
+          if seg:           # the state entering the chunk reaches its first segment only, and the
+            n = per_row(n_row, (BT, SLAB))     # state leaving it holds its last segment only
+            e, e_last = jnp.where(n == 0, e, 0.0), jnp.where(n == n_last, e_last, 0.0)
           q_s.at[:, cols][...] = (qx * e).astype(BF16)
-          k_s.at[:, cols][...] = (kx * jnp.exp(diff(last, G))).astype(BF16)
+          k_s.at[:, cols][...] = (kx * e_last).astype(BF16)
           rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
 
       if gated and not two_part and SKIP_STRONG:   # a chunk needing gc_int: the two-part kernel's
@@ -535,13 +555,14 @@ def _params(config):
 
 
 def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, config, tail_zeros=True, Ta=None,
-            into=None, pred=None):
+            into=None, pred=None, seg=None):
   """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,); rows: ChunkRows (packed q, k, beta_t) or None.
   flag None: gated (gis = (g,), the packed raw gates [T, HV, 128]; Ta given): one part -> also
   (gc row 63, the ceil(g)**2 column sums), both [NTa, HV, K]; with pred = (int32 [1], the chunks
   to redo: int32 [HV * NTa]) both parts, persistent (module docstring of kda.fused.gate_intra) ->
   also (gc_int, gc_frac row 63).
-  into: the refs (jax.new_ref) the results are written into in place, returning nothing."""
+  into: the refs (jax.new_ref) the results are written into in place, returning nothing.
+  seg: kda.pipeline.segment_rows (not gated)."""
   gated = flag is None
   K = q.shape[2]
   Ta, HV = (Ta, q.shape[1]) if gated else gis[0].shape[:2]
@@ -550,7 +571,7 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
   NTa = Ta // BT
   W = max(1, min(NTa, PERSISTENT_CTAS // HV)) if pred is not None else 0
   body = functools.partial(_scores_body, scale=scale, two_part=two_part, bounded=bounded, packed=packed,
-                           tail_zeros=tail_zeros, gated=gated, persistent=W)
+                           tail_zeros=tail_zeros, gated=gated, persistent=W, seg=seg is not None)
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   ops = [_swz((max(K // SLAB, 2), BT, SLAB)) for _ in range(3)]   # [64, 64] slabs; two at K = 64 too
   if packed:    # the landing zone of q, k (bf16 gates) shares the operands' bytes (never live together)
@@ -573,8 +594,8 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   lead = () if pred is None else tuple(pred)
-  return f(cu, *lead, *(() if gated else (flag,)), *(() if rows is None else rows), q, k, beta_t, *gis,
-           *(into or ()))
+  return f(cu, *lead, *(() if gated else (flag,)), *(() if seg is None else (seg,)), *(() if rows is None else rows),
+           q, k, beta_t, *gis, *(into or ()))
 
 
 def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=True):
@@ -599,7 +620,10 @@ def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=T
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
-          config=None):
+          config=None, seg=None):
+  """The stage on the kernels. seg (kda.pipeline.segment_rows of a segmented layout, whose reset
+  gates are -inf): each chunk's pairs masked to its segments and the resets' -128 steps taken out of
+  gc_int, so that a chunk holding one stays bounded; the same results up to rounding."""
   config = config or Config()
   reason = supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, scale=scale, chunk_size=chunk_size)
   if reason is not None:
@@ -607,7 +631,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size,
   Ta = k.shape[1]
   beta_t = beta[0].astype(F32).T                                  # [HV, Ta]: contiguous rows for TMA
   return _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, None, None, None, scale=scale,
-                interpret=interpret, config=config, Ta=Ta)
+                interpret=interpret, config=config, Ta=Ta, seg=seg)
 
 
 def packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_size,
@@ -642,7 +666,7 @@ def packed_beta_rows(beta, rows):
 
 
 def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_size, bounded=None,
-           two_part=None, interpret=False, config=None, tail_zeros=True):
+           two_part=None, interpret=False, config=None, tail_zeros=True, seg=None):
   """`apply` on packed q, k, v [1, T, ...], beta [1, T, HV]: the align folded into the loads.
 
   rows (kda.padding.ChunkRows) places each aligned chunk: its rows r < rows.count[c] read packed
@@ -651,7 +675,8 @@ def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_siz
   may come from the gate kernel's statistics (else they are computed from gc here).
   tail_zeros=False: at the chunks at or past aligned_cu[-1] only the residuals are written (Aqk 0,
   Ainv I); Akk, qg, kg, w, u are left unwritten there (the fused state + output kernel never reads
-  them), and gc may be unwritten there too (the tail reads no gc).
+  them), and gc may be unwritten there too (the tail reads no gc). seg: as in `apply` (bounded and
+  two_part, if given, must be the reset-free ones: kda.stages.gate.mosaic_gpu.packed(seg=) gives them).
   """
   config = config or Config()
   reason = packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, scale=scale, chunk_size=chunk_size)
@@ -661,27 +686,35 @@ def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_siz
   # [HV, T + BT]: a chunk's BT rows from any src < T stay inside (the loads there are not TMA)
   beta_t, rows = packed_beta_rows(beta, rows)
   return _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, bounded, two_part, scale=scale,
-                interpret=interpret, config=config, Ta=Ta, tail_zeros=bool(tail_zeros))
+                interpret=interpret, config=config, Ta=Ta, tail_zeros=bool(tail_zeros), seg=seg)
+
+
+def reset_free(gc_int, seg):
+  """gc_int [1, Ta, HV, K] without the -128 steps of a segmented layout's resets (seg:
+  kda.pipeline.segment_rows): + 128 n per row, exact."""
+  return gc_int - GATE_FLOOR * seg[0][None, :, None, None]
 
 
 def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *, scale, interpret, config,
-           Ta, tail_zeros=True):
+           Ta, tail_zeros=True, seg=None):
   HV = k.shape[2]
   # chunks at or past aligned_cu[-1] (the tail of a static-bound layout) are only zero-filled
   cu = jnp.array([0, Ta], jnp.int32) if aligned_cu is None else aligned_cu.astype(jnp.int32)
   q, k, v = (x[0].astype(BF16) for x in (q, k, v))
   gi, gf = gc_int[0].astype(F32), gc_frac[0].astype(F32)
+  free = gc_int if seg is None else reset_free(gc_int.astype(F32), seg)   # what the kernel's decays see
   bounded = config.bounded == "auto"
   if not bounded:
     flag = jnp.zeros((HV * (Ta // BT),), jnp.int32)
   elif flag is None:
-    flag = bounded_chunks(gc_int, gc_frac)
+    flag = bounded_chunks(free, gc_frac)
+  seg = None if seg is None else seg.astype(F32)
   run = lambda *gis: _scores(cu, rows, q, k, beta_t, gis, flag, scale=float(scale), bounded=bounded,
-                             interpret=interpret, config=config, tail_zeros=tail_zeros)
+                             interpret=interpret, config=config, tail_zeros=tail_zeros, seg=seg)
   if config.two_part == "always" or TWO_PART_ONLY:
     akh, akl, aqk, qg, kg, kd = run(gi, gf)
   else:   # gc_int == 0 everywhere (every gate > -1): gc is gc_frac, the same decays bit for bit
-    pred = jnp.any(gi != 0) if two_part is None else two_part
+    pred = jnp.any(free != 0) if two_part is None else two_part
     akh, akl, aqk, qg, kg, kd = lax.cond(pred, lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
   if config.probe == "scores":
     z = jnp.zeros_like(kd)
