@@ -231,9 +231,10 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     return jnp.zeros_like(v), (h0 if output_final_state else None)
   pack = lambda x: x.reshape((1, B * T) + x.shape[2:])
   g = pack(g)
+  pieces = pipeline.segment_pieces(HV)
   if pipeline.segmented_takes(plan, contiguous=segment_ids is None, initial_state=initial_state,
-                              output_final_state=output_final_state, N=N):
-    layout, g, resets = pipeline.segmented(layout, g)   # fewer, longer sequences; resets inside
+                              output_final_state=output_final_state, N=N, pieces=pieces):
+    layout, resets = pipeline.segmented(layout, pieces)   # fewer, longer sequences; resets inside
     h0 = h0[:layout.N]
   else:
     resets = None
@@ -252,7 +253,7 @@ def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=N
   q, k, v, g, beta, h0, A_log, dt_bias = vary_like((q, k, v, g, beta, h0, A_log, dt_bias),
                                                    (layout.starts, layout.lens, layout.aligned_cu))
   if backward == "autodiff":
-    o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias)
+    o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=resets)
     return o, final_state
   static = (layout.T, layout.Ta, layout.chunk_size)
   ints = (layout.starts, layout.lens, layout.aligned_cu) + (() if resets is None else (resets,))

@@ -74,36 +74,49 @@ TAIL_ZEROS = False
 # for CUDA only: off until measured on the H200.
 FUSE_GATE_INTRA = False
 
-# Whether chunk_kda runs many short sequences as SEGMENT_PIECES longer ones where that is exact and
-# the forward runs Mosaic GPU kernels (`segmented_takes`): each piece starts at a sequence start and
-# holds the sequences that start before the next piece's start, chunked as one sequence, with a gate
-# of -inf at each of their later starts. The gate stage floors it to GATE_FLOOR, whose decay
-# exp(-128) is exactly 0 in float32: no term crosses the boundary and the state entering a sequence
-# is zero, as in the recurrence; the reset gate's gradient is 0 (so is the true one: it only decays
-# the zero initial state). Fewer chunks (B: a static bound of 528, against 755 aligned ones of a bound
-# of 994) for a chunk with a reset inside taking intra's six-level path. Conditions: a zero
-# initial state and an unused final state (a piece has one of each), log-space gates (a built-in
-# activation may not reach the floor), sequences that tile the stream (cu_seqlens or fixed-length
-# rows; segment_ids may leave gaps) and more of them than pieces. One stream (SEGMENT_PIECES = 1)
-# serialises the state walks: on the H200 forward A 2.67 ms back to back against 1.44. Off: with 16
-# pieces, shape B on the H200 (the same o and gradients to bf16 rounding) forward 4.25 ms against
-# 2.50 and forward+backward 14.54 against 14.03, in 2904 MiB of XLA temp against 5347: intra's
-# scores kernel takes 2.55 ms (0.72 aligned) on its six-level path for every chunk holding a reset.
-SEGMENTED = False
+# Whether chunk_kda runs many short sequences as fewer, longer pieces (`segment_pieces`) where that
+# is exact and the forward runs Mosaic GPU kernels (`segmented_takes`): each piece starts at a
+# sequence start and holds the sequences that start before the next piece's start, chunked as one
+# sequence, with a gate of -inf at each of their later starts. The gate stage floors it to
+# GATE_FLOOR, whose decay exp(-128) is exactly 0 in float32: no term crosses the boundary and the
+# state entering a sequence is zero, as in the recurrence; the reset gate's gradient is 0 (so is the
+# true one: it only decays the zero initial state). The intra and bwd_intra kernels take the resets
+# as segment masks (`segment_rows`), so that a chunk holding one keeps their bounded path. Fewer
+# chunks (B: a static bound of 528 against 994 aligned ones) and half the memory. Conditions: a
+# zero initial state and an unused final state (a piece has one of each), log-space gates (a
+# built-in activation may not reach the floor), sequences that tile the stream (cu_seqlens or
+# fixed-length rows; segment_ids may leave gaps) and more of them than pieces. H200, shape B: forward
+# 1.70 ms back to back against 2.20 aligned, forward+backward 10.83 against 14.33, in 2909 MiB of XLA
+# temporaries against 5347 (with resets as gates alone, every chunk holding one took intra's
+# six-level path: forward 4.25 ms).
+SEGMENTED = True
 SEGMENT_PIECES = 16
+# A piece's chunks are one serial walk per value head (the state kernels): at least this many walks
+# (pieces * HV), so that few heads do not serialise the walks (one piece: A's forward 2.67 ms
+# against 1.44 on the H200)
+SEGMENT_WALKS = 256
 
 
-def segmented_takes(plan: Plan, *, contiguous: bool, initial_state, output_final_state: bool, N: int) -> bool:
-  """Whether chunk_kda runs this call's sequences as SEGMENT_PIECES segmented ones (SEGMENTED)."""
-  return (SEGMENTED and contiguous and N > SEGMENT_PIECES and initial_state is None and not output_final_state
+def segment_pieces(HV: int) -> int:
+  """The pieces of a segmented call with HV value heads: SEGMENT_PIECES, more where HV is small."""
+  return max(SEGMENT_PIECES, -(-SEGMENT_WALKS // max(HV, 1)))
+
+
+def segmented_takes(plan: Plan, *, contiguous: bool, initial_state, output_final_state: bool, N: int,
+                    pieces: int | None = None) -> bool:
+  """Whether chunk_kda runs this call's sequences as `pieces` (default SEGMENT_PIECES) segmented ones
+  (SEGMENTED)."""
+  P = SEGMENT_PIECES if pieces is None else pieces
+  return (SEGMENTED and contiguous and N > P and initial_state is None and not output_final_state
           and not plan.use_gate_in_kernel and all(plan.impl(n) == "mosaic_gpu" for n in FORWARD_STAGES))
 
 
-def segmented(layout: Layout, g, pieces: int | None = None):
-  """(layout, packed g [1, T, HV, K]) -> (the layout of `pieces` sequences over the same tokens, g
-  with -inf at every other sequence start, those starts [N] int32 (T where a start is a piece's)).
-  Piece j starts at the first sequence start at or after j * ceil(end / pieces) (end: the last
-  sequence's end); pieces may be empty. Starts at T (empty sequences at the end) are dropped."""
+def segmented(layout: Layout, pieces: int | None = None):
+  """layout -> (the layout of `pieces` sequences over the same tokens, the other sequence starts
+  [N] int32 (T where a start is a piece's): the resets, where the gate is taken as -inf
+  (`reset_gates`; the packed kernels take them as `segment_rows`). Piece j starts at the first
+  sequence start at or after j * ceil(end / pieces) (end: the last sequence's end); pieces may be
+  empty. Starts at T (empty sequences at the end) are dropped."""
   P = SEGMENT_PIECES if pieces is None else pieces
   starts, ends = layout.starts, layout.starts + layout.lens
   concrete = shapes.is_concrete(starts) and shapes.is_concrete(ends)
@@ -115,12 +128,17 @@ def segmented(layout: Layout, g, pieces: int | None = None):
   first = xp.minimum(first, end).astype(xp.int32)
   lens = xp.diff(xp.concatenate([first, end.reshape(1)])).astype(xp.int32)
   reset = jnp.where(jnp.isin(jnp.asarray(starts), jnp.asarray(first)), layout.T, jnp.asarray(starts))
-  return (padding.make_layout(first, lens, layout.T, layout.chunk_size),
-          g.at[0, reset].set(-jnp.inf, mode="drop"), reset.astype(jnp.int32))
+  return padding.make_layout(first, lens, layout.T, layout.chunk_size), reset.astype(jnp.int32)
+
+
+def reset_gates(g, resets):
+  """Packed g [1, T, HV, K] with -inf at a segmented layout's resets (`segmented`): what the
+  unpacked paths run on (the gate stage floors it to -128: no decay crosses them)."""
+  return g.at[0, resets].set(-jnp.inf, mode="drop")
 
 
 def segment_rows(layout: Layout, resets) -> jax.Array:
-  """[2, Ta] float32 per aligned row of a segmented layout (`resets`: segmented()'s third result):
+  """[2, Ta] float32 per aligned row of a segmented layout (`resets`: segmented()'s second result):
   [0] n, the resets among its chunk's tokens up to it; [1] the chunk row where its segment starts
   (0 for the chunk's first segment). Rows past a chunk's tokens take its last token's values, the
   tail's are 0. The intra kernels mask their pairs to n_i == n_j (j >= start_i) and add 128 n to
@@ -369,12 +387,14 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
   else it holds "intra" alone (what saved() reads). Record mode runs every stage unfused; otherwise
   the fused group PACKED (packed_forward) runs where it applies, unless `packed` is False (the same
   kernels on the aligned layout: tools.gpu_check compares the two). resets: a segmented layout's
-  (`segmented`), for the packed kernels (the other paths need none: the -inf gates suffice).
+  (`segmented`): the packed kernels take them as segment_rows, the other paths as -inf gates.
   """
   if packed and not record:
     out = packed_forward(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets)
     if out is not None:
       return out
+  if resets is not None:
+    g = reset_gates(g, resets)
   with scope("prepare"):
     q, k, v, g, beta, valid = prepare(plan, layout, q, k, v, g, beta)
   inputs = {}
@@ -491,11 +511,17 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   tokens of no sequence: they are never read. records is as in forward (stage outputs and
   "inputs") when `record` is set, else empty. Outside record mode the backward runs packed where
   `packed_backward_rows` says so (the same bits; `packed=False` keeps the aligned layout). resets: as
-  in forward, for the packed bwd_intra kernel.
+  in forward: segment_rows for the packed backward's S0 gate kernel, S4 and S5, else -inf gates
+  (whose gradient the gate stage's floor makes 0, the true one: they decay a zero state).
   """
   pk = None
   if packed and PACKED_BACKWARD and not record:
     pk = packed_backward_rows(plan, layout, q, k, v, g, beta, A_log, dt_bias, initial_state)
+  seg = {}
+  if resets is not None and pk is not None:
+    seg = dict(seg=segment_rows(layout, resets))
+  elif resets is not None:
+    g = reset_gates(g, resets)
   with scope("prepare"):
     if pk is None:
       (qa, ka, va, ga, ba), prepare_vjp = jax.vjp(lambda *x: prepare(plan, layout, *x)[:5], q, k, v, g, beta)
@@ -532,7 +558,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   else:
     with scope("bwd_recompute"):
       rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=plan.interpret, rows=pk.rows,
-                                       **backward_kwargs(plan, "bwd_recompute"), **tail)
+                                       **backward_kwargs(plan, "bwd_recompute"), **tail, **seg)
   av_args = (rc.v_new, saved.Aqk, do, layout.aligned_cu)
   av = run("bwd_dav", *av_args, **packed_kw("bwd_dav", *av_args))
   gc = (rc.gc_int, rc.gc_frac)
@@ -552,15 +578,15 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   dh0 = ds.dh0
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype)
-  if it_kw and resets is not None:
-    it_kw["seg"] = segment_rows(layout, resets)
+  if it_kw:
+    it_kw.update(seg)
   it = run("bwd_intra", *it_args, **grad_dtype, **it_kw)
   if pk is None:
     gt = run("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
   else:           # dg packed in g's dtype, zeros at tokens of no sequence
     with scope("bwd_gate"):
       gt = bwd_gate_mgpu.packed(g, pk.rows, pk.pieces, A_log, dt_bias, it.dgc, wy.dg_state,
-                                interpret=plan.interpret, **backward_kwargs(plan, "bwd_gate"))
+                                interpret=plan.interpret, **backward_kwargs(plan, "bwd_gate"), **seg)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   with scope("prepare_vjp"):
     if pk is None:

@@ -15,15 +15,20 @@ CU = np.array([0, 37, 37, 101, 166, 167, 197], np.int32)
 @pytest.mark.parametrize("traced", [False, True], ids=["concrete", "traced"])
 def test_pieces_start_at_sequence_starts_and_reset_the_rest(traced):
   T = 256
-  make = lambda cu: pipeline.segmented(padding.layout_from_cu_seqlens(cu, T, 64),
-                                       jnp.full((1, T, 1, 1), -0.5), 3)
-  lay, g, resets = jax.jit(make)(jnp.asarray(CU)) if traced else make(CU)
+  make = lambda cu: pipeline.segmented(padding.layout_from_cu_seqlens(cu, T, 64), 3)
+  lay, resets = jax.jit(make)(jnp.asarray(CU)) if traced else make(CU)
+  g = pipeline.reset_gates(jnp.full((1, T, 1, 1), -0.5), resets)
   np.testing.assert_array_equal(np.asarray(lay.starts), [0, 101, 166])
   np.testing.assert_array_equal(np.asarray(lay.lens), [101, 65, 31])
   g = np.asarray(g)[0, :, 0, 0]
   np.testing.assert_array_equal(np.where(np.isinf(g))[0], [37, 167])   # the starts inside a piece
   assert np.all(g[np.isfinite(g)] == -0.5)
   assert sorted(set(np.asarray(resets).tolist()) - {T}) == [37, 167]  # the kernels' segment_rows take them
+
+
+def test_pieces_keep_the_walks_parallel():
+  assert pipeline.segment_pieces(16) == pipeline.SEGMENT_PIECES == 16
+  assert [pipeline.segment_pieces(h) for h in (1, 3, 4, 32)] == [256, 86, 64, 16]
 
 
 def test_takes_only_what_it_computes_exactly(monkeypatch):
@@ -49,6 +54,7 @@ def test_segmented_forward_and_gradient_match_the_recurrence(monkeypatch):
   the aligned run's, finite, and exactly 0 past the end."""
   monkeypatch.setattr(pipeline, "SEGMENTED", True)
   monkeypatch.setattr(pipeline, "SEGMENT_PIECES", 2)
+  monkeypatch.setattr(pipeline, "SEGMENT_WALKS", 4)     # two pieces at HV = 2
   r = [np.random.default_rng(i) for i in range(6)]
   T, H, HV, K, V = 256, 1, 2, 64, 64
   none = (np.arange(T) >= CU[-1])[None, :, None, None]

@@ -115,3 +115,48 @@ def test_kernels_with_segments_lower_for_cuda():
                            a, a, x(K, F32, Ta), x(K, F32, Ta), S((1, Ta, HV), F32), x(K, F32, Ta), cu,
                            rows=rows, pieces=pieces, seg=seg).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+
+
+def test_gate_kernels_take_the_resets_as_minus_inf_gates():
+  """The packed gate kernel with seg on the plain gates gives the bits it gives on the -inf gates
+  (reset_gates), and the stats reset-free; the packed bwd_gate kernel with seg gives dg 0 at the
+  resets and elsewhere the bits it gives on the -inf gates."""
+  from kda.stages.bwd_gate import mosaic_gpu as mbg
+  from kda.stages.gate import mosaic_gpu as mg
+  rng = np.random.default_rng(3)
+  K = 64
+  layout = padding.make_layout(jnp.array([0], jnp.int32), jnp.array([L], jnp.int32), T, BT)
+  rows = padding.chunk_rows(layout)
+  resets = jnp.asarray(RESETS)
+  seg = pipeline.segment_rows(layout, resets)
+  g = jnp.asarray(-0.99 / (1.0 + np.exp(1.0 - rng.standard_normal((1, T, HV, K)))), F32)
+  kw = dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None, interpret=True)
+  on = mg.packed(g, rows, None, None, seg=seg, **kw)
+  off = mg.packed(pipeline.reset_gates(g, resets), rows, None, None, **kw)
+  for a, b in ((on.gc_int, off.gc_int), (on.gc_frac, off.gc_frac)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not bool(on.two_part) and bool(off.two_part)
+  assert np.asarray(on.bounded).all() and not np.asarray(off.bounded).all()
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, T, BT)
+  dgc, dgs = (jnp.asarray(rng.standard_normal((1, T, HV, K)), F32) for _ in range(2))
+  d_on = mbg.packed(g, rows, pieces, None, None, dgc, dgs, seg=seg, **kw).dg
+  d_off = mbg.packed(pipeline.reset_gates(g, resets), rows, pieces, None, None, dgc, dgs, **kw).dg
+  np.testing.assert_array_equal(np.asarray(d_on), np.asarray(d_off))
+  at = RESETS[RESETS < L]
+  assert not np.asarray(d_on)[0, at].any() and np.asarray(d_on)[0, np.setdiff1d(at + 1, at)].all()
+
+
+def test_gate_kernels_with_resets_lower_for_cuda():
+  from kda.stages.bwd_gate import mosaic_gpu as mbg
+  from kda.stages.gate import mosaic_gpu as mg
+  S = jax.ShapeDtypeStruct
+  T, Ta, K = 4096, 8192, 128
+  rows = padding.ChunkRows(S((Ta // BT,), jnp.int32), S((Ta // BT,), jnp.int32))
+  seg, g, gc = S((2, Ta), F32), S((1, T, HV, K), F32), S((1, Ta, HV, K), F32)
+  kw = dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
+  count = lambda txt: sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines())
+  fwd = lambda g, rows, seg: mg.packed(g, rows, None, None, seg=seg, tail_zeros=False, **kw)
+  assert count(jax.jit(fwd).trace(g, rows, seg).lower(lowering_platforms=("cuda",)).as_text()) == 1
+  bwd = lambda g, rows, pieces, dgc, dgs, seg: mbg.packed(g, rows, pieces, None, None, dgc, dgs, seg=seg, **kw)
+  pieces = S((2, T // BT + 4 + 1), jnp.int32)
+  assert count(jax.jit(bwd).trace(g, rows, pieces, gc, gc, seg).lower(lowering_platforms=("cuda",)).as_text()) == 1

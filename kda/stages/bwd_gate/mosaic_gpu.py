@@ -111,7 +111,7 @@ def takes(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_ke
   return reason
 
 
-def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed):
+def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed, resets=False):
   # GMEM in: (packed: src, count [NTa] int32, pieces [2, P] int32), g [Ta, C] (packed: [T, C]; its
   # dtype), (aligned: valid [Ta] f32), dgc, dg_state [Ta, C] f32, (a [C] f32), (bias [C] f32). GMEM
   # out: dg [Ta, C] (packed: [T, C]), (ddt_bias partials [NTa, C]), (dA_log partials [NTa, C]).
@@ -119,12 +119,13 @@ def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed):
   refs = list(refs)
   take = lambda cond: refs.pop(0) if cond else None
   src_g, cnt_g, pieces_g = take(packed), take(packed), take(packed)
+  reset_g = take(resets)      # packed: [Ta] f32, 1 at a segmented layout's resets: dg 0 there
   g_g, valid_g = refs.pop(0), take(not packed)
   dgc_g, dgs_g = refs.pop(0), refs.pop(0)
   a_g, bias_g = take(has_a), take(has_bias)
   dg_g = refs.pop(0)
   sdx_g, sda_g = take(has_bias), take(has_a)
-  g_s, valid_s = refs.pop(0), take(not packed)
+  g_s, valid_s = refs.pop(0), take(not packed or resets)
   dgc_s, dgs_s, bar = refs
   j, c = lax.axis_index("j"), lax.axis_index("c")
   start = pl.multiple_of(c * BT, BT)
@@ -134,6 +135,8 @@ def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed):
   if packed:   # g at any packed row (plain SMEM takes it; rows past T arrive as zeros, masked anyway)
     src, cnt = src_g[c], cnt_g[c]
     plgpu.copy_gmem_to_smem(g_g.at[pl.ds(src, BT), cols], g_s, bar)
+    if resets:
+      plgpu.copy_gmem_to_smem(reset_g.at[rows], valid_s, bar)
   else:
     plgpu.copy_gmem_to_smem(g_g.at[rows, cols], g_s, bar)
     plgpu.copy_gmem_to_smem(valid_g.at[rows], valid_s, bar)
@@ -162,6 +165,8 @@ def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed):
       g_act = x
     # Broadcast explicitly: Warpgroup semantics has no implicit scalar broadcast.
     real = (r < cnt) if packed else (valid_s[r] > 0.0)
+    if resets:    # a gate of -inf there in the forward: not live
+      real = real & (valid_s[r] <= 0.0)
     live = lax.broadcast(real, (COLS,)) & passes_floor(g_act)
     mask = lambda v: jnp.where(live, v, 0.0)     # a select, after the products (NaN, inf * 0)
     if not act:
@@ -235,23 +240,26 @@ def packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_siz
 
 
 def packed(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
-           interpret=False, config=None):
+           interpret=False, config=None, seg=None):
   """The stage on PACKED gates g [1, T, HV, K], the unalign of dg folded into the kernel's stores:
   rows = padding.chunk_rows(layout), pieces = padding.gap_pieces(rows, aligned_cu, T, 64); dgc,
   dg_state aligned [1, NTa * 64, HV, K] float32 as for `apply`. -> Out with dg packed [1, T, HV, K]
   in g's dtype: `apply`'s dg on the aligned, neutralised g, unaligned (token r of chunk c at packed
-  row src[c] + r, r < count[c]) and rounded, exactly 0 at tokens of no sequence (the pieces)."""
+  row src[c] + r, r < count[c]) and rounded, exactly 0 at tokens of no sequence (the pieces). seg
+  (kda.pipeline.segment_rows of a segmented layout): dg 0 at its resets, whose gate the forward
+  took as -inf (kda.stages.gate.mosaic_gpu.packed(seg=))."""
   reason = packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
                            use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_gate kernel: {reason}")
-  return _launch(g, [rows.src, rows.count, pieces], A_log, dt_bias, dgc, dg_state, rows_out=g.shape[1],
+  lead = [rows.src, rows.count, pieces] + ([] if seg is None else [gate_kernel.reset_rows(seg)])
+  return _launch(g, lead, A_log, dt_bias, dgc, dg_state, rows_out=g.shape[1],
                  out_dtype=g.dtype, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-                 interpret=interpret, config=config, packed=True)
+                 interpret=interpret, config=config, packed=True, resets=seg is not None)
 
 
 def _launch(g, lead, A_log, dt_bias, dgc, dg_state, *, rows_out, out_dtype, use_gate_in_kernel, lower_bound,
-            interpret, config, packed):
+            interpret, config, packed, resets=False):
   config = config or Config()
   HV, K = g.shape[2:]
   C, NTa = HV * K, dgc.shape[1] // BT
@@ -268,10 +276,11 @@ def _launch(g, lead, A_log, dt_bias, dgc, dg_state, *, rows_out, out_dtype, use_
   out_type = ([jax.ShapeDtypeStruct((rows_out, Cp), out_dtype)]
               + [jax.ShapeDtypeStruct((NTa, Cp), F32)] * (has_bias + has_a))
   body = functools.partial(_body, act=use_gate_in_kernel, has_a=has_a, has_bias=has_bias, unroll=config.unroll,
-                           lower_bound=None if lower_bound is None else float(lower_bound), packed=packed)
-  scratch = ([plgpu.SMEM((BT, COLS), g.dtype)] + ([] if packed else [plgpu.SMEM((BT,), F32)])
+                           lower_bound=None if lower_bound is None else float(lower_bound), packed=packed,
+                           resets=resets)
+  scratch = ([plgpu.SMEM((BT, COLS), g.dtype)] + ([] if packed and not resets else [plgpu.SMEM((BT,), F32)])
              + [plgpu.SMEM((BT, COLS), F32), plgpu.SMEM((BT, COLS), F32),
-                plgpu.Barrier(num_arrivals=3 if packed else 4)])
+                plgpu.Barrier(num_arrivals=3 if packed and not resets else 4)])
   f = plgpu.kernel(body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
                    scratch_types=scratch, compiler_params=_params(config.lane_semantics),
                    kernel_name="kda_bwd_gate_packed" if packed else "kda_bwd_gate",

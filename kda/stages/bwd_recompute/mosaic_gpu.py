@@ -181,14 +181,16 @@ def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, inte
 
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
           use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False, rows=None,
-          tail_zeros=True):
+          tail_zeros=True, seg=None):
   """zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores
   the final state (the stage never returns it). Without it the kernel runs as checked on the H200.
   rows (a padding.ChunkRows): g is PACKED [1, T, HV, K] (raw, not neutralised; valid is unused) and
   the gate kernel's packed mode reads it (the align folded into its load: the same gc bit for bit).
   tail_zeros=False: the wy kernel leaves w, u, qg, kg and (with rows) the gate kernel gc_int,
   gc_frac unwritten at the chunks at or past aligned_cu[-1] (callers that never read them there:
-  the packed backward)."""
+  the packed backward). seg (with rows; kda.pipeline.segment_rows of a segmented layout): the gate
+  kernel takes the gate as -inf at its resets, as the packed forward does (intra's segment masks
+  need not be: the wy kernel reads the saved Ainv)."""
   config = config or Config()
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if rows is not None:
@@ -201,7 +203,8 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_recompute: {reason}")
   if rows is not None:
-    gt = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=interpret, tail_zeros=tail_zeros, **gkw)
+    gt = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=interpret, tail_zeros=tail_zeros,
+                          **({} if seg is None else dict(seg=seg)), **gkw)
   else:
     gt = gate_mgpu.apply(g, valid, A_log, dt_bias, interpret=interpret, **gkw)
   if config.wy_from_saved and Ainv is not None:
@@ -210,7 +213,7 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
                                  approx_math=config.approx_math, tail_zeros=tail_zeros)
   else:            # the forward's intra kernels again: Ainv formed anew, bit for bit as the forward's
     it = intra_mgpu.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, aligned_cu, scale=1.0, chunk_size=chunk_size,
-                          interpret=interpret)
+                          interpret=interpret, seg=seg)
     w, u, qg, kg = it.w, it.u, it.qg, it.kg
   elide = dict(zero_h0=True, store_final=False) if zero_h0 else {}
   st = state_mgpu.apply(kg, w, u, gt.gc_int, gt.gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,

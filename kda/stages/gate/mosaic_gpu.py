@@ -193,7 +193,8 @@ def row_parts(x, real, a=None, bias=None, *, act=False, lower_bound=None):
   return x, _ceil(x)
 
 
-def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, packed, tail_zeros=True):
+def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, packed, tail_zeros=True,
+          resets=False):
   # GMEM in: aligned: g [Ta, C] (input dtype), valid [Ta] f32; packed: src [NTa], count [NTa] int32,
   # g [T, C]; then (a [C] f32), (bias [C] f32). GMEM out: aligned: g_act, gc_int, gc_frac [Ta, C] f32;
   # packed: gc_int, gc_frac [Ta, C], stats [NTa, 2, C] f32. SMEM: the g tile [BT, 128], (aligned:
@@ -201,11 +202,12 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
   refs = list(refs)
   take = lambda cond: refs.pop(0) if cond else None
   src_g, count_g = take(packed), take(packed)
+  reset_g = take(resets)      # packed: [Ta] f32, 1 at a segmented layout's resets (gate -inf there)
   g_g, valid_g = refs.pop(0), take(not packed)
   a_g, bias_g = take(has_a), take(has_bias)
   outs_g = [refs.pop(0) for _ in range(2 if packed else 3)]   # the per-row outputs
   stats_g = take(packed)
-  g_s, valid_s = refs.pop(0), take(not packed)
+  g_s, valid_s = refs.pop(0), take(not packed or resets)
   outs_s = [refs.pop(0) for _ in outs_g] if stage_stores else None
   bar, = refs
   j, c = lax.axis_index("j"), lax.axis_index("c")
@@ -214,6 +216,8 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
   if packed:   # any packed row (plain SMEM takes it); rows past T arrive as zeros, masked anyway
     count = count_g[c]
     plgpu.copy_gmem_to_smem(g_g.at[pl.ds(src_g[c], BT), cols], g_s, bar)
+    if resets:
+      plgpu.copy_gmem_to_smem(reset_g.at[pl.ds(start, BT)], valid_s, bar)
   else:
     plgpu.copy_gmem_to_smem(g_g.at[pl.ds(start, BT), cols], g_s, bar)
     plgpu.copy_gmem_to_smem(valid_g.at[pl.ds(start, BT)], valid_s, bar)
@@ -224,6 +228,8 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
   def step(r, carry):
     acc_i, acc_f, *nz = carry
     x = plgpu.load(g_s.at[r], layout=LINE, optimized=False)
+    if resets:    # as a gate of -inf there (floored to -128 next)
+      x = jnp.where(lax.broadcast(valid_s[r] > 0.0, (COLS,)), jnp.float32(-jnp.inf), x.astype(F32))
     real = (lambda: r < count) if packed else (lambda: valid_s[r] > 0.0)
     x, whole = row_parts(x, real, a, bias, act=act, lower_bound=lower_bound)
     acc_i = acc_i + whole
@@ -281,7 +287,7 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
 
 
 def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, dtype, use_gate_in_kernel, lower_bound, config, interpret,
-            packed, tail_zeros=True):
+            packed, tail_zeros=True, resets=False):
   """The kernel on g2 [rows, Cp] (columns already padded) after the `lead` args -> its outputs, columns
   still padded."""
   BT, Cp = 64, g2.shape[1]
@@ -296,12 +302,12 @@ def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, dtype, use_gate_in_kernel, 
   body = functools.partial(_body, BT=BT, act=use_gate_in_kernel,
                            lower_bound=None if lower_bound is None else float(lower_bound),
                            has_a=has_a, has_bias=has_bias, stage_stores=config.stage_stores,
-                           unroll=config.unroll, packed=packed, tail_zeros=tail_zeros)
+                           unroll=config.unroll, packed=packed, tail_zeros=tail_zeros, resets=resets)
   n_rows = 2 if packed else 3
-  scratch = [plgpu.SMEM((BT, COLS), dtype)] + ([] if packed else [plgpu.SMEM((BT,), F32)])
+  scratch = [plgpu.SMEM((BT, COLS), dtype)] + ([] if packed and not resets else [plgpu.SMEM((BT,), F32)])
   if config.stage_stores:
     scratch += [plgpu.SMEM((BT, COLS), F32)] * n_rows
-  scratch.append(plgpu.Barrier(num_arrivals=1 if packed else 2))   # the g tile (and valid)
+  scratch.append(plgpu.Barrier(num_arrivals=1 if packed and not resets else 2))   # the g tile (and valid / resets)
   out_type = [jax.ShapeDtypeStruct((NTa * BT, Cp), F32)] * n_rows
   if packed:
     out_type.append(jax.ShapeDtypeStruct((NTa, 2, Cp), F32))
@@ -327,6 +333,13 @@ def apply(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   return Out(*(x[:, :C].reshape(1, Ta, HV, K) for x in outs))
 
 
+def reset_rows(seg):
+  """[Ta] float32, 1 at the aligned rows of a segmented layout's resets (seg: kda.pipeline.segment_rows,
+  whose count n steps up there), else 0."""
+  n = seg[0].reshape(-1, 64)
+  return (n > jnp.pad(n[:, :-1], ((0, 0), (1, 0)))).astype(F32).reshape(-1)
+
+
 class PackedOut(NamedTuple):
   gc_int: jax.Array    # [1, Ta, HV, K] float32, as Out.gc_int of `apply` on the aligned gates
   gc_frac: jax.Array   # [1, Ta, HV, K] float32
@@ -343,9 +356,10 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   from the kernel's per-(chunk, column) stats. The activated g is not written. tail_zeros=False
   leaves gc_int, gc_frac unwritten at the tail chunks (rows.count 0: past aligned_cu[-1]), for
   callers whose consumers never read them there; the stats are the same. seg (kda.pipeline.segment_rows
-  of a segmented layout, whose reset gates are -inf): bounded and two_part as if each reset's -128
-  step were not in gc_int (the intra kernel takes seg and masks its pairs instead): the ceil(g)**2
-  sums less GATE_FLOOR**2 per reset (exact integers), bounded from gc_int + 128 n."""
+  of a segmented layout): the gate is -inf at its resets (`reset_rows`; g itself may hold anything
+  there), and bounded and two_part are as if each reset's -128 step were not in gc_int (the intra
+  kernel takes seg and masks its pairs instead): the ceil(g)**2 sums less GATE_FLOOR**2 per reset
+  (exact integers), bounded from gc_int + 128 n."""
   from kda.stages.intra.mosaic_gpu import BOUNDED_SPAN   # here: intra imports the gate stage
   reason = packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
                            lower_bound=lower_bound)
@@ -354,10 +368,11 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   _, T, HV, K = g.shape
   C, NTa = HV * K, rows.src.shape[0]
   g2 = pad_dim(g.reshape(T, C), 1, -(-C // COLS) * COLS)
-  gi, gf, stats = _launch(g2, [rows.src, rows.count], A_log, dt_bias, NTa=NTa, HV=HV, K=K, dtype=g.dtype,
+  lead = [rows.src, rows.count] + ([] if seg is None else [reset_rows(seg)])
+  gi, gf, stats = _launch(g2, lead, A_log, dt_bias, NTa=NTa, HV=HV, K=K, dtype=g.dtype,
                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                           config=config or Config(), interpret=interpret, packed=True,
-                          tail_zeros=bool(tail_zeros))
+                          tail_zeros=bool(tail_zeros), resets=seg is not None)
   span, nz = (stats[:, i, :C].reshape(NTa, HV, K) for i in (0, 1))
   Ta = NTa * chunk_size
   gi, gf = (x[:, :C].reshape(1, Ta, HV, K) for x in (gi, gf))
