@@ -12,7 +12,7 @@ kernel's gc parts equal a float32 numpy sequential sum of split(its own g) bit f
 
 Packed mode (`mgg.packed`, test_packed_*): against `apply` on the aligned gates, bit for bit, with
 tokens of no sequence (gaps, the tail after the last sequence) NaN; bounded against intra's
-bounded_chunks of that result exactly, two_part against jnp.any(gc_int != 0). The last chunk of a
+bounded_chunks of that result exactly, two_part against two_parts_needed(gc_int). The last chunk of a
 sequence that ends within 64 rows of T reads past T (the boundaries case, T = 198; T = 3 < 64): the
 simulator zero-fills such TMA loads at dynamic starts as the hardware does (a clamped start would
 shift the real rows and fail the comparison).
@@ -30,7 +30,7 @@ import pytest
 from kda import padding
 from kda.stages import gate
 from kda.stages.gate import mosaic_gpu as mgg
-from kda.stages.intra.mosaic_gpu import bounded_chunks
+from kda.stages.intra.mosaic_gpu import bounded_chunks, two_parts_needed
 from tests.cases import aligned_layout
 from tests.stages.test_gate import EXTREMES, check_padding, check_parts, extreme_gates, pooled_inputs
 
@@ -288,9 +288,10 @@ def check_packed(layout, g, A_log, dt_bias, kw, label, config=None):
   bounded = np.asarray(bounded_chunks(want.gc_int, want.gc_frac))
   assert got.bounded.dtype == jnp.int32 and got.bounded.shape == bounded.shape
   np.testing.assert_array_equal(np.asarray(got.bounded), bounded, "bounded")
-  assert got.two_part.shape == () and bool(got.two_part) == bool(jnp.any(want.gc_int != 0))
+  assert got.two_part.dtype == jnp.int32 and got.two_part.shape == bounded.shape
+  np.testing.assert_array_equal(np.asarray(got.two_part), np.asarray(two_parts_needed(want.gc_int)), "two_part")
   print(f"\n  packed {label} ({secs:.2f}s): T={layout.T} NTa={layout.NTa} bounded {bounded.sum()}/{bounded.size}"
-        f" two_part {bool(got.two_part)}")
+        f" two_part {np.asarray(got.two_part).sum()}")
   return got, want
 
 
@@ -319,7 +320,7 @@ def test_packed_matches_aligned(lens, gaps, extra_T, tail_chunks, HV, K, dtype, 
   kw = kw
   assert mgg.packed_takes(g, padding.chunk_rows(layout), A_log, dt_bias, **kw) is None
   got, _ = check_packed(layout, g, A_log, dt_bias, kw, f"lens={lens} {form}")
-  assert bool(got.two_part) == (kind != "small")
+  assert bool(got.two_part.any()) == (kind != "small")
   if kind == "small":
     assert not np.any(np.asarray(got.gc_int)) and np.all(np.asarray(got.bounded) == 1)
 
@@ -330,7 +331,7 @@ def test_packed_empty_layout():
   g, _, _ = packed_gates(0, layout.T, 2, 64, jnp.float32, "plain")
   got, _ = check_packed(layout, g, None, None, dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None),
                         "empty")
-  assert not np.any(np.asarray(got.gc_frac)) and not bool(got.two_part) and np.all(np.asarray(got.bounded) == 1)
+  assert not np.any(np.asarray(got.gc_frac)) and not got.two_part.any() and np.all(np.asarray(got.bounded) == 1)
 
 
 @pytest.mark.parametrize("form", ["identity", "softplus"])
@@ -351,7 +352,8 @@ def test_packed_extreme_gates(form):
   got, _ = check_packed(layout, g, A_log, dt_bias, kw, f"extreme {form}")
   b = np.asarray(got.bounded).reshape(2, layout.NTa)
   assert b[1].all() and b[0, 0] == 1 and not b[0, 1:3].any(), b
-  assert bool(got.two_part)
+  t = np.asarray(got.two_part).reshape(2, layout.NTa)
+  assert t[0, 1:3].all() and not t[1].any(), t
 
 
 @pytest.mark.parametrize("config", [mgg.Config(stage_stores=True, unroll=8),

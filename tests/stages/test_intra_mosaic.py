@@ -555,3 +555,19 @@ def test_packed_unwritten_tail():
   for f in ("Aqk", "Ainv"):
     np.testing.assert_array_equal(np.asarray(jnp.asarray(getattr(skip, f), F32))[:, owned:],
                                   np.asarray(jnp.asarray(getattr(full, f), F32))[:, owned:], f)
+
+
+@pytest.mark.parametrize("gates", ["ordinary", "strong"])
+def test_cond_free_gives_the_cond_bits(gates, monkeypatch):
+  """COND_FREE (the one-part kernel everywhere, then the persistent two-part kernel redoing the
+  chunks whose gc_int is not 0, in place) gives the bits of the lax.cond between the two kernels:
+  ordinary gates (nothing redone) and strong ones (chunks with gc_int != 0 in both heads)."""
+  args, _ = make_case([100, 20], 192, 2, 64, 64, gates)
+  assert bool(np.asarray(mgi.two_parts_needed(args[4])).any()) == (gates == "strong")
+  outs = {}
+  for cond_free in (False, True):
+    monkeypatch.setattr(mgi, "COND_FREE", cond_free)
+    f = jax.jit(functools.partial(mgi.apply, scale=0.125, chunk_size=BT, interpret=True))   # a fresh trace
+    outs[cond_free] = [np.asarray(jnp.asarray(x, F32)) for x in f(*args)]
+  for name, a, b in zip(intra.Out._fields, outs[False], outs[True]):
+    np.testing.assert_array_equal(a, b, name)

@@ -135,7 +135,7 @@ def test_gate_kernels_take_the_resets_as_minus_inf_gates():
   off = mg.packed(pipeline.reset_gates(g, resets), rows, None, None, **kw)
   for a, b in ((on.gc_int, off.gc_int), (on.gc_frac, off.gc_frac)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert not bool(on.two_part) and bool(off.two_part)
+  assert not on.two_part.any() and off.two_part.any()
   assert np.asarray(on.bounded).all() and not np.asarray(off.bounded).all()
   pieces = padding.gap_pieces(rows, layout.aligned_cu, T, BT)
   dgc, dgs = (jnp.asarray(rng.standard_normal((1, T, HV, K)), F32) for _ in range(2))

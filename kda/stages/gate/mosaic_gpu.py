@@ -344,7 +344,7 @@ class PackedOut(NamedTuple):
   gc_int: jax.Array    # [1, Ta, HV, K] float32, as Out.gc_int of `apply` on the aligned gates
   gc_frac: jax.Array   # [1, Ta, HV, K] float32
   bounded: jax.Array   # [HV * NTa] int32, kda.stages.intra.mosaic_gpu.bounded_chunks(gc_int, gc_frac)
-  two_part: jax.Array  # bool scalar, jnp.any(gc_int != 0)
+  two_part: jax.Array  # [HV * NTa] int32, kda.stages.intra.mosaic_gpu.two_parts_needed(gc_int)
 
 
 def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, interpret=False,
@@ -382,5 +382,5 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
     from kda.stages.intra.mosaic_gpu import bounded_chunks, reset_free
     nz = nz - GATE_FLOOR ** 2 * seg[0].reshape(NTa, chunk_size)[:, -1, None, None]
     bounded = bounded_chunks(reset_free(gi, seg), gf)
-  two_part = jnp.any(nz != 0)
+  two_part = jnp.any(nz != 0, axis=-1).T.reshape(-1).astype(jnp.int32)   # NaN -> 1
   return PackedOut(gi, gf, bounded, two_part)

@@ -76,6 +76,14 @@ SKIP_STRONG = True
 # bits while gc_int == 0). H200: the same bits, fwd+bwd compiles 3-9 s faster, but runs 0.3-0.4 ms
 # slower on plain gates (A 9.54 vs 9.15 ms, C 9.35 vs 9.04): off.
 TWO_PART_ONLY = False
+# True: no lax.cond between the one- and two-part scores kernels (its predicate makes the host wait
+# for the gate kernel); the one-part kernel takes every chunk, then a persistent two-part kernel
+# redoes in place the chunks whose gc_int is not 0 (`two_parts_needed`) and exits at once where there
+# is none. H200 (2026-12-03, forward, the same bits everywhere): back to back A 1.459 ms against
+# 1.433 with the cond, B 1.560 / 1.554, C 1.395 / 1.396, and 2.343 against 1.804 where gates reach
+# -1 in every chunk (A, plain gates x 40: the one-part work is redone); host-timed no better
+# (A 1.775 / 1.746, B 2.087 / 1.950, C 1.632 / 1.702): off.
+COND_FREE = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +150,13 @@ def bounded_chunks(gc_int, gc_frac):
     span = jnp.maximum(span, jnp.maximum(exponent(*at(a), *at(m)), exponent(*at(m), *at(e))))
   ok = jnp.all(span <= BOUNDED_SPAN, axis=-1)                           # [NTa, HV]; NaN -> False
   return ok.T.reshape(-1).astype(jnp.int32)
+
+
+def two_parts_needed(gc_int):
+  """[HV * NTa] int32, row-major (head, chunk): 1 where the chunk's gc_int is not 0 (NaN included),
+  i.e. where the one-part scores kernel would not be exact."""
+  gi = to_chunks(gc_int.astype(F32), BT)                                # [NTa, BT, HV, K]
+  return jnp.any(gi != 0, axis=(1, 3)).T.reshape(-1).astype(jnp.int32)
 
 
 def _log2(n):
@@ -671,8 +686,9 @@ def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_siz
 
   rows (kda.padding.ChunkRows) places each aligned chunk: its rows r < rows.count[c] read packed
   token rows.src[c] + r, the others are zeros, so the result equals `apply` on the aligned inputs.
-  gc_int, gc_frac are aligned [1, Ta, HV, K]; `bounded` ([HV * NTa] int32) and `two_part` (bool)
-  may come from the gate kernel's statistics (else they are computed from gc here).
+  gc_int, gc_frac are aligned [1, Ta, HV, K]; `bounded` ([HV * NTa] int32) and `two_part` (a bool
+  scalar: any chunk needs both parts; or [HV * NTa] int32, per chunk, as `two_parts_needed`) may
+  come from the gate kernel's statistics (else they are computed from gc here).
   tail_zeros=False: at the chunks at or past aligned_cu[-1] only the residuals are written (Aqk 0,
   Ainv I); Akk, qg, kg, w, u are left unwritten there (the fused state + output kernel never reads
   them), and gc may be unwritten there too (the tail reads no gc). seg: as in `apply` (bounded and
@@ -713,8 +729,18 @@ def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *
                              interpret=interpret, config=config, tail_zeros=tail_zeros, seg=seg)
   if config.two_part == "always" or TWO_PART_ONLY:
     akh, akl, aqk, qg, kg, kd = run(gi, gf)
+  elif COND_FREE:   # one part everywhere, then the chunks needing both redone in place
+    redo = two_part if two_part is not None and jnp.ndim(two_part) == 1 else two_parts_needed(free)
+    refs = [jax.new_ref(x) for x in run(gf)]
+    pred = jnp.any(redo != 0).astype(jnp.int32).reshape(1)
+    _scores(cu, rows, q, k, beta_t, (gi, gf), flag, scale=float(scale), bounded=bounded, interpret=interpret,
+            config=config, tail_zeros=tail_zeros, into=refs, pred=(pred, redo.astype(jnp.int32)), seg=seg)
+    akh, akl, aqk, qg, kg, kd = (jax.ref.freeze(r) for r in refs)
   else:   # gc_int == 0 everywhere (every gate > -1): gc is gc_frac, the same decays bit for bit
-    pred = jnp.any(free != 0) if two_part is None else two_part
+    if two_part is None:
+      pred = jnp.any(free != 0)
+    else:
+      pred = two_part if jnp.ndim(two_part) == 0 else jnp.any(two_part != 0)
     akh, akl, aqk, qg, kg, kd = lax.cond(pred, lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
   if config.probe == "scores":
     z = jnp.zeros_like(kd)
