@@ -86,9 +86,10 @@ FUSE_GATE_INTRA = False
 # zero initial state and an unused final state (a piece has one of each), log-space gates (a
 # built-in activation may not reach the floor), sequences that tile the stream (cu_seqlens or
 # fixed-length rows; segment_ids may leave gaps) and more of them than pieces. H200, shape B: forward
-# 1.70 ms back to back against 2.20 aligned, forward+backward 10.83 against 14.33, in 2909 MiB of XLA
+# 1.55 ms back to back against 2.21 aligned, forward+backward 10.37 against 14.06, in 2845 MiB of XLA
 # temporaries against 5347 (with resets as gates alone, every chunk holding one took intra's
-# six-level path: forward 4.25 ms).
+# six-level path: forward 4.25 ms; with the gate kernel reading a copy of g with the -inf written
+# in, 1.70).
 SEGMENTED = True
 SEGMENT_PIECES = 16
 # A piece's chunks are one serial walk per value head (the state kernels): at least this many walks
