@@ -579,6 +579,8 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
   into: the refs (jax.new_ref) the results are written into in place, returning nothing.
   seg: kda.pipeline.segment_rows (not gated)."""
   gated = flag is None
+  if gated and seg is not None:
+    raise ValueError("mosaic_gpu intra: segment rows (seg) need gc from the gate kernel, not the gated scan")
   K = q.shape[2]
   Ta, HV = (Ta, q.shape[1]) if gated else gis[0].shape[:2]
   two_part = len(gis) == 2 or pred is not None
