@@ -561,9 +561,9 @@ def test_packed_backward_with_packed_do_gives_the_same_bits(monkeypatch):
   monkeypatch.setattr(pipeline, "PACKED_DO", True)
   from kda.stages.bwd_dh import mosaic_gpu as mgd
   real, packed = mgd._terms_kernel, []
-  monkeypatch.setattr(mgd, "_terms_kernel", lambda *a, **k: packed.append(k.get("packed_scale")) or real(*a, **k))
+  monkeypatch.setattr(mgd, "_terms_kernel", lambda *a, **k: packed.append(k.get("packed")) or real(*a, **k))
   got = f()
-  assert packed and all(p is not None for p in packed)       # the terms kernel read do packed
+  assert packed and all(packed)                             # the terms kernel read do packed
   for name, a, b in zip("q k v g beta".split(), got, want):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
 

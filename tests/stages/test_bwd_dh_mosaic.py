@@ -5,9 +5,10 @@ layout with tail chunks), h and v_new from the state reference on them, qg = q *
 q, and random float32 do, dv, dht (bwd_setup.randn, everywhere, padding and tail included). qg, kg,
 w, h, v_new are rounded to bf16 (the forward kernels store them so) and the reference gets the
 same rounded values back in float32, so the comparison isolates the kernel: what is left is its
-own roundings of wgmma operands, bf16(scale * do), bf16(dS), bf16(-du). Measured on these cases
+own roundings of wgmma operands, bf16(dS), bf16(-du) (the walk's bf16(-du / scale)); do is bf16
+already and the scale multiplies float32 products. Measured on these cases
 (run with -s to print them; -m large included): max|d| / max|ref| <= 2.8e-3 and ||d|| / ||ref||
-<= 1.9e-3 over all fields (dqg, dkg, dw the largest, dqg's being the rounding of do alone; du
+<= 1.9e-3 over all fields (dkg, dw the largest; du
 ~1.2e-3, dh0 ~3e-4, dgc_last ~2e-4); TOL allows 6e-3 and 5e-3. check() also compares with a
 float32 numpy emulation of the kernel's roundings (`emulate`): <= 4.5e-4 (float32 summation order
 flipping a bf16 rounding now and then; EMU_TOL 1e-3), and the emulation with a wrong formula (no
@@ -122,13 +123,15 @@ def check(lens, K, V, config=None, tail_chunks=2, seed=0, HV=2, emulation=True):
 
 
 def emulate(args, scale, mutant=None):
-  """The kernel's arithmetic in float32 numpy: the reference with bf16(scale * do), bf16(dS) and
-  bf16(-du) where they enter the dots. `mutant` names a wrong formula to emulate instead."""
+  """The kernel's arithmetic in float32 numpy: the reference with bf16(dS), bf16(-du) (the walk's
+  bf16(-du / scale)) where they enter the dots, do as given and the scale applied to the products.
+  `mutant` names a wrong formula to emulate instead."""
   qg, kg, w, gi, gf, h, vn, do, dv, dht = (np.asarray(x, np.float32) for x in args[:10])
   acu = np.asarray(args[10]).astype(int)
   bf = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
   decay = np.exp(gi[0, BT - 1::BT] + gf[0, BT - 1::BT]).astype(np.float32)    # [NTa, HV, K]
-  sdo = bf(do * np.float32(scale if mutant != "no_scale" else 1.0))[0]
+  s = np.float32(scale if mutant != "no_scale" else 1.0)
+  dob = bf(do)[0]
   NTa, HV = decay.shape[:2]
   dh0 = dht.copy()
   du = dv[0].copy()
@@ -144,13 +147,14 @@ def emulate(args, scale, mutant=None):
         dSb = bf(dS)
         du_c = dv[0, rows, i] + kg[0, rows, i] @ dSb
         ndu = bf(-du_c)
+        ndu_s = bf(du_c * np.float32(-1.0 / s))
         du[rows, i] = du_c
         dkg[rows, i] = vn[0, rows, i] @ dSb.T
-        dqg[rows, i] = sdo[rows, i] @ S.T
+        dqg[rows, i] = s * (dob[rows, i] @ S.T)
         dw[rows, i] = ndu @ S.T
         dgc[c, i] = (1.0 if mutant == "dgc_no_decay" else d) * np.sum(S * dSb, axis=1)
         keep = dS if mutant == "no_decay" else d[:, None] * dS
-        dS = keep + qg[0, rows, i].T @ sdo[rows, i] + sign * (w[0, rows, i].T @ ndu)
+        dS = keep + s * (qg[0, rows, i].T @ dob[rows, i] + sign * (w[0, rows, i].T @ ndu_s))
       dh0[n, i] = dS
   return bwd_dh.Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])
 
@@ -357,10 +361,10 @@ def test_bwd_dh_packed_do_terms_kernel_lowers_with_the_same_smem():
   bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
   common = (S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf))
   tail = (S((Ta, HV, V), f32), S((NTa, HV, K), f32))
-  aligned = lowered_smem_bytes(lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None)(*a),
+  aligned = lowered_smem_bytes(lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None)(*a),
                                S((5,), i32), *common, S((Ta, HV, V), bf), *tail)
   packed = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None, packed_scale=K ** -0.5)(*a),
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None, packed=True)(*a),
       S((5,), i32), S((NTa,), i32), S((NTa,), i32), *common, S((T, HV, V), bf), *tail)
   print(f"\n  bwd_dh terms SMEM: aligned {aligned}, packed do {packed} bytes")
   assert packed == aligned == 116744
@@ -380,14 +384,14 @@ def test_bwd_dh_terms_two_ctas_equals_one_cta():
   NTa = Ta // BT
   bf, f32 = jnp.bfloat16, jnp.float32
   smem = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None, share_vn=True)(*a),
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None, share_vn=True)(*a),
       S((5,), jnp.int32), S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((Ta, HV, V), bf),
       S((Ta, HV, V), f32), S((NTa, HV, K), f32))
   print(f"\n  bwd_dh terms SMEM, two CTAs: {smem} bytes")
   assert smem <= SMEM_TWO_CTAS
   packed = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, lane=True, interp=None, share_vn=True,
-                                   packed_scale=K ** -0.5)(*a),
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None, share_vn=True,
+                                   packed=True)(*a),
       S((5,), jnp.int32), S((NTa,), jnp.int32), S((NTa,), jnp.int32), S((NTa, HV, K, V), bf),
       S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((4000, HV, V), bf), S((Ta, HV, V), f32), S((NTa, HV, K), f32))
   assert packed <= SMEM_TWO_CTAS, packed

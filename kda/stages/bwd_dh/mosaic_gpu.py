@@ -12,17 +12,18 @@ slots, one barrier per slot, TMA) and dS = dS_next:
 
     dh[c][:, vt] = bf16(dS)                      TMA store from the wgmma operand tile
     du            = dv + kg @ bf16(dS)           wgmma [64, K] @ [K, BV]
-    dS            = decay[:, None] * dS + qg^T @ sdo + w^T @ bf16(-du)
+    dS            = decay[:, None] * dS + scale * (qg^T @ do + w^T @ bf16(-du / scale))
                                                  two wgmmas into one [K, BV] accumulator (.T views, M = K)
 
-with sdo = bf16(scale * do); dh0[n]'s tile = dS after the sequence's first chunk (dht[n]'s tile for
+with do in bf16 as given (the scale applied to the float32 product: a bf16(scale * do) operand would
+round every element of do, which measured as a fifth of dg's bf16 error); dh0[n]'s tile = dS after the sequence's first chunk (dht[n]'s tile for
 an empty sequence). V tiles are independent (du and dS are per V column).
 
 Terms: one program per (head, chunk), all of V, grid (HV, NTa) with the chunks on CUDA's grid x (no
-65535 limit): h[c] and dh[c] [K, V] (64-column slabs), v_new and sdo [64, V] by TMA, bf16(-du) from
+65535 limit): h[c] and dh[c] [K, V] (64-column slabs), v_new and do [64, V] by TMA, bf16(-du) from
 du in registers, then
 
-    dqg = sdo @ h^T,  dkg = v_new @ dh^T,  dw = bf16(-du) @ h^T      wgmma chains over V's slabs
+    dqg = scale * do @ h^T,  dkg = v_new @ dh^T,  dw = bf16(-du) @ h^T      wgmma chains over V's slabs
     dgc_last = decay * sum_V(h * dh)                                  registers
 
 Chosen over keeping dS in registers and forming these terms inside the walk (the previous kernel:
@@ -43,25 +44,25 @@ the r-th longest, kda._mosaic_gpu.sequence_order): Mosaic GPU launches (g0, g1, 
 y at 65535; for N > 65535 the launcher puts the sequences on x instead, as the state kernel does.
 
 What is bf16 (wgmma operands; float32 operands would run as tf32): qg, kg, w, h, v_new (the dtype
-policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them), sdo, the stored
-bf16(dS) and the in-kernel bf16(-du). dS, dv, du, the decay exp(gc_last) (formed in the launcher
+policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them), do (cast if it comes
+in float32), the stored bf16(dS) and the in-kernel bf16(-du) (the walk's as bf16(-du / scale)). dS, dv, du, the decay exp(gc_last) (formed in the launcher
 from each chunk's last gate row, kda.stages.state.chunk_decay) and all accumulators and outputs are
 float32.
 
 SMEM (bytes as lowered for CUDA, barriers and alignment included; limit 232448): the walk 173072 at
-K = 128 (two slots of qg, kg, w [64, K], sdo [64, 64] bf16, dv [64, 64] f32, decay; bf16(dS),
-bf16(-du)), 115728 at K = 64, either V: one program per SM. The terms kernel: h, dh, v_new, sdo,
+K = 128 (two slots of qg, kg, w [64, K], do [64, 64] bf16, dv [64, 64] f32, decay; bf16(dS),
+bf16(-du)), 115728 at K = 64, either V: one program per SM. The terms kernel: h, dh, v_new, do,
 bf16(-du) tiles, 116744 bytes at K = V = 128 (1 KiB past two CTAs per SM).
 
 Packed do (`apply(..., do_packed=, rows=)`): the terms kernel reads do packed [1, T, HV, V] bf16
 (chunk c's rows r < count[c] at packed row src[c] + r) by TMA into a plain landing that shares
-bf16(-du)'s bytes, and forms sdo = bf16(scale * do) with the other rows zero (a select: they may
+bf16(-du)'s bytes, and keeps do with the other rows zero (a select: they may
 hold other sequences' tokens or NaN); the walk still takes the aligned do. The same bits. With
 Config.terms_two_ctas (no bf16(-du) tile) do lands in v_new's bytes instead, and v_new's TMA
 follows once the landing is read, on a second barrier.
 
 Precision (simulator, against the float32 reference given the same bf16-exact qg, kg, w, h, v_new;
-tests/stages/test_bwd_dh_mosaic.py): max|d| / max|ref| <= 2.8e-3 over all fields (dgc_last now
+tests/stages/test_bwd_dh_mosaic.py): max|d| / max|ref| <= 2.8e-3 over all fields (dgc_last
 through bf16(dS): ~1.7e-3). Against a float32 emulation of these roundings <= 4.5e-4.
 """
 from __future__ import annotations
@@ -166,10 +167,10 @@ def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chun
   return reason
 
 
-def _walk_body(order_g, cu_g, *refs, BT, BV, tail_zeros=True, grouped=False):
+def _walk_body(order_g, cu_g, *refs, BT, BV, scale, tail_zeros=True, grouped=False):
   # GMEM: order [N] (grouped: [P], the groups' ranks), cu [N+1] int32; (grouped) grp [P+1] int32
   # the groups' sequence ranges (_mosaic_gpu.sequence_groups); qg, kg, w [Ta, HV, K], do [Ta, HV, V]
-  # bf16 (do scaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V]
+  # bf16 (do unscaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V]
   # f32; dh [NTa, HV, K, V] bf16 (dS_next of every chunk; unwritten at the tail).
   grp_g = refs[0] if grouped else None
   (qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, du_g, dh_g,
@@ -212,13 +213,13 @@ def _walk_body(order_g, cu_g, *refs, BT, BV, tail_zeros=True, grouped=False):
     plgpu.commit_smem()          # before the wgmmas and the TMA store read it
     plgpu.copy_smem_to_gmem(dsb_s, dh_g.at[c, i_h, :, cols])
     plgpu.barrier_wait(bars.at[slot])
-    qg, kg, w, sdo = (x.at[slot] for x in (qg_s, kg_s, w_s, do_s))
+    qg, kg, w, do = (x.at[slot] for x in (qg_s, kg_s, w_s, do_s))
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of dS
     du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
-    dub_s[...] = (-du).astype(BF16)
+    dub_s[...] = (du * (-1.0 / scale)).astype(BF16)
     plgpu.commit_smem()
     du_g[rows, i_h, cols] = du
-    dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + _acc([(qg.T, sdo), (w.T, dub_s)], (K, BV))
+    dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + scale * _acc([(qg.T, do), (w.T, dub_s)], (K, BV))
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return dS
 
@@ -253,11 +254,10 @@ def _walk_body(order_g, cu_g, *refs, BT, BV, tail_zeros=True, grouped=False):
   plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
 
 
-def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_vn=False):
+def _terms_body(cu_g, *refs, BT, nv, scale, tail_zeros=True, packed=False, share_vn=False):
   # GMEM: cu [N+1] int32; (packed: src, count [NTa] int32); h, dh [NTa, HV, K, V], vn [Ta, HV, V],
-  # do [Ta, HV, V] bf16 scaled (packed: [T, HV, V] bf16 unscaled); du [Ta, HV, V], dec [NTa, HV, K]
+  # do [Ta, HV, V] bf16 (packed: [T, HV, V]); du [Ta, HV, V], dec [NTa, HV, K]
   # f32; out dqg, dkg, dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs.
-  packed = packed_scale is not None
   if packed:
     src_g, cnt_g, *refs = refs
   bar_vn = None
@@ -292,8 +292,7 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
       plgpu.barrier_wait(bar)
       real = _iota(0, (BT, SLAB)) < cnt   # other sequences' rows (maybe NaN) out, by a select
       for j in range(nv):
-        x = _load(land_s.at[j]).astype(F32) * packed_scale
-        do_s.at[j][...] = jnp.where(real, x, 0.0).astype(BF16)
+        do_s.at[j][...] = jnp.where(real, _load(land_s.at[j]), jnp.zeros((), BF16))
       plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before its bytes are reused
       if bar_vn is not None:
         copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar_vn)
@@ -308,7 +307,7 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
       minus_du()
     if not packed:
       plgpu.barrier_wait(bar)
-    dqg_g[rows, i_h, :] = _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
+    dqg_g[rows, i_h, :] = scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
     if bar_vn is not None:
       plgpu.barrier_wait(bar_vn)
     dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
@@ -330,11 +329,10 @@ def _terms_body(cu_g, *refs, BT, nv, tail_zeros=True, packed_scale=None, share_v
     pl.when(jnp.logical_not(live))(tail)
 
 
-def _terms_kernel(Ta, HV, K, V, *, lane, interp, tail_zeros=True, packed_scale=None, share_vn=False):
-  """The terms kernel; packed_scale (not None): it reads do packed and scales it; share_vn:
-  bf16(-du) in v_new's tile (_terms_body)."""
+def _terms_kernel(Ta, HV, K, V, *, scale, lane, interp, tail_zeros=True, packed=False, share_vn=False):
+  """The terms kernel; packed: it reads do packed; share_vn: bf16(-du) in v_new's tile
+  (_terms_body)."""
   BT, NTa, nv = 64, Ta // 64, V // SLAB
-  packed = packed_scale is not None
   landing = lambda tile: plgpu.RefUnion(tile, plgpu.SMEM((nv, BT, SLAB), BF16))   # do's, packed
   vn = _swz((nv, BT, SLAB))
   dub = [] if share_vn else [_swz((nv, BT, SLAB))]                  # bf16(-du)
@@ -345,11 +343,11 @@ def _terms_kernel(Ta, HV, K, V, *, lane, interp, tail_zeros=True, packed_scale=N
     dub = [landing(dub[0])]
   terms_kw = {} if tail_zeros else dict(tail_zeros=False)
   if packed:
-    terms_kw["packed_scale"] = packed_scale
+    terms_kw["packed"] = True
   if share_vn:
     terms_kw["share_vn"] = True
   return plgpu.kernel(
-      functools.partial(_terms_body, BT=BT, nv=nv, **terms_kw),
+      functools.partial(_terms_body, BT=BT, nv=nv, scale=float(scale), **terms_kw),
       out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),
@@ -357,7 +355,7 @@ def _terms_kernel(Ta, HV, K, V, *, lane, interp, tail_zeros=True, packed_scale=N
       grid=(HV, NTa), grid_names=("h", "c"),
       scratch_types=[
           _swz((nv, K, SLAB)), _swz((nv, K, SLAB)),                 # h, dh tiles (64-column slabs)
-          vn, _swz((nv, BT, SLAB)),                                 # v_new, scale * do
+          vn, _swz((nv, BT, SLAB)),                                 # v_new, do
           *dub,
           *bars,
       ],
@@ -375,8 +373,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   tail_zeros=False: du, dqg, dkg, dw, dgc_last are left unwritten at the chunks at or past
   aligned_cu[-1] (for callers that never read them: the packed backward).
   do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): the terms kernel reads do packed
-  (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r, scaled
-  and rounded as the walk's aligned sdo), so the aligned do need not outlive the walk; do (aligned)
+  (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r), so the aligned do need not outlive the walk; do (aligned)
   still feeds the walk. The same bits."""
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
@@ -397,7 +394,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))
   h = h[0].astype(BF16)
-  sdo = (do[0].astype(F32) * scale).astype(BF16)
+  dob = do[0].astype(BF16)
   dv = dv[0].astype(F32)
   interp = plgpu.InterpretGPUParams() if interpret else None
 
@@ -405,7 +402,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     grid, names = (R, HV, NV), ("r", "h", "v")
   else:
     grid, names = (NV, HV, R), ("v", "h", "r")
-  body = functools.partial(_walk_body, BT=BT, BV=BV, **({} if tail_zeros else dict(tail_zeros=False)),
+  body = functools.partial(_walk_body, BT=BT, BV=BV, scale=float(scale), **({} if tail_zeros else dict(tail_zeros=False)),
                            **({"grouped": True} if grouped else {}))
   absent = [8 + grouped] * dht_zero + [9 + grouped] * (not need_dh0)   # dht_g, dh0_g in _walk_body's refs
   if absent:
@@ -418,7 +415,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
       grid=grid, grid_names=names,
       scratch_types=[
           _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, K)),    # qg, kg, w: two slots each
-          _swz((2, BT, BV)),                                        # scale * do
+          _swz((2, BT, BV)),                                        # do
           _swz((2, BT, BV), F32),                                   # dv
           plgpu.SMEM((2, K), F32),                                  # decay rows
           _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
@@ -427,7 +424,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
       compiler_params=_params(config.lane_semantics),
       kernel_name="kda_bwd_dh_walk", interpret=interp,
   )
-  *dh0, du, dh = walk(order, aligned_cu, *(() if bounds is None else (bounds,)), qg, kg, w, sdo, dv, decay,
+  *dh0, du, dh = walk(order, aligned_cu, *(() if bounds is None else (bounds,)), qg, kg, w, dob, dv, decay,
                       *(() if dht_zero else (dht.astype(F32),)))
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
@@ -437,11 +434,11 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
                      f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
   two = TERMS_TWO_CTAS if config.terms_two_ctas is None else config.terms_two_ctas
-  terms = _terms_kernel(Ta, HV, K, V, lane=config.lane_semantics, interp=interp, tail_zeros=tail_zeros,
-                        packed_scale=float(scale) if packed else None, share_vn=bool(two))
+  terms = _terms_kernel(Ta, HV, K, V, scale=scale, lane=config.lane_semantics, interp=interp,
+                        tail_zeros=tail_zeros, packed=packed, share_vn=bool(two))
   if packed:
     dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,
                               v_new, do_packed[0], du, decay)
   else:
-    dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, sdo, du, decay)
+    dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, dob, du, decay)
   return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])

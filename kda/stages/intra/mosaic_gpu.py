@@ -5,7 +5,9 @@ Two kernels, each one program per (value head, chunk), grid (HV, NTa):
   parts); Akk (as a hi + lo bf16 split, for the solve), Aqk, qg, kg and w's right-hand side
   kd = beta k exp(gc), all bf16. 114696 bytes of SMEM at K = 128 with gc in one part (two CTAs per
   SM), 147464 with two parts.
-- solve: Akk's split, kd, v, beta -> Ainv, w, u (82952 bytes at K = V = 128).
+- solve: Akk's split, kd, v, beta -> Ainv, w, u (66568 bytes at K = V = 128, packed or not: Akk's
+  split is read once and then holds T's, packed v's landing zone then X's; three CTAs per SM, the
+  same bits, on the H200 no faster than two: A's forward 1.450 ms back to back against 1.446).
 Split in two so that each fits two CTAs per SM: as one kernel (1 CTA per SM) it took 4.3 ms on the
 H200 at T = 32768, H = 16, K = V = 128, against 1.7-2.0 ms split. Chunks at or past aligned_cu[-1]
 (the tail of a static-bound layout) are only zero-filled (Ainv = I there).
@@ -35,7 +37,7 @@ kda.padding.ChunkRows places each aligned chunk (rows r < count[c] read packed t
 TMA takes any packed row into plain (unswizzled) SMEM only, so q, k land there, in a RefUnion with
 the level operands (no extra SMEM), and go masked (rows past count: zeros, by a select, since they
 hold other sequences' tokens or NaN) into the swizzled tiles; v lands in a plain tile of the solve
-(99336 bytes at K = V = 128); beta is read from GMEM at src, padded by BT so no read leaves it.
+that X's split takes after it (no extra SMEM); beta is read from GMEM at src, padded by BT so no read leaves it.
 The results equal `apply` on the aligned inputs.
 
 Out (bf16, the dtype policy for bf16 inputs): Akk, Aqk, Ainv, w, u, qg, kg. The stage predicate
@@ -489,10 +491,12 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True):
   packed: v and beta come packed, v lands in plain SMEM (`vl_s`) at the chunk's packed row."""
   if packed:
     src_g, cnt_g, *refs = refs
-    *refs, vl_s, bar = refs
+  akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g, a_u, kd_s, v_s, x_u, b_s, bar = refs
+  (ah_s, al_s), (th_s, tl_s) = a_u      # Akk's split is read once, then T's split takes its bytes
+  if packed:
+    (vl_s,), (xh_s, xl_s) = x_u         # v's landing zone is read once, then X's split takes it
   else:
-    *refs, bar = refs
-  akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g, ah_s, al_s, kd_s, v_s, b_s, xh_s, xl_s, th_s, tl_s = refs
+    xh_s, xl_s = x_u
   K, V = kd_g.shape[2], v_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
@@ -511,6 +515,13 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True):
     plgpu.barrier_wait(bar)
     row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
     a_kk = _load(ah_s).astype(F32) + _load(al_s).astype(F32)
+    if packed:      # rows past cnt: beta is 0 there, and a select keeps their v (maybe NaN) out
+      real = _iota(0, (BT, V)) < cnt
+      v_s[...] = jnp.where(real, beta * _load(vl_s).astype(F32), 0.0).astype(BF16)
+    else:
+      beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
+      v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
+    plgpu.commit_smem()   # also a warpgroup barrier: ah, al (and vl) are read before T (and X) take them
 
     def split_mm(a, a_store, b, b_store):
       if a_store is not None:
@@ -529,12 +540,6 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True):
       T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
       X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
     xh_s[...], xl_s[...] = _split(X)
-    if packed:      # rows past cnt: beta is 0 there, and a select keeps their v (maybe NaN) out
-      real = _iota(0, (BT, V)) < cnt
-      v_s[...] = jnp.where(real, beta * _load(vl_s).astype(F32), 0.0).astype(BF16)
-    else:
-      beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
-      v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
     plgpu.commit_smem()
     w = _acc([(xh_s, kd_s), (xl_s, kd_s)], (BT, K))
     u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
@@ -625,9 +630,11 @@ def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=T
       out_type=(shape(BT), shape(K), shape(V)),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
-          _swz((BT, BT)), _swz((BT, BT)), _swz((BT, K)), _swz((BT, V)), plgpu.SMEM((BT,), F32),
-          _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)), _swz((BT, BT)),   # X, T splits
-          *([plgpu.SMEM((BT, V), BF16)] if packed else []),                # v's landing zone
+          plgpu.RefUnion([_swz((BT, BT)), _swz((BT, BT))], [_swz((BT, BT)), _swz((BT, BT))]),  # Akk | T
+          _swz((BT, K)), _swz((BT, V)),
+          plgpu.RefUnion([plgpu.SMEM((BT, V), BF16)], [_swz((BT, BT)), _swz((BT, BT))])     # v landing | X
+          if packed else [_swz((BT, BT)), _swz((BT, BT))],
+          plgpu.SMEM((BT,), F32),
           plgpu.Barrier(num_arrivals=4 if packed else 5),
       ],
       compiler_params=_params(config),
