@@ -158,8 +158,8 @@ def segment_rows(layout: Layout, resets) -> jax.Array:
 
 
 # Whether the packed backward's S2 terms kernel reads do packed (the align folded into its load:
-# the same bf16 values as the walk's aligned do), so that the aligned do
-# dies after the walk, before the backward's memory peak (S2's terms kernel on shape A). On the H200
+# the same bf16 values as the walk's aligned do), so that the aligned do dies after the walk, before
+# the backward's memory peak (S2's terms kernel on shape A). On the H200
 # the same bits as the aligned do (shapes A, B) and 132 MiB less temp on A, 248 on B.
 PACKED_DO = True
 

@@ -16,14 +16,15 @@ slots, one barrier per slot, TMA) and dS = dS_next:
                                                  two wgmmas into one [K, BV] accumulator (.T views, M = K)
 
 with do in bf16 as given (the scale applied to the float32 product: a bf16(scale * do) operand would
-round every element of do, which measured as a fifth of dg's bf16 error); dh0[n]'s tile = dS after the sequence's first chunk (dht[n]'s tile for
-an empty sequence). V tiles are independent (du and dS are per V column).
+round every element of do, which measured as a fifth of dg's bf16 error); dh0[n]'s tile = dS after
+the sequence's first chunk (dht[n]'s tile for an empty sequence). V tiles are independent (du and
+dS are per V column).
 
 Terms: one program per (head, chunk), all of V, grid (HV, NTa) with the chunks on CUDA's grid x (no
 65535 limit): h[c] and dh[c] [K, V] (64-column slabs), v_new and do [64, V] by TMA, bf16(-du) from
 du in registers, then
 
-    dqg = scale * do @ h^T,  dkg = v_new @ dh^T,  dw = bf16(-du) @ h^T      wgmma chains over V's slabs
+    dqg = scale * do @ h^T,  dkg = v_new @ dh^T,  dw = bf16(-du) @ h^T    wgmma chains over V
     dgc_last = decay * sum_V(h * dh)                                  registers
 
 Chosen over keeping dS in registers and forming these terms inside the walk (the previous kernel:
@@ -45,9 +46,9 @@ y at 65535; for N > 65535 the launcher puts the sequences on x instead, as the s
 
 What is bf16 (wgmma operands; float32 operands would run as tf32): qg, kg, w, h, v_new (the dtype
 policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them), do (cast if it comes
-in float32), the stored bf16(dS) and the in-kernel bf16(-du) (the walk's as bf16(-du / scale)). dS, dv, du, the decay exp(gc_last) (formed in the launcher
-from each chunk's last gate row, kda.stages.state.chunk_decay) and all accumulators and outputs are
-float32.
+in float32), the stored bf16(dS) and the in-kernel bf16(-du) (the walk's as bf16(-du / scale)). dS,
+dv, du, the decay exp(gc_last) (formed in the launcher from each chunk's last gate row,
+kda.stages.state.chunk_decay) and all accumulators and outputs are float32.
 
 SMEM (bytes as lowered for CUDA, barriers and alignment included; limit 232448): the walk 173072 at
 K = 128 (two slots of qg, kg, w [64, K], do [64, 64] bf16, dv [64, 64] f32, decay; bf16(dS),
@@ -373,8 +374,8 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   tail_zeros=False: du, dqg, dkg, dw, dgc_last are left unwritten at the chunks at or past
   aligned_cu[-1] (for callers that never read them: the packed backward).
   do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): the terms kernel reads do packed
-  (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r), so the aligned do need not outlive the walk; do (aligned)
-  still feeds the walk. The same bits."""
+  (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r), so the
+  aligned do need not outlive the walk; do (aligned) still feeds the walk. The same bits."""
   config = config or Config()
   reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
   if reason is not None:
@@ -402,8 +403,8 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     grid, names = (R, HV, NV), ("r", "h", "v")
   else:
     grid, names = (NV, HV, R), ("v", "h", "r")
-  body = functools.partial(_walk_body, BT=BT, BV=BV, scale=float(scale), **({} if tail_zeros else dict(tail_zeros=False)),
-                           **({"grouped": True} if grouped else {}))
+  body = functools.partial(_walk_body, BT=BT, BV=BV, scale=float(scale),
+                           **({} if tail_zeros else dict(tail_zeros=False)), **({"grouped": True} if grouped else {}))
   absent = [8 + grouped] * dht_zero + [9 + grouped] * (not need_dh0)   # dht_g, dh0_g in _walk_body's refs
   if absent:
     body = with_absent(body, absent)
