@@ -12,7 +12,9 @@ On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths
   3. per-stage times (kernel vs XLA reference on the recorded inputs; mosaic_gpu kernels also with
      the inputs they take in bf16 cast, "mosaic_gpu_bf16_inputs") and the whole forward's time
      (median after warm-up) against the reference pipeline compiled by XLA.
-Writes everything to --out as JSON; exit status 1 if a check fails.
+--parts (stages, forward, times) and --impls (pallas, mosaic_gpu) pick a subset, so that one case
+fits a device call (the whole set compiles some twenty programs per case); each part prints its
+JSON line when done. Writes everything to --out as JSON; exit status 1 if a check fails.
 """
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ def _rel(got, want):
 MOSAIC_BF16_ARGS = {"state": (0, 1, 2), "output": (0, 1, 2, 3)}
 
 
-def stage_times(lens, gate, reps):
-  """Per forward stage: median ms of the kernel and of the XLA reference on the same inputs."""
+def stage_times(lens, gate, reps, impls=("reference", "pallas", "mosaic_gpu")):
+  """Per forward stage: median ms of its kernels (those in `impls`) and of the XLA reference on the
+  same inputs."""
   plan, rec, _ = record_reference(lens, head_dim=K, heads=H, dtype="bfloat16", gate=gate, interpret=False)
   out = {}
   for name in pipeline.FORWARD_STAGES:
@@ -54,6 +57,8 @@ def stage_times(lens, gate, reps):
     args = rec["inputs"][name]
     row = {}
     for impl in st.implementations():
+      if impl not in impls and impl != "reference":
+        continue
       fn = jax.jit(lambda *a, st=st, impl=impl: st(impl, *a, interpret=False, **kw))
       row[impl] = bench.timeit(fn, *args, reps=reps)
       if impl == "mosaic_gpu" and name in MOSAIC_BF16_ARGS:
@@ -71,8 +76,9 @@ def _forward(impl, kw):
       cu_seqlens=i.cu_seqlens, impl=impl, **kw))
 
 
-def forward_errors(lens, gate):
-  """Whole forward (impl=None, pallas, XLA reference) vs the recurrence, on the same bf16 inputs."""
+def forward_errors(lens, gate, impls=("auto", "pallas", "reference")):
+  """Whole forward (`impls` of impl=None as "auto", pallas, XLA reference) vs the recurrence, on the
+  same bf16 inputs; with "auto" also its packed-vs-aligned, gate -> intra and no-states checks."""
   inp = make_inputs(1, lens, H=H, K=K, V=K, gate=gate, dtype=jnp.bfloat16)
   kw = {}
   g_rec = inp.g
@@ -84,12 +90,14 @@ def forward_errors(lens, gate):
   o_r, s_r = rec(inp, g_rec)
   res = {}
   for label, impl in (("auto", None), ("pallas", "pallas"), ("reference", "reference")):
+    if label not in impls:
+      continue
     o, s = _forward(impl, kw)(inp)
     res[label] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
     if label == "auto":
       res["auto_packed_vs_aligned"] = _packed_vs_aligned(inp, kw, (o, s))
       res["auto_gate_intra_fused_vs_not"] = _fused_gate_intra(inp, kw, (o, s))
-  res["auto_no_states"] = _no_states(inp, kw, g_rec)
+      res["auto_no_states"] = _no_states(inp, kw, g_rec)
   return res
 
 
@@ -140,8 +148,18 @@ def main(argv=None):
   p.add_argument("--tol-o", type=float, default=2e-2, help="max rel error of o vs the recurrence (bf16 inputs)")
   p.add_argument("--timing", default="A:plain,B:plain,A:gate_safe", help="bench shapes:gates to time")
   p.add_argument("--total", type=int, default=bench.TOTAL, help="packed tokens (smaller for a smoke run)")
+  p.add_argument("--parts", default="stages,forward,times",
+                 help="what to run per case: stages (each kernel against its reference on recorded inputs), "
+                      "forward (the whole forward against the recurrence), times (per-stage times)")
+  p.add_argument("--impls", default="pallas,mosaic_gpu",
+                 help="the kernel families to check (the forward part's impl=None runs with mosaic_gpu)")
   p.add_argument("--out")
   a = p.parse_args(argv)
+  parts, impls = set(a.parts.split(",")), set(a.impls.split(","))
+  for name, got, allowed in (("--parts", parts, {"stages", "forward", "times"}),
+                             ("--impls", impls, {"pallas", "mosaic_gpu"})):
+    if not got <= allowed:
+      p.error(f"{name} takes a comma-separated subset of {sorted(allowed)}, got {sorted(got - allowed)}")
   bench.TOTAL = a.total
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   results, ok = {}, True
@@ -150,24 +168,36 @@ def main(argv=None):
     for gate in a.gates.split(","):
       key = f"{case}:{gate}"
       r = results[key] = {"N": len(lens)}
+      def report(part):       # progress per part: a run cut short by a time limit still reports
+        print(key, part, json.dumps(r.get(part), default=str), flush=True)
+
       try:
-        rep = compare_stages(lens, chunk_size=64, head_dim=K, heads=H, dtype="bfloat16", gate=gate,
-                             interpret=False)
-        r["stages"] = {s.name: {"status": s.status, "fields": {f.field: [f.max_abs, f.max_rel] for f in s.fields},
-                                "message": s.message} for s in rep.stages}
-        ok &= rep.ok
-        if any(stages.get(n).mosaic_gpu is not None for n in pipeline.FORWARD_STAGES):
+        if "stages" in parts and "pallas" in impls:
+          rep = compare_stages(lens, chunk_size=64, head_dim=K, heads=H, dtype="bfloat16", gate=gate,
+                               interpret=False)
+          r["stages"] = {s.name: {"status": s.status, "fields": {f.field: [f.max_abs, f.max_rel] for f in s.fields},
+                                  "message": s.message} for s in rep.stages}
+          ok &= rep.ok
+          report("stages")
+        if ("stages" in parts and "mosaic_gpu" in impls
+            and any(stages.get(n).mosaic_gpu is not None for n in pipeline.FORWARD_STAGES)):
           rep = compare_stages(lens, chunk_size=64, head_dim=K, heads=H, dtype="bfloat16", gate=gate,
                                interpret=False, impl="mosaic_gpu")
           r["stages_mosaic_gpu"] = {s.name: {"status": s.status, "fields": {
               f.field: [f.max_abs, f.max_rel] for f in s.fields}, "message": s.message} for s in rep.stages}
           ok &= rep.ok
-        r["forward"] = forward_errors(lens, gate)
-        for impl in ("auto", "pallas", "auto_no_states"):
-          ok &= r["forward"][impl]["finite"] and r["forward"][impl]["o_rel"] < a.tol_o
-        ok &= max(r["forward"]["auto_packed_vs_aligned"].values()) <= 1e-3   # measured 0 on the H200
-        ok &= max(r["forward"]["auto_gate_intra_fused_vs_not"].values()) == 0  # the same bits
-        r["stage_ms"] = stage_times(lens, gate, a.reps)
+          report("stages_mosaic_gpu")
+        if "forward" in parts:
+          runs = ("reference",) + (("auto",) if "mosaic_gpu" in impls else ()) + (("pallas",) if "pallas" in impls else ())
+          r["forward"] = forward_errors(lens, gate, runs)
+          for impl in set(runs) - {"reference"} | ({"auto_no_states"} if "auto" in runs else set()):
+            ok &= r["forward"][impl]["finite"] and r["forward"][impl]["o_rel"] < a.tol_o
+          if "auto" in runs:
+            ok &= max(r["forward"]["auto_packed_vs_aligned"].values()) <= 1e-3   # measured 0 on the H200
+            ok &= max(r["forward"]["auto_gate_intra_fused_vs_not"].values()) == 0  # the same bits
+          report("forward")
+        if "times" in parts:
+          r["stage_ms"] = stage_times(lens, gate, a.reps, impls | {"reference"})
       except Exception as e:  # noqa: BLE001 - report, go on with the other cases
         r["error"] = f"{type(e).__name__}: {e}"[:2000]
         ok = False
