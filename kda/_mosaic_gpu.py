@@ -167,7 +167,8 @@ def sequence_groups(aligned_cu, NTa, G, BT=64):
     return None
   P = -(-NTa // G)
   c0 = aligned_cu[:-1] // BT
-  lo = jnp.searchsorted(c0, jnp.arange(P, dtype=jnp.int32) * G, side="left").astype(jnp.int32)
+  lo = jnp.searchsorted(c0, jnp.arange(P, dtype=jnp.int32) * G, side="left",
+                        method="scan_unrolled").astype(jnp.int32)      # no while loop
   bounds = jnp.concatenate([lo, jnp.full((1,), N, jnp.int32)])
   work = aligned_cu[bounds[1:]] - aligned_cu[bounds[:-1]]
   return jnp.argsort(-work, stable=True).astype(jnp.int32), bounds
