@@ -362,3 +362,17 @@ allocation 1: size 900, preallocated-temp:
   t, total, rows = memory.peak(steps, ranges, sizes)
   assert (t, total) == (2, 600)                         # a + b{0} + b{1}; the parameter p.1 left out
   assert [r[1] for r in rows] == ["b{0}", "b{1}", "a"]
+
+
+def test_compile_report_lowers_the_program_and_each_kernel(tmp_path):
+  """tools.compile_report --lower-only (a CPU, the platform taken as an H200): the forward's phases
+  and each Mosaic GPU kernel it calls, lowered alone for CUDA."""
+  from tools import compile_report
+  out = tmp_path / "c.json"
+  assert compile_report.main(["--variants", "C:plain", "--total", "1024", "--no-bwd", "--kernels",
+                              "--lower-only", "--out", str(out)]) == 0
+  (row,) = json.loads(out.read_text())
+  names = [k["kernel"] for k in row["kernels"]]
+  assert row["program"] == "fwd" and row["lower_s"] > 0 and row["kernel_calls"] == len(names)
+  assert {"kda_gate", "kda_intra_scores", "kda_intra_solve", "kda_state_output"} <= set(names)
+  assert all(k["lower_s"] > 0 for k in row["kernels"]) and row["kernels_lower_s"] > 0

@@ -1,0 +1,144 @@
+"""python -m tools.compile_report: where the compile time of one kda.chunk_kda program goes.
+
+For each variant it times tools.bench's forward (or, by default, forward + backward: jax.grad of
+its loss, cu_seqlens traced) in phases: trace, lower, XLA compile (which includes every Mosaic GPU
+kernel's CUDA compile) and the first call. With --kernels it also records each Mosaic GPU kernel
+the program calls (its plgpu.kernel function and abstract arguments, while tracing) and lowers and
+compiles each one alone: a kernel's own compile time is then its CUDA compile (its program holds
+nothing else), and the whole compile less their sum is XLA's share. Mosaic GPU's kernel cache does
+not carry over from one lowering to the next (each names its module apart), so nothing measured
+here reuses another measurement's compile; but the Python and XLA caches of the process do, so run
+one variant per process for cold figures.
+
+  python -m tools.compile_report [--variants A:plain] [--no-bwd] [--kernels] [--total 32768]
+      [--lower-only] [--out FILE.json]
+
+--lower-only (a CPU): lowers for CUDA without compiling (the platform taken as an H200), timing the
+lowering of the program and of each kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from unittest import mock
+
+import jax
+
+from tools import bench
+
+
+@contextlib.contextmanager
+def recording_kernels(calls):
+  """Within: every plgpu.kernel function, when called, appends (kernel name, function, abstract
+  arguments) to `calls`."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  real = plgpu.kernel
+
+  def kernel(body, *a, **kw):
+    f = real(body, *a, **kw)
+    name = kw.get("kernel_name") or getattr(body, "__name__", "kernel")
+
+    def call(*args):
+      calls.append((name, f, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)))
+      return f(*args)
+    return call
+
+  plgpu.kernel = kernel
+  try:
+    yield
+  finally:
+    plgpu.kernel = real
+
+
+@contextlib.contextmanager
+def as_hopper(on):
+  """Within (if on): kda's pipeline takes the platform for an H200 (its kernels lowered for CUDA)."""
+  if not on:
+    yield
+    return
+  with mock.patch("kda.pipeline.jax.default_backend", lambda: "gpu"), \
+       mock.patch("kda.pipeline.is_hopper", lambda *a: True):
+    yield
+
+
+def phases(fn, args, lower_only):
+  """Seconds of trace, lower (and compile, first call) of jax.jit(fn) on args."""
+  out = {}
+  t0 = time.perf_counter()
+  traced = jax.jit(fn).trace(*args)
+  out["trace_s"] = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  lowered = traced.lower(lowering_platforms=("cuda",)) if lower_only else traced.lower()
+  out["lower_s"] = time.perf_counter() - t0
+  if lower_only:
+    return out
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  out["compile_s"] = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  jax.block_until_ready(compiled(*args))
+  out["first_call_s"] = time.perf_counter() - t0
+  return out
+
+
+def report_one(name, gate, total, do_bwd, kernels, lower_only):
+  args, fwd, loss = bench.calls(name, gate, "auto", total)
+  if lower_only:
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  fn = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)) if do_bwd else (lambda *a: fwd(*a))
+  calls = []
+  with as_hopper(lower_only), recording_kernels(calls):
+    row = {"variant": f"{name}:{gate}", "program": "fwd+bwd" if do_bwd else "fwd", **phases(fn, args, lower_only)}
+  row["kernel_calls"] = len(calls)
+  if kernels:
+    rows = []
+    with as_hopper(lower_only):
+      for kname, f, avals in calls:
+        r = {"kernel": kname, **(phases(f, avals, True) if lower_only else phases_abstract(f, avals))}
+        rows.append(r)
+        print(f"  {kname:32s} " + " ".join(f"{k} {v:6.2f}" for k, v in r.items() if k.endswith("_s")), flush=True)
+    row["kernels"] = rows
+    for key in ("lower_s", "compile_s"):
+      if rows and key in rows[0]:
+        row[f"kernels_{key}"] = sum(r[key] for r in rows)
+  return row
+
+
+def phases_abstract(f, avals):
+  """Seconds to lower and compile jax.jit(f) for abstract arguments (nothing is run)."""
+  out = {}
+  t0 = time.perf_counter()
+  lowered = jax.jit(f).trace(*avals).lower()
+  out["lower_s"] = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  lowered.compile()
+  out["compile_s"] = time.perf_counter() - t0
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--variants", default="A:plain")
+  p.add_argument("--total", type=int, default=bench.TOTAL)
+  p.add_argument("--no-bwd", action="store_true", help="the forward alone (default: forward + backward)")
+  p.add_argument("--kernels", action="store_true", help="also lower and compile each Mosaic GPU kernel alone")
+  p.add_argument("--lower-only", action="store_true", help="lower for CUDA, compile nothing (a CPU)")
+  p.add_argument("--out")
+  a = p.parse_args(argv)
+  rows = []
+  for var in filter(None, a.variants.split(",")):
+    name, gate = var.split(":")
+    row = report_one(name, gate, a.total, not a.no_bwd, a.kernels, a.lower_only)
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+  if a.out:
+    with open(a.out, "w") as fh:
+      json.dump(rows, fh, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
