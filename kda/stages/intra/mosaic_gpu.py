@@ -6,8 +6,8 @@ Two kernels, each one program per (value head, chunk), grid (HV, NTa):
   kd = beta k exp(gc), all bf16. 114696 bytes of SMEM at K = 128 with gc in one part (two CTAs per
   SM), 147464 with two parts.
 - solve: Akk's split, kd, v, beta -> Ainv, w, u (66568 bytes at K = V = 128, packed or not: Akk's
-  split is read once and then holds T's, packed v's landing zone then X's; three CTAs per SM, the
-  same bits, on the H200 no faster than two: A's forward 1.450 ms back to back against 1.446).
+  split is read once and then holds T's, packed v's landing zone then X's: room for three CTAs per
+  SM; the same bits and, on the H200, no faster: A's forward 1.450 ms back to back against 1.446).
 Split in two so that each fits two CTAs per SM: as one kernel (1 CTA per SM) it took 4.3 ms on the
 H200 at T = 32768, H = 16, K = V = 128, against 1.7-2.0 ms split. Chunks at or past aligned_cu[-1]
 (the tail of a static-bound layout) are only zero-filled (Ainv = I there).
