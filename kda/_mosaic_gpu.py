@@ -11,6 +11,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kda.padding.layout import search_left
+
 F32, BF16 = jnp.float32, jnp.bfloat16
 WG = plgpu.Layout.WGMMA              # register layout of a [M, N] wgmma tile (M % 64 == 0)
 ROW = plgpu.Layout.WGMMA.reduce(1)   # [M] vector, one value per row of a WGMMA [M, N] tile
@@ -167,8 +169,7 @@ def sequence_groups(aligned_cu, NTa, G, BT=64):
     return None
   P = -(-NTa // G)
   c0 = aligned_cu[:-1] // BT
-  lo = jnp.searchsorted(c0, jnp.arange(P, dtype=jnp.int32) * G, side="left",
-                        method="scan_unrolled").astype(jnp.int32)      # no while loop
+  lo = search_left(c0, jnp.arange(P, dtype=jnp.int32) * G).astype(jnp.int32)
   bounds = jnp.concatenate([lo, jnp.full((1,), N, jnp.int32)])
   work = aligned_cu[bounds[1:]] - aligned_cu[bounds[:-1]]
   return jnp.argsort(-work, stable=True).astype(jnp.int32), bounds

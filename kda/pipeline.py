@@ -124,9 +124,8 @@ def segmented(layout: Layout, pieces: int | None = None):
   xp = np if concrete else jnp
   starts, end = xp.asarray(starts, xp.int32), xp.asarray(ends[-1], xp.int32)
   step = (end + P - 1) // P
-  # unrolled where traced: no while loop (padding.search_right says why)
-  at = (np.searchsorted(starts, np.arange(P, dtype=np.int32) * step, side="left") if concrete else
-        jnp.searchsorted(starts, jnp.arange(P, dtype=jnp.int32) * step, side="left", method="scan_unrolled"))
+  queries = xp.arange(P, dtype=xp.int32) * step
+  at = np.searchsorted(starts, queries, side="left") if concrete else padding.search_left(starts, queries)
   first = xp.where(at < starts.shape[0], starts[xp.minimum(at, starts.shape[0] - 1)], end)
   first = xp.minimum(first, end).astype(xp.int32)
   lens = xp.diff(xp.concatenate([first, end.reshape(1)])).astype(xp.int32)

@@ -64,8 +64,8 @@ def as_hopper(on):
     yield
 
 
-def phases(fn, args, lower_only):
-  """Seconds of trace, lower (and compile, first call) of jax.jit(fn) on args."""
+def phases(fn, args, lower_only, run=True):
+  """Seconds of trace, lower (and compile; and with `run` the first call) of jax.jit(fn) on args."""
   out = {}
   t0 = time.perf_counter()
   traced = jax.jit(fn).trace(*args)
@@ -78,6 +78,8 @@ def phases(fn, args, lower_only):
   t0 = time.perf_counter()
   compiled = lowered.compile()
   out["compile_s"] = time.perf_counter() - t0
+  if not run:
+    return out
   t0 = time.perf_counter()
   jax.block_until_ready(compiled(*args))
   out["first_call_s"] = time.perf_counter() - t0
@@ -97,7 +99,7 @@ def report_one(name, gate, total, do_bwd, kernels, lower_only):
     rows = []
     with as_hopper(lower_only):
       for kname, f, avals in calls:
-        r = {"kernel": kname, **(phases(f, avals, True) if lower_only else phases_abstract(f, avals))}
+        r = {"kernel": kname, **phases(f, avals, lower_only, run=False)}   # abstract arguments
         rows.append(r)
         print(f"  {kname:32s} " + " ".join(f"{k} {v:6.2f}" for k, v in r.items() if k.endswith("_s")), flush=True)
     row["kernels"] = rows
@@ -105,18 +107,6 @@ def report_one(name, gate, total, do_bwd, kernels, lower_only):
       if rows and key in rows[0]:
         row[f"kernels_{key}"] = sum(r[key] for r in rows)
   return row
-
-
-def phases_abstract(f, avals):
-  """Seconds to lower and compile jax.jit(f) for abstract arguments (nothing is run)."""
-  out = {}
-  t0 = time.perf_counter()
-  lowered = jax.jit(f).trace(*avals).lower()
-  out["lower_s"] = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  lowered.compile()
-  out["compile_s"] = time.perf_counter() - t0
-  return out
 
 
 def main(argv=None):

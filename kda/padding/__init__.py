@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kda.padding.layout import (ChunkRows, ChunkTable, Layout, chunk_rows, align_index, align_with, aligned_cu_seqlens,
-                                gap_pieces, packed_gaps, search_right,
+                                gap_pieces, packed_gaps, search_left, search_right,
                                 aligned_length, chunk_table, layout_from_cu_seqlens, make_layout,
                                 packed_owned_mask, unalign_index, unalign_with, valid_mask)
 from kda.padding.segments import (count_segments, segment_ids_to_cu_seqlens, segment_ids_to_seqs,

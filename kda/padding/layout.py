@@ -90,6 +90,11 @@ def search_right(sorted_values, queries):
   return jnp.searchsorted(sorted_values, queries, side="right", method="scan_unrolled")
 
 
+def search_left(sorted_values, queries):
+  """jnp.searchsorted(sorted_values, queries, side="left"), unrolled as `search_right`."""
+  return jnp.searchsorted(sorted_values, queries, side="left", method="scan_unrolled")
+
+
 def _aligned_positions(layout: Layout):
   """For every aligned position p: (sequence n, offset j in it, is a real token)."""
   p = jnp.arange(layout.Ta, dtype=jnp.int32)

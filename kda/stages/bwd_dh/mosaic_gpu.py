@@ -348,7 +348,7 @@ def _terms_kernel(Ta, HV, K, V, *, scale, lane, interp, tail_zeros=True, packed=
   if share_vn:
     terms_kw["share_vn"] = True
   return plgpu.kernel(
-      functools.partial(_terms_body, BT=BT, nv=nv, scale=float(scale), **terms_kw),
+      functools.partial(_terms_body, BT=BT, nv=nv, scale=scale, **terms_kw),
       out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),
@@ -435,7 +435,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
                      f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
   two = TERMS_TWO_CTAS if config.terms_two_ctas is None else config.terms_two_ctas
-  terms = _terms_kernel(Ta, HV, K, V, scale=scale, lane=config.lane_semantics, interp=interp,
+  terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), lane=config.lane_semantics, interp=interp,
                         tail_zeros=tail_zeros, packed=packed, share_vn=bool(two))
   if packed:
     dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,
