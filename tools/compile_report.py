@@ -11,7 +11,10 @@ here reuses another measurement's compile; but the Python and XLA caches of the 
 one variant per process for cold figures.
 
   python -m tools.compile_report [--variants A:plain] [--no-bwd] [--kernels] [--total 32768]
-      [--lower-only] [--out FILE.json]
+      [--lower-only] [--no-precompile] [--out FILE.json]
+
+kda's kernels compile on worker threads while the program lowers (kda._precompile), so the
+compile phase holds only what those threads had not finished; --no-precompile turns that off.
 
 --lower-only (a CPU): lowers for CUDA without compiling (the platform taken as an H200), timing the
 lowering of the program and of each kernel.
@@ -27,6 +30,7 @@ from unittest import mock
 
 import jax
 
+from kda import _precompile
 from tools import bench
 
 
@@ -95,9 +99,14 @@ def report_one(name, gate, total, do_bwd, kernels, lower_only):
   with as_hopper(lower_only), recording_kernels(calls):
     row = {"variant": f"{name}:{gate}", "program": "fwd+bwd" if do_bwd else "fwd", **phases(fn, args, lower_only)}
   row["kernel_calls"] = len(calls)
+  if not lower_only:
+    n, busy, errors = _precompile.wait()
+    row.update(precompile=_precompile.ENABLED, precompiled=n, precompile_busy_s=busy,
+               precompile_errors=[str(e)[:200] for e in errors])
   if kernels:
     rows = []
-    with as_hopper(lower_only):
+    # each kernel's own compile: not taken early from its lowering
+    with as_hopper(lower_only), mock.patch.object(_precompile, "ENABLED", False):
       for kname, f, avals in calls:
         r = {"kernel": kname, **phases(f, avals, lower_only, run=False)}   # abstract arguments
         rows.append(r)
@@ -116,8 +125,12 @@ def main(argv=None):
   p.add_argument("--no-bwd", action="store_true", help="the forward alone (default: forward + backward)")
   p.add_argument("--kernels", action="store_true", help="also lower and compile each Mosaic GPU kernel alone")
   p.add_argument("--lower-only", action="store_true", help="lower for CUDA, compile nothing (a CPU)")
+  p.add_argument("--no-precompile", action="store_true",
+                 help="kda._precompile off: every kernel compiles inside XLA's compile of the program")
   p.add_argument("--out")
   a = p.parse_args(argv)
+  if a.no_precompile:
+    _precompile.ENABLED = False
   rows = []
   for var in filter(None, a.variants.split(",")):
     name, gate = var.split(":")
