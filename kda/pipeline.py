@@ -66,12 +66,11 @@ PACKED_BACKWARD = True
 # (B: a quarter of its chunks; on the H200 the same bits as True for shapes A, B, C, and B's
 # forward+backward 13.78 ms against 14.46 with the zeros written).
 TAIL_ZEROS = False
-# The packed forward's gate -> intra group (kda.fused.gate_intra) where it takes the call. H200, the
-# same bits: forward back to back A 1.31 vs 1.44 ms, B 2.05 vs 2.21, C 1.29 vs 1.40 for gates above
-# -1, but 2.53 vs 1.82 (A) where gates reach -1 in every chunk (log-space gates computed outside, as
-# -exp(A_log) * softplus(x) gives them): the one-part kernel's work was then redone. It now skips
-# those chunks (kda.stages.intra.mosaic_gpu.SKIP_STRONG), which has run in the simulator and lowered
-# for CUDA only: off until measured on the H200.
+# The packed forward's gate -> intra group (kda.fused.gate_intra) where it takes the call. H200
+# (forward, host-timed / back to back ms, unfused against the group): plain gates A 1.742 / 1.440 vs
+# 1.741 / 1.362, C 1.644 / 1.415 vs 1.619 / 1.345 (the same bits); gates x 40 (bounded, reaching -1)
+# 2.343 / 1.807 vs 1.865 / 1.390; but x 640 (no chunk bounded) 4.478 / 4.107 vs 6.283 / 5.804, and the
+# host-timed call on A is no faster: off.
 FUSE_GATE_INTRA = False
 
 # Whether chunk_kda runs many short sequences as fewer, longer pieces (`segment_pieces`) where that

@@ -3,10 +3,13 @@ simulator runs on CPU and CUDA lowering.
 
 The fused call replaces kda.stages.gate.mosaic_gpu.packed -> kda.stages.intra.mosaic_gpu.packed and
 kda.stages.state.chunk_decay, so it must give their bits on every chunk a sequence owns (with
-tail_zeros=False, the pipeline's setting, the tail is left unwritten: NaN in the simulator). Gates
-all > -1 (float32 or bf16) keep the one-part fused kernel's results; a gate <= -1 ("strong",
-"mixed") makes the persistent two-part kernel redo its chunk in place. Against the members'
-references the tolerances are intra's (tests/stages/test_intra_mosaic.py).
+tail_zeros=False, the pipeline's setting, the tail is left unwritten: NaN in the simulator). The one-part
+fused kernel keeps every bounded chunk (kda.stages.intra.mosaic_gpu.bounded_chunks), gc as one
+float32 sum of its two parts: gc_frac itself while every gate is above -1 ("f32", "bf16", "mixed":
+the unfused kernels' bits), gc_int + gc_frac where gates reach -1 ("moderate": one rounding
+more, so close to the unfused kernels, not their bits); the persistent two-part kernel redoes the
+chunks that are not bounded ("strong") in place, with the unfused kernels' bits. Against the
+members' references the tolerances are intra's (tests/stages/test_intra_mosaic.py).
 
 Inputs (_case): packed bf16 q, k (l2-normalised), v, float32 beta, sequences of 37, 0, 64, 65, 1
 tokens (boundaries 1/63/64/65, an empty sequence) and NaN in every input, g included, at the
@@ -35,9 +38,11 @@ BT = 64
 F32, BF16 = jnp.float32, jnp.bfloat16
 LENS, T, HV, K, V = (37, 0, 64, 65, 1), 200, 1, 128, 64
 SCALE = K ** -0.5
-# log_sigmoid(normal) * s; "mixed": the f32 gates with six tokens of one chunk at -3 (that chunk alone
-# needs gc_int: the two-part kernel redoes it, the others keep the one-part kernel's results)
-GATES = {"f32": (0.25, F32), "bf16": (0.25, BF16), "strong": (40.0, F32), "mixed": (0.25, F32)}
+# log_sigmoid(normal) * s; "mixed": the f32 gates with six tokens of one chunk at -3 (gc_int is not 0
+# in that chunk alone, which stays bounded); "moderate": -2 a token on average, bounded chunks that
+# need gc_int; "strong": -32 a token, no chunk of more than one token bounded
+GATES = {"f32": (0.25, F32), "bf16": (0.25, BF16), "strong": (40.0, F32), "mixed": (0.25, F32),
+         "moderate": (2.5, F32)}
 KW = dict(scale=SCALE, chunk_size=BT, interpret=True, tail_zeros=False)
 
 
@@ -105,7 +110,7 @@ def _bits(x):
   return x.view(f"u{x.dtype.itemsize}")     # bit for bit: -0.0 != 0.0, NaN payloads count
 
 
-@pytest.mark.parametrize("gates", list(GATES))
+@pytest.mark.parametrize("gates", ["f32", "bf16", "strong", "mixed"])
 def test_fused_equals_unfused_kernels(gates):
   """Every Out field and decay on the owned chunks: bit for bit the unfused kernels', finite (the
   NaN tokens never leak in); at the tail decay is exp(0) = 1 (both scores kernels zero its gc rows).
@@ -133,14 +138,16 @@ def test_fused_equals_unfused_kernels(gates):
   assert (np.asarray(decay[n:]) == 1).all(), "the tail's decay"
 
 
-def test_fused_matches_member_references():
+@pytest.mark.parametrize("gates", ["f32", "moderate"])
+def test_fused_matches_member_references(gates):
   """float32 gates: the fused group against the gate reference followed by the intra reference on
   the aligned inputs, on the owned chunks. The kernel's row scan and XLA's cumsum round differently
-  (gc differs by up to 6.7e-6 here, a few ulp of |gc| <= 16), so: intra's TOL; qg, kg within one
-  bf16 ulp of the reference (2 kg entries round the other way); decay within 2e-5 of exp of the
-  reference gc's last row per chunk (measured 5.7e-6: the gc difference, relative)."""
-  out, decay, owned = _run_fused("f32")
-  want, gc = _references(*_case("f32"))
+  (gc differs by up to 6.7e-6 here on "f32", a few ulp of |gc| <= 16), so: intra's TOL; qg, kg
+  within one bf16 ulp of the reference (a few entries round the other way); decay within 2e-5 of
+  exp of the reference gc's last row per chunk (measured 5.7e-6: the gc difference, relative).
+  "moderate" takes the one-part kernel's gc_int + gc_frac on chunks that need gc_int."""
+  out, decay, owned = _run_fused(gates)
+  want, gc = _references(*_case(gates))
   own = lambda o: intra.Out(*(x[:, :owned] for x in o))
   errs = errors(own(out), own(want))
   print(f"\n  fused vs references: {fmt(errs)}")
@@ -150,7 +157,36 @@ def test_fused_matches_member_references():
     assert np.all(np.abs(a - b) <= 2 ** -8 * np.abs(b)), name
   n = owned // BT
   last = np.asarray(gc, np.float32)[0, BT - 1:owned:BT]        # [n, HV, K]
-  np.testing.assert_allclose(np.asarray(decay[:n]), np.exp(last), rtol=2e-5, atol=0)
+  # the kernel flushes subnormal results to 0 ("moderate" chunks decay to ~1e-39 in some channels)
+  np.testing.assert_allclose(np.asarray(decay[:n]), np.exp(last), rtol=2e-5, atol=np.finfo(np.float32).tiny)
+
+
+def test_one_part_keeps_the_bounded_chunks():
+  """The one-part kernel's per-column flags (1.0: the chunk is not bounded) on the owned chunks
+  are bounded_chunks' verdict on the aligned gc: none on "moderate" (whose gates reach -1 in every
+  chunk of more than one token), every chunk of more than one token on "strong"."""
+  for gates in ("moderate", "strong"):
+    q, k, v, beta, g, cu = _case(gates)
+    layout, rows = _layout(cu)
+    beta_t, rows_t = mgi.packed_beta_rows(beta, rows)
+    NTa = rows.src.shape[0]
+    *_, nz = jax.jit(lambda q, k, b, g, acu, rows: mgi._scores(
+        acu.astype(jnp.int32), rows, q[0].astype(BF16), k[0].astype(BF16), b, (g[0],), None, Ta=NTa * BT,
+        scale=SCALE, bounded=True, interpret=True, config=mgi.Config(), tail_zeros=False))(
+            q, k, beta_t, g, layout.aligned_cu, rows_t)
+    owned = int(layout.aligned_cu[-1]) // BT
+    flagged = np.asarray(nz[:owned]).any(axis=-1)[:, 0]           # [owned chunks], HV = 1
+    al = lambda x: padding.align_with(layout, x)
+    ref = gate.reference.apply(al(g), padding.valid_mask(layout)[None], None, None, chunk_size=BT,
+                               use_gate_in_kernel=False, lower_bound=None)
+    bounded = np.asarray(mgi.bounded_chunks(ref.gc_int, ref.gc_frac))[:owned]
+    assert set(np.unique(np.asarray(nz[:owned]))) <= {0.0, 1.0}
+    np.testing.assert_array_equal(flagged, bounded == 0, err_msg=gates)
+    multi = np.array([min(BT, n - BT * j) > 1 for n in LENS for j in range(-(-n // BT))])
+    assert (flagged == (multi if gates == "strong" else False)).all(), (gates, flagged)
+    real = np.asarray(al(g))[0, :owned * BT].reshape(owned, BT, -1)
+    if gates == "moderate":
+      assert all((real[j] <= -1).any() for j in range(owned) if multi[j])
 
 
 def test_takes():

@@ -5,32 +5,40 @@ traffic at T = 32768, H = 16, K = 128: 0.21 ms of the forward on the H200).
 `mosaic_gpu(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, ...)` -> (intra's Out, decay
 [NTa, HV, K] float32, exp of each chunk's last gc row, what the state + output kernel reads of gc),
 equal bit for bit to kda.stages.gate.mosaic_gpu.packed followed by kda.stages.intra.mosaic_gpu.packed
-and kda.stages.state.chunk_decay.
+and kda.stages.state.chunk_decay while every gate is above -1 or a chunk is not bounded, and within
+one more float32 rounding of gc elsewhere (below).
 
 The scores kernel (kda.stages.intra.mosaic_gpu, `gated`) loads the chunk's raw gates (packed rows,
 by TMA: float32 ones straight into gc's SMEM tile, bf16 ones into the q / k landing zone) and runs
 the gate kernel's row scan on them, one thread per column (kda.stages.gate.mosaic_gpu.row_parts:
-the same operations in the same order, so the same bits), writing gc over the tile row by row; it
-stores per chunk and column gc's row 63 (the state kernel's decay is its exp).
+the same operations in the same order), writing gc over the tile row by row; it stores per chunk
+and column gc's row 63 (the state kernel's decay is its exp).
 
 Two kernels, no host round trip:
-- one part (two CTAs per SM, every chunk): while every gate is above -1 the ceilings are all 0,
-  gc_int is 0 and gc is gc_frac (what intra's one-part kernel reads), and every chunk is bounded
-  (16 rows of gates in (-1, 0] span less than 16): the two-level path, no six-level code, no flag.
-  Per chunk and column it also stores the sum of ceil(g)**2.
-- two parts, persistent (grid (HV, 128 // HV), one CTA per SM): it redoes the chunks where one of
-  those sums is nonzero (a gate at or below -1, NaN included) with gc_int and gc_frac in SMEM, the
-  bounded flag formed per chunk (the six rows' spans, a min over the columns), writing its results
+- one part (two CTAs per SM, every chunk): gc = gc_int + gc_frac in one float32 tile (gc_frac
+  itself while every gate is above -1, so the unfused kernels' bits there), and the chunk is kept
+  where it is bounded (the spans of bounded_chunks, from that tile): the two-level path, no
+  six-level code. A bounded chunk's gc stays within 576 of 0, so the one rounding of
+  gc_int + gc_frac moves a decay by < 2^-14 relative (bf16 operands round at 2^-9). Per chunk and
+  column it also stores 1.0 where the chunk is not bounded (NaN included).
+- two parts, persistent (grid (HV, 128 // HV), one CTA per SM): it redoes the chunks flagged so,
+  with gc_int and gc_frac in SMEM and the exact six-level path where needed, writing its results
   over the first kernel's in place (jax.new_ref); with no such chunk its programs exit at once.
   So a call costs the first kernel and 128 empty programs, or both kernels on the flagged chunks:
-  the unfused pair's lax.cond on the same predicate makes the host wait for the gate kernel and
-  launch the rest after it.
+  the unfused pair's lax.cond on whether gc_int is 0 makes the host wait for the gate kernel and
+  launch the rest after it, and gives every chunk the two-part kernel (one CTA per SM) as soon as
+  one gate reaches -1.
 
 The one-part kernel skips the work of the chunks the two-part kernel redoes (SKIP_STRONG of
 kda.stages.intra.mosaic_gpu: per column a bf16 flag into a free SMEM row, then 128 scalar reads;
 a cross-warp reduction's scratch would cost it its second CTA per SM). Off by default
-(kda.pipeline.FUSE_GATE_INTRA): before that skip, gates reaching -1 in every chunk cost the group
-2.53 ms on A against 1.82 unfused (H200); the skip has run in the simulator and lowered only.
+(kda.pipeline.FUSE_GATE_INTRA). H200, forward (2026-12-03, `tools.bench`'s inputs, the unfused pair
+against the group, host-timed / back to back ms): plain gates A 1.742 / 1.440 against 1.741 / 1.362,
+C 1.644 / 1.415 against 1.619 / 1.345 (the same bits of o, and of every gradient on A); the plain
+gates x 40 (about -2 a token, every chunk bounded and most reaching -1) 2.343 / 1.807 against
+1.865 / 1.390 (o within one bf16 rounding); x 640 (no chunk bounded) 4.478 / 4.107 against
+6.283 / 5.804 (the same bits: the persistent kernel, one CTA per SM and the gate scan in it, is
+slower than the gate kernel + the two-part grid).
 
 Where it applies (`takes`): the packed forward with gates given in log space (use_gate_in_kernel
 False; activated gates reach -1 often, and would pay both), K = 128 (one thread per column of the
@@ -105,7 +113,7 @@ def mosaic_gpu(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, use_gat
     *scores, last, nz = intra_mgpu._scores(cu, rows, q, k, beta_t, (g,), None, Ta=Ta, **kw)
     refs = [jax.new_ref(x) for x in (*scores, jnp.zeros_like(last), last)]
     redo = jnp.any(nz != 0, axis=-1).T.reshape(-1).astype(jnp.int32)      # [HV * NTa], (head, chunk)
-  # the chunks with a gate <= -1: the two-part kernel redoes them in place; with none it exits
+  # the chunks not bounded: the two-part kernel redoes them in place; with none it exits
   pred = jnp.any(redo != 0).astype(jnp.int32).reshape(1)
   intra_mgpu._scores(cu, rows, q, k, beta_t, (g,), None, Ta=Ta, into=refs, pred=(pred, redo), **kw)
   *scores, last_i, last_f = (jax.ref.freeze(r) for r in refs)

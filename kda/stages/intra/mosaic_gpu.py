@@ -182,7 +182,7 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
   kd = beta k exp(gc), all bf16. packed: q, k, beta come packed and `src`, `cnt` place the chunk.
   gated (packed, K = 128; kda.fused.gate_intra): the raw gates come packed in place of gc and the
   gate's row scan runs here (`_gate_scan`); each program also stores its gc row 63 (both parts'
-  where two_part) and, one part, per column the sum of ceil(g)**2 (nonzero iff gc_int would be).
+  where two_part) and, one part, per column 1.0 where the chunk is not bounded (`_gate_scan`).
   persistent = W: grid (HV, W), program w takes chunks w, w + W, ..., those whose int32 flag
   redo[h * NTa + c] is nonzero, and only if the int32 pred after cu is (else it exits at once).
   seg (not gated): a [2, Ta] float32 input after the flags, kda.pipeline.segment_rows: pairs of
@@ -377,7 +377,7 @@ def _scores_body(cu_g, *rest, scale, two_part, bounded, packed, tail_zeros=True,
           k_s.at[:, cols][...] = (kx * e_last).astype(BF16)
           rk_s.at[i][...] = (beta((BT, SLAB)) * kx * e).astype(BF16)
 
-      if gated and not two_part and SKIP_STRONG:   # a chunk needing gc_int: the two-part kernel's
+      if gated and not two_part and SKIP_STRONG:   # a chunk not bounded: the two-part kernel's
         pl.when(_any_flag(landing[0]) == 0)(scores)
       else:
         scores()
@@ -441,49 +441,58 @@ def _any_flag(flag_s):
 
 def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt, flag_s=None):
   """The gate kernel's row scan (kda.stages.gate.mosaic_gpu, no activation) on the chunk's raw gates
-  g_s [BT, 128] (rows >= cnt masked), the same operations in the same order: gc_frac (and gc_int
-  into gi_s, if given) row by row into gf_s (in place where g_s is gf_s: each thread reads its
-  column's row before writing it); gc row 63 to last_g[c, i_h] (and lasti_g).
-  One part (gi_s None): the column sums of ceil(g)**2 to nz_g[c, i_h] (one nonzero: gc_int is not 0
-  somewhere in the chunk, and the two-part kernel redoes it); while they are all 0 every gate is in
-  (-1, 0], so each span bounded_chunks reads (16 rows of gc) is within 16 of 0: the chunk is bounded
-  (returns None). flag_s (a plain bf16 [64, 128] SMEM tile): into its row 0, per column 1 where the sum is nonzero, for the
-  caller's skip of such chunks (SKIP_STRONG; a cross-warp reduction's SMEM scratch, 1 KiB as
-  allocated, would take this kernel 8 bytes over two CTAs per SM). Two parts: -> the chunk's bounded flag (int32 scalar, as bounded_chunks: the
-  six rows' spans per column, then a min over the columns)."""
+  g_s [BT, 128] (rows >= cnt masked), the same operations in the same order, gc_int and gc_frac
+  summed apart (in place where g_s is gf_s: each thread reads its column's row before writing it).
+  Two parts: gc_frac and gc_int row by row into gf_s and gi_s, gc row 63 to last_g[c, i_h] and
+  lasti_g; returns the chunk's bounded flag (int32 scalar, as bounded_chunks: the six rows' spans
+  per column, then a min over the columns).
+  One part (gi_s None): gc = gc_int + gc_frac (one float32 rounding; gc_frac itself while gc_int is
+  0, i.e. every gate above -1) into gf_s, its row 63 to last_g, and to nz_g[c, i_h] per column 1.0
+  where the chunk is not bounded (a span of bounded_chunks above BOUNDED_SPAN, or NaN), else 0.0:
+  the two-part kernel redoes those chunks exactly. A bounded chunk's gc stays within 576 of 0 (four
+  spans and two single rows floored at -128), so the one rounding moves a decay by < 2^-14 relative.
+  flag_s (a plain bf16 [64, 128] SMEM tile): nz into its row 0 too, for the caller's skip of those
+  chunks (SKIP_STRONG; a cross-warp reduction's SMEM scratch, 1 KiB as allocated, would take this
+  kernel 8 bytes over two CTAs per SM). Returns None."""
   LINE, two = gate_mgpu.LINE, gi_s is not None
 
   def step(r, carry):
-    acc_i, acc_f, nz = carry
+    acc_i, acc_f = carry
     x = plgpu.load(g_s.at[r], layout=LINE, optimized=False)
     real = r < cnt
     x, whole = gate_mgpu.row_parts(x, lambda: real)
-    if two:
-      acc_i = acc_i + whole
-      gi_s.at[r][...] = acc_i
-    else:
-      nz = nz + whole * whole
+    acc_i = acc_i + whole
     acc_f = acc_f + (x - whole)
-    gf_s.at[r][...] = acc_f
-    return acc_i, acc_f, nz
+    if two:
+      gi_s.at[r][...] = acc_i
+      gf_s.at[r][...] = acc_f
+    else:
+      gf_s.at[r][...] = acc_i + acc_f
+    return acc_i, acc_f
 
   zero = plgpu.layout_cast(jnp.zeros((gate_mgpu.COLS,), F32), LINE)
-  acc_i, acc_f, nz = lax.fori_loop(0, BT, step, (zero, zero, zero), unroll=4)
-  last_g[c, i_h, :] = acc_f
-  if not two:
-    nz_g[c, i_h, :] = nz
-    if flag_s is not None:         # per column: 1 where gc_int is not 0 (NaN included)
-      flag_s.at[0][...] = jnp.where(nz != 0, 1.0, 0.0).astype(BF16)
-    return None
-  lasti_g[c, i_h, :] = acc_i
-  at = lambda r: [plgpu.load(x.at[r], layout=LINE, optimized=False) for x in (gi_s, gf_s)]  # own column
+  acc_i, acc_f = lax.fori_loop(0, BT, step, (zero, zero), unroll=4)
+  if two:
+    last_g[c, i_h, :] = acc_f
+    lasti_g[c, i_h, :] = acc_i
+    at = lambda r: [plgpu.load(x.at[r], layout=LINE, optimized=False) for x in (gi_s, gf_s)]  # own column
+    diff = lambda u, v: exponent(*at(u), *at(v))
+  else:
+    last_g[c, i_h, :] = acc_i + acc_f
+    at = lambda r: plgpu.load(gf_s.at[r], layout=LINE, optimized=False)
+    diff = lambda u, v: at(u) - at(v)
   span = None
   for a, m, e in gate_mgpu.SPAN_ROWS:
     for u, v in ((a, m), (m, e)):
-      d = exponent(*at(u), *at(v))
+      d = diff(u, v)
       span = d if span is None else jnp.maximum(span, d)      # NaN-propagating, as the gate kernel's
-  ok = jnp.min(jnp.where(span <= BOUNDED_SPAN, 1.0, 0.0))     # NaN -> 0, as bounded_chunks
-  return (ok > 0.5).astype(jnp.int32)
+  fine = jnp.where(span <= BOUNDED_SPAN, 1.0, 0.0)            # NaN -> 0, as bounded_chunks
+  if two:
+    return (jnp.min(fine) > 0.5).astype(jnp.int32)
+  nz_g[c, i_h, :] = 1.0 - fine
+  if flag_s is not None:
+    flag_s.at[0][...] = (1.0 - fine).astype(BF16)
+  return None
 
 
 def _solve_body(cu_g, *refs, packed, tail_zeros=True):
@@ -578,7 +587,7 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
             into=None, pred=None, seg=None):
   """Kernel 1; gis = (gc_int, gc_frac) or (gc_frac,); rows: ChunkRows (packed q, k, beta_t) or None.
   flag None: gated (gis = (g,), the packed raw gates [T, HV, 128]; Ta given): one part -> also
-  (gc row 63, the ceil(g)**2 column sums), both [NTa, HV, K]; with pred = (int32 [1], the chunks
+  (gc row 63, per column 1.0 where the chunk is not bounded), both [NTa, HV, K]; with pred = (int32 [1], the chunks
   to redo: int32 [HV * NTa]) both parts, persistent (module docstring of kda.fused.gate_intra) ->
   also (gc_int, gc_frac row 63).
   into: the refs (jax.new_ref) the results are written into in place, returning nothing.
