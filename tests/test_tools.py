@@ -376,3 +376,24 @@ def test_compile_report_lowers_the_program_and_each_kernel(tmp_path):
   assert row["program"] == "fwd" and row["lower_s"] > 0 and row["kernel_calls"] == len(names)
   assert {"kda_gate", "kda_intra_scores", "kda_intra_solve", "kda_state_output"} <= set(names)
   assert all(k["lower_s"] > 0 for k in row["kernels"]) and row["kernels_lower_s"] > 0
+
+
+def test_compile_report_reads_ptxas_logs():
+  """--ptxas's parser: registers and spills per entry function, from ptxas -v style logs (one per
+  kernel module), a function's numbers not taken by the next."""
+  from tools import compile_report
+  logs = [
+      "ptxas info    : 0 bytes gmem\n"
+      "ptxas info    : Compiling entry function 'kda_intra_solve_mosaic_gpu_kernel' for 'sm_90a'\n"
+      "ptxas info    : Function properties for kda_intra_solve_mosaic_gpu_kernel\n"
+      "    0 bytes stack frame, 24 bytes spill stores, 32 bytes spill loads\n"
+      "ptxas info    : Used 168 registers, used 1 barriers, 384 bytes cmem[0]\n",
+      "ptxas info    : Compiling entry function 'kda_gate_mosaic_gpu_kernel' for 'sm_90a'\n"
+      "ptxas info    : Function properties for kda_gate_mosaic_gpu_kernel\n"
+      "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+      "ptxas info    : Used 40 registers, 384 bytes cmem[0]\n",
+  ]
+  got = compile_report.ptxas_summary(logs)
+  assert got == {
+      "kda_intra_solve_mosaic_gpu_kernel": dict(registers=168, stack=0, spill_stores=24, spill_loads=32),
+      "kda_gate_mosaic_gpu_kernel": dict(registers=40, stack=0, spill_stores=0, spill_loads=0)}

@@ -11,7 +11,10 @@ here reuses another measurement's compile; but the Python and XLA caches of the 
 one variant per process for cold figures.
 
   python -m tools.compile_report [--variants A:plain] [--no-bwd] [--kernels] [--total 32768]
-      [--lower-only] [--no-precompile] [--out FILE.json]
+      [--lower-only] [--no-precompile] [--ptxas] [--out FILE.json]
+
+--ptxas: each kernel's registers per thread and spills, from ptxas's log (Mosaic GPU's dumps,
+MOSAIC_GPU_DUMP_TO, into a temporary folder).
 
 kda's kernels compile on worker threads while the program lowers (kda._precompile), so the
 compile phase holds only what those threads had not finished; --no-precompile turns that off.
@@ -23,8 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
+import os
+import re
 import sys
+import tempfile
 import time
 from unittest import mock
 
@@ -55,6 +62,48 @@ def recording_kernels(calls):
     yield
   finally:
     plgpu.kernel = real
+
+
+def ptxas_summary(texts):
+  """{kernel: {registers, spill_stores, spill_loads, stack}} from ptxas logs (`ptxas -v`'s info
+  lines, as Mosaic GPU dumps them per module): the entry function each block of lines describes."""
+  out, name = {}, None
+  for text in texts:
+    for line in text.splitlines():
+      if m := re.search(r"(?:Compiling entry function|Function properties for) '?([\w.$]+)'?", line):
+        name = m.group(1)
+        out.setdefault(name, {})
+      if name is None:
+        continue
+      if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
+        out[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+      if m := re.search(r"Used (\d+) registers", line):
+        out[name]["registers"] = int(m.group(1))
+  return out
+
+
+@contextlib.contextmanager
+def ptxas_logs(on, summary):
+  """Within (if on): Mosaic GPU dumps each kernel it compiles (MOSAIC_GPU_DUMP_TO, read by its C++
+  per module); after, `summary` gets ptxas_summary of the logs."""
+  if not on:
+    yield
+    return
+  d = tempfile.mkdtemp(prefix="kda-mosaic-dump-")
+  old = os.environ.get("MOSAIC_GPU_DUMP_TO")
+  os.environ["MOSAIC_GPU_DUMP_TO"] = d
+  try:
+    yield
+  finally:
+    if old is None:
+      del os.environ["MOSAIC_GPU_DUMP_TO"]
+    else:
+      os.environ["MOSAIC_GPU_DUMP_TO"] = old
+    texts = []
+    for f in sorted(glob.glob(os.path.join(d, "*.ptxas"))):
+      with open(f) as fh:
+        texts.append(fh.read())
+    summary.update(ptxas_summary(texts), dump_dir=d)
 
 
 @contextlib.contextmanager
@@ -90,17 +139,21 @@ def phases(fn, args, lower_only, run=True):
   return out
 
 
-def report_one(name, gate, total, do_bwd, kernels, lower_only):
+def report_one(name, gate, total, do_bwd, kernels, lower_only, ptxas=False):
   args, fwd, loss = bench.calls(name, gate, "auto", total)
   if lower_only:
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
   fn = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)) if do_bwd else (lambda *a: fwd(*a))
   calls = []
-  with as_hopper(lower_only), recording_kernels(calls):
+  regs = {}
+  with as_hopper(lower_only), recording_kernels(calls), ptxas_logs(ptxas and not lower_only, regs):
     row = {"variant": f"{name}:{gate}", "program": "fwd+bwd" if do_bwd else "fwd", **phases(fn, args, lower_only)}
+    if not lower_only:
+      n, busy, errors = _precompile.wait()
+  if regs:
+    row["ptxas"] = regs
   row["kernel_calls"] = len(calls)
   if not lower_only:
-    n, busy, errors = _precompile.wait()
     row.update(precompile=_precompile.ENABLED, precompiled=n, precompile_busy_s=busy,
                precompile_errors=[str(e)[:200] for e in errors])
   if kernels:
@@ -125,6 +178,8 @@ def main(argv=None):
   p.add_argument("--no-bwd", action="store_true", help="the forward alone (default: forward + backward)")
   p.add_argument("--kernels", action="store_true", help="also lower and compile each Mosaic GPU kernel alone")
   p.add_argument("--lower-only", action="store_true", help="lower for CUDA, compile nothing (a CPU)")
+  p.add_argument("--ptxas", action="store_true",
+                 help="each kernel's registers and spills from ptxas's log (Mosaic GPU's dumps, in a temporary folder)")
   p.add_argument("--no-precompile", action="store_true",
                  help="kda._precompile off: every kernel compiles inside XLA's compile of the program")
   p.add_argument("--out")
@@ -134,9 +189,12 @@ def main(argv=None):
   rows = []
   for var in filter(None, a.variants.split(",")):
     name, gate = var.split(":")
-    row = report_one(name, gate, a.total, not a.no_bwd, a.kernels, a.lower_only)
+    row = report_one(name, gate, a.total, not a.no_bwd, a.kernels, a.lower_only, a.ptxas)
     rows.append(row)
-    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+    for kname, r in row.get("ptxas", {}).items():
+      if isinstance(r, dict):
+        print(f"  ptxas {kname:48s} " + " ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "ptxas")}), flush=True)
   if a.out:
     with open(a.out, "w") as fh:
       json.dump(rows, fh, indent=1)
