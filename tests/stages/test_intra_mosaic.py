@@ -572,3 +572,26 @@ def test_cond_free_gives_the_cond_bits(gates, monkeypatch):
     outs[cond_free] = [np.asarray(jnp.asarray(x, F32)) for x in f(*args)]
   for name, a, b in zip(intra.Out._fields, outs[False], outs[True]):
     np.testing.assert_array_equal(a, b, name)
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_resident_akk_solve_gives_the_same_bits(name, monkeypatch):
+  """RESIDENT_AKK (the solve's T = L_2s X_s formed as the level's mask of Akk @ X_s, Akk's split kept
+  in SMEM) gives the default solve's bits on packed inputs (the other entries of Akk meet exact zeros
+  of the block-diagonal X_s), and fits two CTAs per SM."""
+  lens, T, HV, K, V, gates = PACKED[name]
+  (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
+  rows = padding.chunk_rows(layout)
+  outs = {}
+  for resident in (False, True):
+    monkeypatch.setattr(mgi, "RESIDENT_AKK", resident)
+    f = jax.jit(functools.partial(mgi.packed, scale=K ** -0.5, chunk_size=BT, interpret=True))   # a fresh trace
+    outs[resident] = f(q, k, v, beta, gi, gf, layout.aligned_cu, rows)
+  for field in ("Ainv", "w", "u"):
+    a, b = (np.asarray(jnp.asarray(getattr(outs[r], field), F32)) for r in (True, False))
+    assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), field
+  S, Ta, HVs = jax.ShapeDtypeStruct, S_TA, S_HV
+  so = lambda cu, *a: mgi._solve(cu, None, *a, interpret=False, config=mgi.Config())
+  smem = lowered_smem_bytes(so, S_CU, S((Ta, HVs, BT), BF16), S((Ta, HVs, BT), BF16), S((Ta, HVs, 128), BF16),
+                            S((Ta, HVs, 128), BF16), S((HVs, Ta), F32))
+  assert SMEM_THREE_CTAS < smem <= SMEM_TWO_CTAS, smem

@@ -86,6 +86,11 @@ TWO_PART_ONLY = False
 # -1 in every chunk (A, plain gates x 40: the one-part work is redone); host-timed no better
 # (A 1.775 / 1.746, B 2.087 / 1.950, C 1.632 / 1.702): off.
 COND_FREE = False
+# True: the solve keeps Akk's split in SMEM (82952 bytes at K = V = 128: two CTAs per SM) and forms
+# each level's T = L_2s X_s as the level's mask of Akk @ X_s (X_s block-diagonal, so the other
+# entries of Akk meet exact zeros): per level two tile stores and one mask fewer, and Akk not held
+# in registers across the levels. The same bits in the simulator; not yet measured on the H200: off.
+RESIDENT_AKK = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,13 +500,14 @@ def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt, flag_s=None)
   return None
 
 
-def _solve_body(cu_g, *refs, packed, tail_zeros=True):
+def _solve_body(cu_g, *refs, packed, tail_zeros=True, resident=False):
   """Kernel 2, per (head, chunk): X = (I + Akk)^-1 by block doubling, w = X kd, u = X (beta v).
-  packed: v and beta come packed, v lands in plain SMEM (`vl_s`) at the chunk's packed row."""
+  packed: v and beta come packed, v lands in plain SMEM (`vl_s`) at the chunk's packed row.
+  resident (RESIDENT_AKK): Akk's split stays in SMEM and T = mask(Akk @ X)."""
   if packed:
     src_g, cnt_g, *refs = refs
   akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g, a_u, kd_s, v_s, x_u, b_s, bar = refs
-  (ah_s, al_s), (th_s, tl_s) = a_u      # Akk's split is read once, then T's split takes its bytes
+  (ah_s, al_s), (th_s, tl_s) = a_u      # not resident: Akk's split is read once, then T's takes its bytes
   if packed:
     (vl_s,), (xh_s, xl_s) = x_u         # v's landing zone is read once, then X's split takes it
   else:
@@ -544,9 +550,14 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True):
     X = eye - jnp.where((row >> 1) == (col >> 1), a_kk, 0.0)
     for s in (2, 4, 8, 16, 32):
       half = _log2(s)
-      L = jnp.where(((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
-                    & (((col >> half) & 1) == 0), a_kk, 0.0)
-      T = split_mm(L, (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
+      level = (((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
+               & (((col >> half) & 1) == 0))                  # (i, j): i in a 2s-block's second half, j in its first
+      if resident:
+        xh_s[...], xl_s[...] = _split(X)
+        plgpu.commit_smem()
+        T = jnp.where(level, _acc([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (BT, BT)), 0.0)  # L @ X
+      else:
+        T = split_mm(jnp.where(level, a_kk, 0.0), (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
       X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
     xh_s[...], xl_s[...] = _split(X)
     plgpu.commit_smem()
@@ -634,12 +645,13 @@ def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=T
   V = v.shape[-1]
   packed = rows is not None
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
+  akk_t = ([_swz((BT, BT)), _swz((BT, BT))], [_swz((BT, BT)), _swz((BT, BT))])         # Akk's split, T's
   f = plgpu.kernel(
-      functools.partial(_solve_body, packed=packed, tail_zeros=tail_zeros),
+      functools.partial(_solve_body, packed=packed, tail_zeros=tail_zeros, resident=RESIDENT_AKK),
       out_type=(shape(BT), shape(K), shape(V)),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
-          plgpu.RefUnion([_swz((BT, BT)), _swz((BT, BT))], [_swz((BT, BT)), _swz((BT, BT))]),  # Akk | T
+          list(akk_t) if RESIDENT_AKK else plgpu.RefUnion(*akk_t),
           _swz((BT, K)), _swz((BT, V)),
           plgpu.RefUnion([plgpu.SMEM((BT, V), BF16)], [_swz((BT, BT)), _swz((BT, BT))])     # v landing | X
           if packed else [_swz((BT, BT)), _swz((BT, BT))],
