@@ -50,9 +50,10 @@ def install():
 
     def rule(ctx, *args, module, **params):
       outs = original(ctx, *args, module=module, **params)
-      if ENABLED and _cuda_backend() is not None and _named_ours(module):
+      backend = _cuda_backend() if ENABLED else None
+      if backend is not None and _named_ours(module):
         try:
-          _schedule(outs)
+          _schedule(backend, outs)
         except Exception as e:     # the program's own compile still compiles the kernel
           log.debug("kda precompile skipped: %s", e)
       return outs
@@ -104,10 +105,9 @@ def standalone(custom_call):
     return m.operation.get_asm(binary=True)
 
 
-def _schedule(outs):
+def _schedule(backend, outs):
   global _pool
-  backend = _cuda_backend()
-  if backend is None or not outs:
+  if not outs:
     return
   blob = standalone(outs[0].owner.operation)
   key = hashlib.sha256(blob).digest()

@@ -87,12 +87,17 @@ def _unfused(q, k, v, beta, g, cu):
   return out, chunk_decay(gi, gf, BT)
 
 
+def _ref_gc(g, layout):
+  """The gate reference on the aligned gates: its Out (gc_int, gc_frac)."""
+  return gate.reference.apply(padding.align_with(layout, g), padding.valid_mask(layout)[None], None, None,
+                              chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
+
+
 @jax.jit
 def _references(q, k, v, beta, g, cu):
   layout, _ = _layout(cu)
   al = lambda x: padding.align_with(layout, x)
-  gc = gate.reference.apply(al(g), padding.valid_mask(layout)[None], None, None, chunk_size=BT,
-                            use_gate_in_kernel=False, lower_bound=None)
+  gc = _ref_gc(g, layout)
   out = intra.reference.apply(al(q), al(k), al(v), al(beta), gc.gc_int, gc.gc_frac, layout.aligned_cu,
                               scale=SCALE, chunk_size=BT)
   return out, gc.gc_int + gc.gc_frac
@@ -176,15 +181,13 @@ def test_one_part_keeps_the_bounded_chunks():
             q, k, beta_t, g, layout.aligned_cu, rows_t)
     owned = int(layout.aligned_cu[-1]) // BT
     flagged = np.asarray(nz[:owned]).any(axis=-1)[:, 0]           # [owned chunks], HV = 1
-    al = lambda x: padding.align_with(layout, x)
-    ref = gate.reference.apply(al(g), padding.valid_mask(layout)[None], None, None, chunk_size=BT,
-                               use_gate_in_kernel=False, lower_bound=None)
+    ref = _ref_gc(g, layout)
     bounded = np.asarray(mgi.bounded_chunks(ref.gc_int, ref.gc_frac))[:owned]
     assert set(np.unique(np.asarray(nz[:owned]))) <= {0.0, 1.0}
     np.testing.assert_array_equal(flagged, bounded == 0, err_msg=gates)
     multi = np.array([min(BT, n - BT * j) > 1 for n in LENS for j in range(-(-n // BT))])
     assert (flagged == (multi if gates == "strong" else False)).all(), (gates, flagged)
-    real = np.asarray(al(g))[0, :owned * BT].reshape(owned, BT, -1)
+    real = np.asarray(padding.align_with(layout, g))[0, :owned * BT].reshape(owned, BT, -1)
     if gates == "moderate":
       assert all((real[j] <= -1).any() for j in range(owned) if multi[j])
 

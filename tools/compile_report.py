@@ -103,7 +103,8 @@ def ptxas_logs(on, summary):
     for f in sorted(glob.glob(os.path.join(d, "*.ptxas"))):
       with open(f) as fh:
         texts.append(fh.read())
-    summary.update(ptxas_summary(texts), dump_dir=d)
+    summary.update(ptxas_summary(texts))
+    print(f"  Mosaic GPU's dumps: {d}", flush=True)
 
 
 @contextlib.contextmanager
@@ -148,14 +149,13 @@ def report_one(name, gate, total, do_bwd, kernels, lower_only, ptxas=False):
   regs = {}
   with as_hopper(lower_only), recording_kernels(calls), ptxas_logs(ptxas and not lower_only, regs):
     row = {"variant": f"{name}:{gate}", "program": "fwd+bwd" if do_bwd else "fwd", **phases(fn, args, lower_only)}
-    if not lower_only:
+    if not lower_only:       # the workers' compiles (their ptxas logs included) have ended
       n, busy, errors = _precompile.wait()
+      row.update(precompile=_precompile.ENABLED, precompiled=n, precompile_busy_s=busy,
+                 precompile_errors=[str(e)[:200] for e in errors])
   if regs:
     row["ptxas"] = regs
   row["kernel_calls"] = len(calls)
-  if not lower_only:
-    row.update(precompile=_precompile.ENABLED, precompiled=n, precompile_busy_s=busy,
-               precompile_errors=[str(e)[:200] for e in errors])
   if kernels:
     rows = []
     # each kernel's own compile: not taken early from its lowering
@@ -192,8 +192,7 @@ def main(argv=None):
     row = report_one(name, gate, a.total, not a.no_bwd, a.kernels, a.lower_only, a.ptxas)
     rows.append(row)
     for kname, r in row.get("ptxas", {}).items():
-      if isinstance(r, dict):
-        print(f"  ptxas {kname:48s} " + " ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+      print(f"  ptxas {kname:48s} " + " ".join(f"{k} {v}" for k, v in r.items()), flush=True)
     print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "ptxas")}), flush=True)
   if a.out:
     with open(a.out, "w") as fh:
