@@ -66,12 +66,14 @@ PACKED_BACKWARD = True
 # (B: a quarter of its chunks; on the H200 the same bits as True for shapes A, B, C, and B's
 # forward+backward 13.78 ms against 14.46 with the zeros written).
 TAIL_ZEROS = False
-# The packed forward's gate -> intra group (kda.fused.gate_intra) where it takes the call. H200
-# (forward, host-timed / back to back ms, unfused against the group): plain gates A 1.742 / 1.440 vs
-# 1.741 / 1.362, C 1.644 / 1.415 vs 1.619 / 1.345 (the same bits); gates x 40 (bounded, reaching -1)
-# 2.343 / 1.807 vs 1.865 / 1.390; but x 640 (no chunk bounded) 4.478 / 4.107 vs 6.283 / 5.804, and the
-# host-timed call on A is no faster: off.
-FUSE_GATE_INTRA = False
+# The packed forward's gate -> intra group (kda.fused.gate_intra) where it takes the call. H200,
+# forward back to back (device time), ms: plain gates A 1.423-1.446 unfused, 1.356 with the group,
+# 1.271-1.275 with it, the solve's RESIDENT_AKK and the blocked gate scan (the same bits as
+# unfused with RESIDENT_AKK); gates x 40 (bounded, reaching -1; the session before) 1.807 vs 1.390;
+# but x 640 (no chunk bounded: the persistent two-part kernel redoes every chunk, at one CTA per SM)
+# 4.10 vs 5.72. A lax.cond taking the unfused pair where many chunks need the redo cost 0.31 ms of
+# copies on plain gates (XLA copies a conditional's results), so there is none.
+FUSE_GATE_INTRA = True
 
 # Whether chunk_kda runs many short sequences as fewer, longer pieces (`segment_pieces`) where that
 # is exact and the forward runs Mosaic GPU kernels (`segmented_takes`): each piece starts at a

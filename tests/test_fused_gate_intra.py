@@ -40,9 +40,10 @@ LENS, T, HV, K, V = (37, 0, 64, 65, 1), 200, 1, 128, 64
 SCALE = K ** -0.5
 # log_sigmoid(normal) * s; "mixed": the f32 gates with six tokens of one chunk at -3 (gc_int is not 0
 # in that chunk alone, which stays bounded); "moderate": -2 a token on average, bounded chunks that
-# need gc_int; "strong": -32 a token, no chunk of more than one token bounded
+# need gc_int; "strong": -32 a token, no chunk of more than one token bounded; "one_strong": the f32
+# gates with six tokens of one chunk at -40 (that chunk alone not bounded)
 GATES = {"f32": (0.25, F32), "bf16": (0.25, BF16), "strong": (40.0, F32), "mixed": (0.25, F32),
-         "moderate": (2.5, F32)}
+         "moderate": (2.5, F32), "one_strong": (0.25, F32)}
 KW = dict(scale=SCALE, chunk_size=BT, interpret=True, tail_zeros=False)
 
 
@@ -56,8 +57,8 @@ def _case(gates):
   v = jax.random.normal(ks[2], (1, T, HV, V))
   beta = jax.nn.sigmoid(jax.random.normal(ks[3], (1, T, HV)))
   g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (1, T, HV, K))) * s
-  if gates == "mixed":
-    g = g.at[:, 110:116, :, :5].set(-3.0)          # sequence 4's second chunk
+  if gates in ("mixed", "one_strong"):
+    g = g.at[:, 110:116, :, :5].set(-3.0 if gates == "mixed" else -40.0)    # sequence 4's second chunk
   cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
   none = (jnp.arange(T) >= cu[-1])[None, :, None]
   q, k, v = (jnp.where(none[..., None], jnp.nan, x).astype(BF16) for x in (q, k, v))
@@ -115,19 +116,25 @@ def _bits(x):
   return x.view(f"u{x.dtype.itemsize}")     # bit for bit: -0.0 != 0.0, NaN payloads count
 
 
-@pytest.mark.parametrize("gates", ["f32", "bf16", "strong", "mixed"])
+@pytest.mark.parametrize("gates", ["f32", "bf16", "strong", "mixed", "one_strong"])
 def test_fused_equals_unfused_kernels(gates):
   """Every Out field and decay on the owned chunks: bit for bit the unfused kernels', finite (the
   NaN tokens never leak in); at the tail decay is exp(0) = 1 (both scores kernels zero its gc rows).
   Strong gates take the two-part kernel's results: the one-part ones round gc differently, so they
-  would not give the unfused kernels' bits there; mixed ones take them on one chunk only (the unfused
-  scores kernel runs two parts on every chunk: on the others the same bits, gc_int being 0)."""
+  would not give the unfused kernels' bits there (one_strong: on its one chunk); mixed ones take them
+  on one chunk only (the unfused scores kernel runs two parts on every chunk: on the others the same
+  bits, gc_int being 0)."""
   q, k, v, beta, g, cu = _case(gates)
   real = np.asarray(g.astype(F32))[:, :int(cu[-1])]
   assert np.isfinite(real).all()
-  if gates in ("strong", "mixed"):                                          # the path the name says
-    assert (real <= -1).any() and ((real > -1).mean() > 0.9) == (gates == "mixed")
-  else:
+  if gates != "f32" and gates != "bf16":                                    # the path the name says
+    assert (real <= -1).any() and ((real > -1).mean() > 0.9) == (gates != "strong")
+  if gates == "one_strong":                                                 # one chunk to redo
+    layout, _ = _layout(cu)
+    ref = _ref_gc(g, layout)
+    owned_chunks = int(layout.aligned_cu[-1]) // BT
+    assert int(np.sum(np.asarray(mgi.bounded_chunks(ref.gc_int, ref.gc_frac))[:owned_chunks] == 0)) == 1
+  if gates in ("f32", "bf16"):
     assert (real > -1).all()
   out, decay, owned = _run_fused(gates)
   want, want_decay = _unfused(q, k, v, beta, g, cu)
@@ -222,8 +229,8 @@ def test_takes():
 @pytest.mark.parametrize("g_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_fused_kernels_lower_for_cuda(g_dtype):
   """The fused group lowers for CUDA from the CPU: three Mosaic GPU kernels (the one-part fused
-  scores kernel, the persistent two-part one, the solve) and no conditional (no predicate goes to
-  the host). The one-part kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the
+  scores kernel, the persistent two-part one, the solve) and no conditional (a conditional's
+  results are copied: on the H200 0.3 ms of copies of the scores). The one-part kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the
   q, k landing zone's union, float32 ones in gc's tile): two CTAs per SM; the two-part one fits one."""
   S, T_, HV_, NTa = jax.ShapeDtypeStruct, 4000, 2, 128
   rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))

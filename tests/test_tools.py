@@ -292,6 +292,39 @@ def test_profile_attributes_device_time_to_pipeline_pieces():
   assert gaps == [(20.0, "c", "d"), (5.0, "a", "c")]
 
 
+def test_timeline_splits_device_events_by_call():
+  """tools.timeline's split: each call's device events by its host span, offsets from the call's
+  start, the busy sum, the tail after the last event's end; a call without events is left out."""
+  from tools import timeline
+  events = [("k2", 30.0, {}, 150.0), ("k1", 20.0, {}, 110.0), ("late", 5.0, {}, 400.0), ("k3", 10.0, {}, 1020.0)]
+  rows = timeline.split_calls(events, [(1000.0, 100.0), (100.0, 200.0), (600.0, 50.0)])
+  assert len(rows) == 2
+  first, second = rows
+  assert first["timeline"] == [(10.0, 20.0, "k1"), (50.0, 30.0, "k2")]
+  assert (first["first_us"], first["last_us"], first["busy_us"], first["events"]) == (10.0, 80.0, 50.0, 2)
+  assert first["tail_us"] == 120.0 and first["host_us"] == 200.0
+  assert second["timeline"] == [(20.0, 10.0, "k3")] and second["tail_us"] == 70.0
+
+
+def test_timeline_smoke(tmp_path, capsys, monkeypatch):
+  """tools.timeline end to end on a CPU, on a small stand-in for the forward: the three timings, the
+  switches set and the calls profiled."""
+  from kda import pipeline
+  from tools import bench, timeline
+  x = jnp.arange(64.0).reshape(8, 8)
+  monkeypatch.setattr(bench, "calls", lambda name, gate, impl, total: ((x, x), lambda a, b: a @ b + 1.0, None))
+  monkeypatch.setattr(pipeline, "FUSE_GATE_INTRA", pipeline.FUSE_GATE_INTRA)   # restored after --switch
+  out = tmp_path / "t.json"
+  assert timeline.main(["--variants", "B:plain", "--calls", "2", "--reps", "1", "--switch", "FUSE_GATE_INTRA=0",
+                        "--gate-scale", "1", "--dir", str(tmp_path / "tr"), "--out", str(out)]) == 0
+  assert pipeline.FUSE_GATE_INTRA is False
+  res = json.loads(out.read_text())["B:plain"]
+  assert res["host_ms"] > 0 and res["b2b_ms"] > 0 and res["dispatch_ms"] > 0
+  assert "host-timed" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    timeline.main(["--calls", "0"])
+
+
 def test_packed_check_compare_counts_and_bounds_differences():
   """tools.packed_check.compare: bit for bit, one bf16 step (2^-8 relative) within --max-ulps 1,
   two steps not, a NaN never within."""
@@ -374,7 +407,9 @@ def test_compile_report_lowers_the_program_and_each_kernel(tmp_path):
   (row,) = json.loads(out.read_text())
   names = [k["kernel"] for k in row["kernels"]]
   assert row["program"] == "fwd" and row["lower_s"] > 0 and row["kernel_calls"] == len(names)
-  assert {"kda_gate", "kda_intra_scores", "kda_intra_solve", "kda_state_output"} <= set(names)
+  # the gate -> intra group (on by default): the gated scores kernel and its persistent redo
+  assert {"kda_gate_intra_scores", "kda_gate_intra_scores_strong", "kda_intra_solve",
+          "kda_state_output"} <= set(names)
   assert all(k["lower_s"] > 0 for k in row["kernels"]) and row["kernels_lower_s"] > 0
 
 

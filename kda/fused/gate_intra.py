@@ -24,21 +24,24 @@ Two kernels, no host round trip:
 - two parts, persistent (grid (HV, 128 // HV), one CTA per SM): it redoes the chunks flagged so,
   with gc_int and gc_frac in SMEM and the exact six-level path where needed, writing its results
   over the first kernel's in place (jax.new_ref); with no such chunk its programs exit at once.
-  So a call costs the first kernel and 128 empty programs, or both kernels on the flagged chunks:
-  the unfused pair's lax.cond on whether gc_int is 0 makes the host wait for the gate kernel and
-  launch the rest after it, and gives every chunk the two-part kernel (one CTA per SM) as soon as
-  one gate reaches -1.
+  So a call costs the first kernel and 128 empty programs, or both kernels on the flagged chunks.
+  The unfused pair gives every chunk the two-part kernel (one CTA per SM) as soon as one gate
+  reaches -1 (its lax.cond on whether gc_int is 0 runs on the device: a CUDA graph conditional in
+  XLA's command buffer).
 
 The one-part kernel skips the work of the chunks the two-part kernel redoes (SKIP_STRONG of
 kda.stages.intra.mosaic_gpu: per column a bf16 flag into a free SMEM row, then 128 scalar reads;
-a cross-warp reduction's scratch would cost it its second CTA per SM). Off by default
-(kda.pipeline.FUSE_GATE_INTRA). H200, forward (2026-12-03, `tools.bench`'s inputs, the unfused pair
-against the group, host-timed / back to back ms): plain gates A 1.742 / 1.440 against 1.741 / 1.362,
-C 1.644 / 1.415 against 1.619 / 1.345 (the same bits of o, and of every gradient on A); the plain
-gates x 40 (about -2 a token, every chunk bounded and most reaching -1) 2.343 / 1.807 against
-1.865 / 1.390 (o within one bf16 rounding); x 640 (no chunk bounded) 4.478 / 4.107 against
-6.283 / 5.804 (the same bits: the persistent kernel, one CTA per SM and the gate scan in it, is
-slower than the gate kernel + the two-part grid).
+a cross-warp reduction's scratch would cost it its second CTA per SM). Its gate scan loads eight rows
+before it stores any (SCAN_BLOCK): the stores would otherwise hold each next load back. On by
+default (kda.pipeline.FUSE_GATE_INTRA). H200, forward back to back (device time) on `tools.bench`'s
+inputs: plain gates A 1.271-1.275 ms with the solve's RESIDENT_AKK against 1.423-1.446 unfused
+without it (2026-12-03, third session; the group alone, before the blocked scan: 1.356, the same bits
+of o as unfused; the simulator tests the same bits with RESIDENT_AKK too); the session before, gates x 40 (about -2 a token, every chunk bounded and most
+reaching -1) 1.390 against 1.807 (o within one bf16 rounding); but x 640 (no chunk bounded) 5.72
+against 4.10 (the same bits: the persistent kernel, one CTA per SM and the gate scan in it, is slower
+than the gate kernel + the two-part grid). A lax.cond that took the unfused pair where more than a
+quarter of the chunks need the redo took x 640 to 4.46 ms but cost plain gates 0.31 ms: XLA copies
+a conditional's results (the six score arrays), so the group has none.
 
 Where it applies (`takes`): the packed forward with gates given in log space (use_gate_in_kernel
 False; activated gates reach -1 often, and would pay both), K = 128 (one thread per column of the

@@ -442,13 +442,20 @@ def test_scores_kernel_smem(K):
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
-def test_solve_kernel_smem(K, V):
+def test_solve_kernel_smem(K, V, monkeypatch):
+  """RESIDENT_AKK (the default) keeps Akk's split in SMEM (two CTAs per SM at K = V = 128); without
+  it Akk's split shares T's bytes: three by SMEM (its registers keep it at two on the H200)."""
   S, Ta, HV = jax.ShapeDtypeStruct, S_TA, S_HV
   f = lambda cu, *a: mgi._solve(cu, None, *a, interpret=False, config=mgi.Config())
-  smem = lowered_smem_bytes(f, S_CU, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16), S((Ta, HV, K), BF16),
-                            S((Ta, HV, V), BF16), S((HV, Ta), F32))
-  print(f"\n  solve K={K} V={V}: SMEM {smem} bytes")
-  assert smem <= SMEM_THREE_CTAS      # Akk's split shares T's bytes: three CTAs per SM
+  args = (S_CU, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16), S((Ta, HV, K), BF16), S((Ta, HV, V), BF16),
+          S((HV, Ta), F32))
+  smem = {}
+  for resident in (True, False):
+    monkeypatch.setattr(mgi, "RESIDENT_AKK", resident)
+    smem[resident] = lowered_smem_bytes(f, *args)
+  print(f"\n  solve K={K} V={V}: SMEM {smem[True]} bytes resident, {smem[False]} not")
+  assert smem[False] <= SMEM_THREE_CTAS and smem[True] <= SMEM_TWO_CTAS
+  assert smem[True] == smem[False] + 2 * BT * BT * 2        # Akk's split no longer shares T's bytes
 
 
 # -- packed inputs: the align folded into the kernels' loads (mgi.packed) ---------------------------
@@ -513,9 +520,9 @@ def test_packed_kernels_lower_for_cuda(K, V):
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 3
 
 
-def test_packed_kernels_smem():
+def test_packed_kernels_smem(monkeypatch):
   """The landing zone of q, k costs the scores kernel no SMEM (it shares the operands' bytes);
-  the solve's plain v tile shares X's split: three CTAs per SM."""
+  the solve's plain v tile shares X's split: three CTAs per SM without RESIDENT_AKK, two with it."""
   S, Ta, HV, K, V, T = jax.ShapeDtypeStruct, S_TA, S_HV, 128, 128, 3000
   NTa = Ta // BT
   rows = (S((NTa,), jnp.int32), S((NTa,), jnp.int32))
@@ -525,10 +532,13 @@ def test_packed_kernels_smem():
                               S((HV * NTa,), jnp.int32), S((Ta, HV, K), F32))
   assert scores == _scores_smem(K, 1)
   so = lambda cu, r0, r1, *a: mgi._solve(cu, (r0, r1), *a, interpret=False, config=mgi.Config())
-  solve = lowered_smem_bytes(so, S_CU, *rows, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16), S((Ta, HV, K), BF16),
-                             S((T, HV, V), BF16), S((HV, T + BT), F32))
-  print(f"\n  packed: scores {scores} bytes, solve {solve} bytes")
-  assert solve <= SMEM_THREE_CTAS
+  solve = {}
+  for resident in (True, False):
+    monkeypatch.setattr(mgi, "RESIDENT_AKK", resident)
+    solve[resident] = lowered_smem_bytes(so, S_CU, *rows, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16),
+                                         S((Ta, HV, K), BF16), S((T, HV, V), BF16), S((HV, T + BT), F32))
+  print(f"\n  packed: scores {scores} bytes, solve {solve[True]} / {solve[False]} bytes (resident / not)")
+  assert solve[True] <= SMEM_TWO_CTAS and solve[False] <= SMEM_THREE_CTAS
 
 
 def test_packed_unwritten_tail():
