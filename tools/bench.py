@@ -255,6 +255,20 @@ def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
   return out
 
 
+def each_variant(variants, run, report, out=None):
+  """run(name, gate) for each "shape:gate" of the comma-separated variants, report(variant, result)
+  printed as each finishes, and every result written to `out` as JSON -> {variant: result}."""
+  results = {}
+  for var in variants.split(","):
+    name, gate = var.split(":")
+    results[var] = run(name, gate)
+    print(report(var, results[var]), flush=True)
+  if out:
+    with open(out, "w") as fh:
+      json.dump(results, fh, indent=1)
+  return results
+
+
 def device_peak_mb():
   """The device allocator's peak bytes in use so far in this process (MiB), or None where the
   backend does not report it: the whole process's peak, inputs and every call included."""

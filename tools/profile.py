@@ -70,16 +70,21 @@ def kernel_piece(name: str) -> str | None:
   return None
 
 
-def device_events(logdir: str):
-  """The newest trace under logdir -> (events [(name, dur_us, args, ts_us)], thread names used). Device
-  events are those of a process named like a GPU; of its threads the CUDA streams where there are
-  any (the other lines repeat the same kernels as XLA ops / modules)."""
+def trace_events(logdir: str) -> list:
+  """The events of the newest *.trace.json.gz under logdir (jax.profiler.trace's output)."""
   paths = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
   if not paths:
     raise FileNotFoundError(f"no *.trace.json.gz under {logdir}")
   with gzip.open(paths[-1]) as fh:
     data = json.load(fh)
-  ev = data["traceEvents"] if isinstance(data, dict) else data
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_events(logdir: str):
+  """The newest trace under logdir -> (events [(name, dur_us, args, ts_us)], thread names used). Device
+  events are those of a process named like a GPU; of its threads the CUDA streams where there are
+  any (the other lines repeat the same kernels as XLA ops / modules)."""
+  ev = trace_events(logdir)
   procs = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
   threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -205,14 +210,8 @@ def main(argv=None):
   if a.reps < 1:
     p.error(f"--reps must be >= 1, got {a.reps}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  results = {}
-  for var in a.variants.split(","):
-    name, gate = var.split(":")
-    results[var] = profile_one(name, gate, a.impl, a.reps, not a.no_bwd, a.total, a.dir, a.hlo_dir)
-    print(report(var, results[var]), flush=True)
-  if a.out:
-    with open(a.out, "w") as fh:
-      json.dump(results, fh, indent=1)
+  bench.each_variant(a.variants, lambda name, gate: profile_one(name, gate, a.impl, a.reps, not a.no_bwd, a.total,
+                                                               a.dir, a.hlo_dir), report, a.out)
   return 0
 
 

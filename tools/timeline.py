@@ -19,10 +19,6 @@ plain gates (40: bounded chunks that reach -1; 640: no chunk bounded).
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
-import json
-import os
 import statistics
 import sys
 import time
@@ -75,11 +71,8 @@ def split_calls(events, marks):
 
 def marks_of(logdir):
   """The host spans [(ts_us, dur_us)] of the MARK annotations in the newest trace under logdir."""
-  paths = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-  with gzip.open(paths[-1]) as fh:
-    data = json.load(fh)
-  ev = data["traceEvents"] if isinstance(data, dict) else data
-  return [(float(e["ts"]), float(e.get("dur", 0.0))) for e in ev if e.get("ph") == "X" and e.get("name") == MARK]
+  return [(float(e["ts"]), float(e.get("dur", 0.0))) for e in profile.trace_events(logdir)
+          if e.get("ph") == "X" and e.get("name") == MARK]
 
 
 def run_one(name, gate, calls, reps, scale, logdir, total=bench.TOTAL):
@@ -131,14 +124,8 @@ def main(argv=None):
     mod, attr = packed_check.target(sw)
     setattr(mod, attr, value)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  results = {}
-  for var in a.variants.split(","):
-    name, gate = var.split(":")
-    results[var] = run_one(name, gate, a.calls, a.reps, a.gate_scale, f"{a.dir}/{name}-{gate}", a.total)
-    print(report(var, results[var]), flush=True)
-  if a.out:
-    with open(a.out, "w") as fh:
-      json.dump(results, fh, indent=1)
+  bench.each_variant(a.variants, lambda name, gate: run_one(name, gate, a.calls, a.reps, a.gate_scale,
+                                                            f"{a.dir}/{name}-{gate}", a.total), report, a.out)
   return 0
 
 
