@@ -35,11 +35,12 @@ a cross-warp reduction's scratch would cost it its second CTA per SM). Its gate 
 before it stores any (SCAN_BLOCK): the stores would otherwise hold each next load back. On by
 default (kda.pipeline.FUSE_GATE_INTRA). H200, forward back to back (device time) on `tools.bench`'s
 inputs: plain gates A 1.271-1.275 ms with the solve's RESIDENT_AKK against 1.423-1.446 unfused
-without it (2026-12-03, third session; the group alone, before the blocked scan: 1.356, the same bits
-of o as unfused; the simulator tests the same bits with RESIDENT_AKK too); the session before, gates x 40 (about -2 a token, every chunk bounded and most
-reaching -1) 1.390 against 1.807 (o within one bf16 rounding); but x 640 (no chunk bounded) 5.72
-against 4.10 (the same bits: the persistent kernel, one CTA per SM and the gate scan in it, is slower
-than the gate kernel + the two-part grid). A lax.cond that took the unfused pair where more than a
+without it (2026-12-03, third session; the group alone, before the blocked scan: 1.356, the same
+bits of o as unfused; with RESIDENT_AKK on both sides the simulator gives the same bits too); the
+session before, gates x 40 (about -2 a token, every chunk bounded and most reaching -1) 1.390
+against 1.807 (o within one bf16 rounding); but x 640 (no chunk bounded) 5.72 against 4.10 (the
+same bits: the persistent kernel, one CTA per SM and the gate scan in it, is slower than the gate
+kernel + the two-part grid). A lax.cond that took the unfused pair where more than a
 quarter of the chunks need the redo took x 640 to 4.46 ms but cost plain gates 0.31 ms: XLA copies
 a conditional's results (the six score arrays), so the group has none.
 

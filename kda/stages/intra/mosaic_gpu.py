@@ -5,9 +5,10 @@ Two kernels, each one program per (value head, chunk), grid (HV, NTa):
   parts); Akk (as a hi + lo bf16 split, for the solve), Aqk, qg, kg and w's right-hand side
   kd = beta k exp(gc), all bf16. 114696 bytes of SMEM at K = 128 with gc in one part (two CTAs per
   SM), 147464 with two parts.
-- solve: Akk's split, kd, v, beta -> Ainv, w, u (66568 bytes at K = V = 128, packed or not: Akk's
-  split is read once and then holds T's, packed v's landing zone then X's: room for three CTAs per
-  SM; the same bits and, on the H200, no faster: A's forward 1.450 ms back to back against 1.446).
+- solve: Akk's split, kd, v, beta -> Ainv, w, u (82952 bytes at K = V = 128 with RESIDENT_AKK, the
+  default: Akk's split stays in SMEM, packed v's landing zone then holds X's: two CTAs per SM;
+  66568 without it, Akk's split read once and then holding T's: room for three CTAs by SMEM, but
+  243 registers keep it at two).
 Split in two so that each fits two CTAs per SM: as one kernel (1 CTA per SM) it took 4.3 ms on the
 H200 at T = 32768, H = 16, K = V = 128, against 1.7-2.0 ms split. Chunks at or past aligned_cu[-1]
 (the tail of a static-bound layout) are only zero-filled (Ainv = I there).
