@@ -71,8 +71,8 @@ TAIL_ZEROS = False
 # 1.271-1.275 with it, the solve's RESIDENT_AKK and the blocked gate scan (in the simulator the
 # same bits as unfused with RESIDENT_AKK); gates x 40 (bounded, reaching -1; the session before)
 # 1.807 vs 1.390; but x 640 (no chunk bounded: the persistent two-part kernel redoes every chunk, at
-# one CTA per SM) 4.10 vs 5.72. A lax.cond taking the unfused pair where many chunks need the redo cost 0.31 ms of
-# copies on plain gates (XLA copies a conditional's results), so there is none.
+# one CTA per SM) 4.10 vs 5.72. A lax.cond taking the unfused pair where many chunks need the redo
+# cost 0.31 ms of copies on plain gates (XLA copies a conditional's results), so there is none.
 FUSE_GATE_INTRA = True
 
 # Whether chunk_kda runs many short sequences as fewer, longer pieces (`segment_pieces`) where that

@@ -31,12 +31,9 @@ MARK = "kda.timeline.call"
 
 
 def timings(compiled, args, reps):
-  """(host-timed median ms, back to back ms per call, dispatch alone median ms)."""
-  host, dispatch = [], []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    host.append(time.perf_counter() - t0)
+  """(host-timed median ms as tools.bench times it, back to back ms per call, dispatch alone median ms)."""
+  host = bench.timeit(compiled, *args, reps=reps, warmup=0)
+  dispatch = []
   jax.block_until_ready(compiled(*args))
   t0, res = time.perf_counter(), None
   for _ in range(reps):
@@ -49,7 +46,7 @@ def timings(compiled, args, reps):
     res = compiled(*args)
     dispatch.append(time.perf_counter() - t0)
     jax.block_until_ready(res)
-  return statistics.median(host) * 1e3, b2b * 1e3, statistics.median(dispatch) * 1e3
+  return host, b2b * 1e3, statistics.median(dispatch) * 1e3
 
 
 def split_calls(events, marks):

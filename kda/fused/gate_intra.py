@@ -40,9 +40,9 @@ bits of o as unfused; with RESIDENT_AKK on both sides the simulator gives the sa
 session before, gates x 40 (about -2 a token, every chunk bounded and most reaching -1) 1.390
 against 1.807 (o within one bf16 rounding); but x 640 (no chunk bounded) 5.72 against 4.10 (the
 same bits: the persistent kernel, one CTA per SM and the gate scan in it, is slower than the gate
-kernel + the two-part grid). A lax.cond that took the unfused pair where more than a
-quarter of the chunks need the redo took x 640 to 4.46 ms but cost plain gates 0.31 ms: XLA copies
-a conditional's results (the six score arrays), so the group has none.
+kernel + the two-part grid). A lax.cond that took the unfused pair where more than a quarter of
+the chunks need the redo took x 640 to 4.46 ms but cost plain gates 0.31 ms: XLA copies a
+conditional's results (the six score arrays), so the group has none.
 
 Where it applies (`takes`): the packed forward with gates given in log space (use_gate_in_kernel
 False; activated gates reach -1 often, and would pay both), K = 128 (one thread per column of the
