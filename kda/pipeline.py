@@ -74,6 +74,10 @@ TAIL_ZEROS = False
 # one CTA per SM) 4.10 vs 5.72. A lax.cond taking the unfused pair where many chunks need the redo
 # cost 0.31 ms of copies on plain gates (XLA copies a conditional's results), so there is none.
 FUSE_GATE_INTRA = True
+# Whether the packed forward's solve leaves w = Ainv kd and u = Ainv beta v unformed and the fused
+# state + output kernel applies Ainv instead, v_new = Ainv (beta v - kd S) (kda.fused.state_output,
+# "Inverse"): the solve stores Ainv's split and beta v in place of w, u and reads no kd.
+INVERSE_IN_STATE = True
 
 # Whether chunk_kda runs many short sequences as fewer, longer pieces (`segment_pieces`) where that
 # is exact and the forward runs Mosaic GPU kernels (`segmented_takes`): each piece starts at a
@@ -363,21 +367,27 @@ def packed_forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, 
   ikw = forward_kwargs(plan, "intra")                   # Akk, qg, kg, w, u (they skip it)
   gc_int = gc_frac = decay = None
   seg = {} if resets is None else dict(seg=segment_rows(layout, resets))
+  defer = dict(defer=True) if INVERSE_IN_STATE else {}
   if FUSE_GATE_INTRA and not seg and gate_intra.takes(q, k, v, beta, g, layout.aligned_cu, rows, **{**ikw, **gkw}) is None:
     with scope("gate+intra"):
       it, decay = gate_intra.mosaic_gpu(q, k, v, beta, g, layout.aligned_cu, rows, interpret=plan.interpret,
-                                        **ikw, **tail)
+                                        **ikw, **tail, **defer)
   else:
     with scope("gate"):
       gc_int, gc_frac, bounded, two_part = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=plan.interpret,
                                                             **gkw, **tail, **seg)
     with scope("intra"):
       it = intra_mgpu.packed(q, k, v, beta, gc_int, gc_frac, layout.aligned_cu, rows, bounded=bounded,
-                             two_part=two_part, interpret=plan.interpret, **ikw, **tail, **seg)
+                             two_part=two_part, interpret=plan.interpret, **ikw, **tail, **seg, **defer)
+  if defer:       # the state + output kernel applies Ainv: kd and beta v in place of w, u
+    it, dfr = it
+    w, u, inv = dfr.kd, dfr.bv, dict(inverse=(it.Ainv, dfr.ainv_lo))
+  else:
+    w, u, inv = it.w, it.u, {}
   with scope("state+output"):
-    o, final_state = fused(it.kg, it.w, it.u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
+    o, final_state = fused(it.kg, w, u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu,
                            scale=plan.scale, chunk_size=BT, interpret=plan.interpret, out_dtype=o_dtype(v),
-                           rows=rows, T=layout.T, decay=decay, **plan.state_kwargs())
+                           rows=rows, T=layout.T, decay=decay, **inv, **plan.state_kwargs())
   return o.astype(v.dtype), final_state, {"intra": it}
 
 

@@ -85,6 +85,8 @@ CI_BUDGET_LARGE = {
     "tests/stages/test_intra_mosaic.py::test_resident_akk_solve_gives_the_same_bits[K64-V64-HV2]": 15.4,
     "tests/stages/test_intra_mosaic.py::test_resident_akk_solve_gives_the_same_bits[K128-V128-HV1-strong]": 15.5,
     "tests/stages/test_bwd_gate.py::test_bwd_gate_matches_vjp_of_gate[plain]": 14.6,  # the other cases
+    # fourth session: X_FROM_SMEM is the default solve (every intra kernel test runs it)
+    "tests/stages/test_intra_mosaic.py::test_x_from_smem_solve_agrees_with_x_in_registers": 20.0,
 }
 
 

@@ -403,3 +403,88 @@ def test_fused_grouped_walk_packed():
   the per-sequence kernel's; every packed token of no sequence exactly 0."""
   cu = np.concatenate([[0], np.cumsum(GROUP_LENS)])
   check_packed(GROUP_LENS, cu[:-1], int(cu[-1]) + 9, 64, 64, so.Config(group_chunks=2), seed=7)
+
+
+# --- inverse mode: the kernel applies X = Ainv, v_new = X (beta v - kd S), from kd, beta v and X's split
+
+def inverse_case(lens, K, V, HV=1, tail_chunks=1, seed=0):
+  """fused_case's inputs with w, u taken apart: per chunk a unit lower-triangular X (the inverse of
+  I + Akk, strictly lower part of size ~0.1), kd with w = X kd and bv with u = X bv. Returns (args
+  for the inverse mode: kg, kd, bv, qg, Aqk, gi, gf, h0, acu, inverse=(X hi, X lo) all bf16 parts;
+  args for the w, u mode with the same values in float32)."""
+  bf, f32, _ = fused_case(lens, K, V, HV=HV, tail_chunks=tail_chunks, seed=seed)
+  r = np.random.default_rng(seed + 100)
+  Ta = bf[0].shape[1]
+  NTa = Ta // BT
+  X = np.tril(r.standard_normal((NTa, HV, BT, BT)) * 0.1, -1) + np.eye(BT)
+  X_hi = np.asarray(jnp.asarray(X, jnp.bfloat16).astype(jnp.float32))
+  X_lo = np.asarray(jnp.asarray(X - X_hi, jnp.bfloat16).astype(jnp.float32))
+  chunks = lambda x: np.asarray(x, np.float32).reshape(NTa, BT, HV, -1).transpose(0, 2, 1, 3)   # [NTa, HV, BT, d]
+  back = lambda x: x.transpose(0, 2, 1, 3).reshape(1, Ta, HV, -1)
+  kd = np.asarray(f32[1]) * 0.5                  # fused_case's w as kd, its u as beta v (NaN at the tail)
+  bv = np.asarray(f32[2]) * 0.25
+  kd, bv = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (kd, bv))
+  Xf = X_hi + X_lo
+  w, u = (back(Xf @ chunks(x)) for x in (kd, bv))
+  # X's rows of padding tokens are those of zero kd, bv there: w, u zero as intra's
+  aqk_t = bf[4]
+  to_bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  xs = tuple(to_bf(back(x)) for x in (X_hi, X_lo))
+  inv_args = (bf[0], to_bf(kd), to_bf(bv), bf[3], aqk_t) + bf[5:]
+  wu_args = (f32[0], jnp.asarray(w, jnp.float32), jnp.asarray(u, jnp.float32)) + f32[3:]
+  return inv_args, xs, wu_args
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 64)], ids=["K64-V64", "K128-V64"])
+def test_fused_inverse_matches_composed_references(K, V):
+  """Inverse mode against the references composed on w = X kd, u = X beta v (float32 from the
+  same bf16 values): o and final_state within TOL; padding tokens and the tail exactly 0."""
+  lens = [1, 63, 64, 0, 65, 130]
+  inv_args, xs, wu_args = inverse_case(lens, K, V)
+  _, _, owned = fused_case(lens, K, V, tail_chunks=1)
+  scale = K ** -0.5
+  o, final = jax.jit(lambda *a: so.mosaic_gpu(*a[:-2], scale=scale, chunk_size=BT, interpret=True,
+                                              inverse=a[-2:]))(*inv_args, *xs)
+  ref_o, ref_final = composed_reference(*wu_args, scale=scale)
+  eo, ef = rel(np.asarray(o)[:, owned], np.asarray(ref_o)[:, owned]), rel(final, ref_final)
+  print(f"\n  inverse K={K} V={V}: o max {eo[0]:.2e} norm {eo[1]:.2e}, final max {ef[0]:.2e} norm {ef[1]:.2e}")
+  for e in (eo, ef):
+    assert np.isfinite(e[0]) and e[0] <= TOL["max"] and e[1] <= TOL["norm"], (eo, ef)
+  assert np.all(np.asarray(o)[:, ~owned] == 0)
+
+
+def test_fused_inverse_packed_and_refusals():
+  """Inverse mode packed (bf16 o, grouped walk) equals its aligned mode unaligned, bit for bit; the
+  warp-specialised variant and malformed X parts are refused with the reason."""
+  from kda import padding
+  lens = [1, 63, 64, 0, 65]
+  inv_args, xs, _ = inverse_case(lens, 64, 64, HV=2, seed=2)
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  T = int(cu[-1]) + 11
+  layout = padding.Layout(jnp.asarray(cu[:-1], jnp.int32), jnp.asarray(lens, jnp.int32), inv_args[8], T,
+                          inv_args[0].shape[1], BT)
+  cfg = so.Config(out_dtype="bfloat16", group_chunks=2)
+  run = lambda **kw: jax.jit(lambda *a: so.mosaic_gpu(*a[:-2], scale=0.125, chunk_size=BT, interpret=True, config=cfg,
+                                                      inverse=a[-2:], **kw))(*inv_args, *xs)
+  o_al, final_al = run()
+  o, final = run(rows=padding.chunk_rows(layout), T=T)
+  want = padding.unalign_with(layout, o_al)
+  np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(final), np.asarray(final_al))
+  with pytest.raises(ValueError, match="serial"):
+    so.mosaic_gpu(*inv_args, scale=0.125, chunk_size=BT, interpret=True, config=SPLIT, inverse=xs)
+  with pytest.raises(ValueError, match="Ainv's low part"):
+    so.mosaic_gpu(*inv_args, scale=0.125, chunk_size=BT, interpret=True, inverse=(xs[0], xs[1][..., :32]))
+
+
+def test_fused_inverse_lowers_for_cuda():
+  """Inverse mode lowers for CUDA at K = V = 128 (packed, the pipeline's call) within one CTA's SMEM."""
+  from kda import padding
+  Ta, N, T = 32768 + 489 * BT, 489, 32768 + 13
+  args = _abstract(Ta, 16, 128, 128, N)
+  x = jax.ShapeDtypeStruct((1, Ta, 16, BT), jnp.bfloat16)
+  rows = padding.ChunkRows(*(jax.ShapeDtypeStruct((Ta // BT,), jnp.int32),) * 2)
+  smem = lowered_smem_bytes(lambda *a: so.mosaic_gpu(*a[:-3], scale=0.125, chunk_size=BT, rows=a[-1], T=T,
+                                                     inverse=a[-3:-1]), *args, x, x, rows)
+  print(f"\n  inverse packed: SMEM {smem} bytes as lowered")
+  assert smem <= 232448

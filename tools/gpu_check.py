@@ -7,8 +7,10 @@ On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths
   2. the whole forward (impl=None, the default: Mosaic GPU on Hopper; and impl="pallas") against
      the token-by-token recurrence in float32, next to the XLA-compiled reference pipeline's error
      on the same inputs; and impl=None (the packed group) against the same kernels on the aligned
-     layout (pipeline.forward(packed=False)), which must agree (0 on the H200), and impl=None with
-     kda.pipeline.FUSE_GATE_INTRA flipped (the gate -> intra group), which must give the same bits;
+     layout (pipeline.forward(packed=False), with kda.pipeline.INVERSE_IN_STATE off as that path
+     has it), which must agree (0 on the H200), impl=None with kda.pipeline.FUSE_GATE_INTRA flipped
+     (the gate -> intra group), which must give the same bits, and with INVERSE_IN_STATE flipped
+     (Ainv applied in the state + output kernel), within one bf16 rounding of o;
   3. per-stage times (kernel vs XLA reference on the recorded inputs; mosaic_gpu kernels also with
      the inputs they take in bf16 cast, "mosaic_gpu_bf16_inputs") and the whole forward's time
      (median after warm-up) against the reference pipeline compiled by XLA.
@@ -95,8 +97,16 @@ def forward_errors(lens, gate, impls=("auto", "pallas", "reference")):
     o, s = _forward(impl, kw)(inp)
     res[label] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
     if label == "auto":
-      res["auto_packed_vs_aligned"] = _packed_vs_aligned(inp, kw, (o, s))
-      res["auto_gate_intra_fused_vs_not"] = _fused_gate_intra(inp, kw, (o, s))
+      wu = (o, s)
+      if pipeline.INVERSE_IN_STATE:
+        res["auto_inverse_in_state_vs_not"] = _switched(inp, kw, (o, s), "INVERSE_IN_STATE")
+        pipeline.INVERSE_IN_STATE = False
+        try:
+          wu = _forward(None, kw)(inp)
+        finally:
+          pipeline.INVERSE_IN_STATE = True
+      res["auto_packed_vs_aligned"] = _packed_vs_aligned(inp, kw, wu)
+      res["auto_gate_intra_fused_vs_not"] = _switched(inp, kw, (o, s), "FUSE_GATE_INTRA")
       res["auto_no_states"] = _no_states(inp, kw, g_rec)
   return res
 
@@ -115,21 +125,24 @@ def _no_states(inp, kw, g_rec):
   return {"o_rel": _rel(o, o_r), "finite": bool(jnp.isfinite(o).all()), "segmented": bool(seg)}
 
 
-def _fused_gate_intra(inp, kw, out):
-  """max |d| / max |ref| of impl=None's (o, final_state) with the gate -> intra group switched
-  (kda.pipeline.FUSE_GATE_INTRA flipped) against `out`: 0 where it runs as it should (it takes
-  log-space gates only; elsewhere the same kernels run)."""
-  saved, pipeline.FUSE_GATE_INTRA = pipeline.FUSE_GATE_INTRA, not pipeline.FUSE_GATE_INTRA
+def _switched(inp, kw, out, name):
+  """max |d| / max |ref| of impl=None's (o, final_state) with the kda.pipeline switch `name`
+  flipped against `out`: FUSE_GATE_INTRA (the gate -> intra group): 0 where it runs as it should (it
+  takes log-space gates only; elsewhere the same kernels run); INVERSE_IN_STATE (Ainv applied in the
+  state + output kernel): bf16 roundings of v_new apart."""
+  saved = getattr(pipeline, name)
+  setattr(pipeline, name, not saved)
   try:
     o, s = _forward(None, kw)(inp)
   finally:
-    pipeline.FUSE_GATE_INTRA = saved
+    setattr(pipeline, name, saved)
   return {"o": _rel(o, out[0]), "final": _rel(s, out[1])}
 
 
 def _packed_vs_aligned(inp, kw, packed_out):
   """max |d| / max |ref| of impl=None's (o, final_state) against the same kernels on the aligned
-  layout (pipeline.forward(packed=False)): 0 where the packed group runs as it should."""
+  layout (pipeline.forward(packed=False)): 0 where the packed group runs as it should. The aligned
+  forward forms w, u in the solve, so packed_out must come with INVERSE_IN_STATE off."""
   T = inp.q.shape[1]
   plan = pipeline.make_plan(scale=inp.q.shape[-1] ** -0.5, chunk_size=64,
                             use_gate_in_kernel=kw.get("use_gate_in_kernel", False))
@@ -195,6 +208,8 @@ def main(argv=None):
           if "auto" in runs:
             ok &= max(r["forward"]["auto_packed_vs_aligned"].values()) <= 1e-3   # measured 0 on the H200
             ok &= max(r["forward"]["auto_gate_intra_fused_vs_not"].values()) == 0  # the same bits
+            # one bf16 rounding of o (2^-8 of its largest entry) at most
+            ok &= max(r["forward"].get("auto_inverse_in_state_vs_not", {"o": 0}).values()) <= 2 ** -7
           report("forward")
         if "times" in parts:
           r["stage_ms"] = stage_times(lens, gate, a.reps, impls | {"reference"})

@@ -57,7 +57,6 @@ import jax.numpy as jnp
 
 from kda.stages.gate import exponent
 from kda.stages.gate import mosaic_gpu as gate_mgpu
-from kda.stages.intra import Out
 from kda.stages.intra import mosaic_gpu as intra_mgpu
 
 F32 = jnp.float32
@@ -93,8 +92,9 @@ def _result_types(q, Ta):
 
 
 def mosaic_gpu(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, use_gate_in_kernel=False,
-               interpret=False, config=None, tail_zeros=True, **_):
-  """(intra Out, decay [NTa, HV, K] float32); see the module docstring."""
+               interpret=False, config=None, tail_zeros=True, defer=False, **_):
+  """(intra Out, decay [NTa, HV, K] float32); see the module docstring. defer: ((Out with w = u =
+  None, intra's Deferred), decay), for the state + output kernel's inverse mode."""
   reason = takes(q, k, v, beta, g, aligned_cu, rows, scale=scale, chunk_size=chunk_size,
                  use_gate_in_kernel=use_gate_in_kernel)
   if reason is not None:
@@ -123,6 +123,5 @@ def mosaic_gpu(q, k, v, beta, g, aligned_cu, rows, *, scale, chunk_size, use_gat
   *scores, last_i, last_f = (jax.ref.freeze(r) for r in refs)
   decay = jnp.exp(exponent(last_i, last_f))        # chunk_decay's formula on the last rows
   akh, akl, aqk, qg, kg, kd = scores
-  ainv, w, u = intra_mgpu._solve(cu, rows, akh, akl, kd, v, beta_t, interpret=interpret, config=config,
-                                 tail_zeros=tail_zeros)
-  return Out(akh[None], aqk[None], ainv[None], w[None], u[None], qg[None], kg[None]), decay
+  return intra_mgpu.solved(cu, rows, akh, akl, aqk, qg, kg, kd, v, beta_t, interpret=interpret, config=config,
+                           tail_zeros=tail_zeros, defer=defer), decay

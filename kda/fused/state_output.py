@@ -100,7 +100,7 @@ from kda.stages.state import mosaic_gpu as state_mgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, tail_share, walk_order, walk_range
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import store_rows as _store_rows, with_absent, zeros as _zeros
-from kda._mosaic_gpu import load as _load
+from kda._mosaic_gpu import acc as _acc, load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 
@@ -185,17 +185,21 @@ def takes(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chun
   return reason
 
 
-def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
+def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False, inverse=False):
   # GMEM: order [N], cu [N+1] int32; (packed mode) tab [4N+2] int32 (`_packed_table`); kg, w, qg
   # [Ta, HV, K], u [Ta, HV, V], Aqk [Ta, HV, BT] bf16; dec [NTa, HV, K], h0, ht [N, HV, K, V] f32;
   # o [Ta, HV, V] (aligned mode) or [T, HV, V] (packed mode) f32 or bf16. h0 None: zero (not an
   # input); ht None: not stored (not an output).
   # grouped: order [P] ranks the groups, grp [P + 1] int32 their sequence ranges (sequence_groups).
+  # inverse: w, u are kd and beta v, and X's split [Ta, HV, BT] bf16 follows Aqk (v_new = X (u - w S)).
   order_g, cu_g, *refs = refs
   grp_g = refs.pop(0) if grouped else None
   tab_g = refs.pop(0) if packed else None
-  (kg_g, w_g, u_g, dec_g, qg_g, A_g, h0_g, o_g, ht_g,
-   kg_s, w_s, u_s, dec_s, qg_s, A_s, sb_s, vb_s, o_s, *bars) = refs
+  kg_g, w_g, u_g, dec_g, qg_g, A_g, *refs = refs
+  xh_g, xl_g, *refs = refs if inverse else (None, None, *refs)
+  h0_g, o_g, ht_g, kg_s, w_s, u_s, dec_s, qg_s, A_s, *refs = refs
+  xh_s, xl_s, *refs = refs if inverse else (None, None, *refs)
+  sb_s, vb_s, o_s, *bars = refs
   N = cu_g.shape[0] - 1
   NTa, K = kg_g.shape[0] // BT, kg_g.shape[-1]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
@@ -218,6 +222,9 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
     rows = rows_of(i)
     plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(A_g.at[rows, i_h, :], A_s.at[slot], bar)
+    if inverse:
+      plgpu.copy_gmem_to_smem(xh_g.at[rows, i_h, :], xh_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(xl_g.at[rows, i_h, :], xl_s.at[slot], bar)
 
   if packed and not grouped:     # the sequence's packed rows [p_start, p_end)
     p_start, p_end = tab_g[i_n], tab_g[N + i_n]
@@ -345,6 +352,10 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
       wS, qS = pl.run_scoped(recall, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, BV), F32))
       vb[...] = (_load(u_s.at[slot]).astype(F32) - wS).astype(BF16)
       plgpu.commit_smem()
+      if inverse:               # v_new = X (beta v - kd S): X's split, the rhs rounded to bf16 once
+        x = _acc([(xh_s.at[slot], vb), (xl_s.at[slot], vb)], (BT, BV))
+        vb[...] = x.astype(BF16)      # reading the accumulator waited for the wgmmas' reads of vb
+        plgpu.commit_smem()
 
       def finish(acc_a, acc_s):
         plgpu.wgmma(acc_a, A_s.at[slot], vb)
@@ -443,6 +454,21 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False):
   plgpu.barrier_wait(done)
 
 
+def _inverse_supports(inverse, kg, config, chunk_size):
+  """None if the `inverse` mode takes X's split `inverse`, else why."""
+  if config.warp_specialized:
+    return "inverse (Ainv applied in the kernel) runs the serial variant only"
+  want = kg.shape[:3] + (chunk_size,)
+  try:
+    xh, xl = inverse
+  except (TypeError, ValueError):
+    return f"inverse must be a pair (Ainv, its low part), got {type(inverse).__name__}"
+  for name, x in (("Ainv", xh), ("Ainv's low part", xl)):
+    if getattr(x, "shape", None) != want or jnp.dtype(x.dtype) != jnp.dtype(BF16):
+      return f"inverse: {name} must be bfloat16 {want}, got {getattr(x, 'dtype', None)} {getattr(x, 'shape', None)}"
+  return None
+
+
 def _packed_table(rows, aligned_cu, T, BT):
   """[4N + 2] int32 for packed mode: padding.packed_gaps (each sequence's packed rows [start, end),
   then the N + 1 packed gaps [lo, hi) that no sequence owns) concatenated."""
@@ -451,7 +477,7 @@ def _packed_table(rows, aligned_cu, T, BT):
 
 def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scale, chunk_size,
                interpret=False, config=None, out_dtype=None, rows=None, T=None, zero_h0=False,
-               store_final=True, decay=None):
+               store_final=True, decay=None, inverse=None):
   """(o [1, Ta, HV, V], final_state [N, HV, K, V] float32); see the module docstring. `out_dtype`
   (float32 or bfloat16) overrides config.out_dtype: the pipeline asks for v's dtype, as o ends in it.
 
@@ -461,7 +487,10 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   r < count[c], and the tokens that no sequence owns are 0 (module docstring, "Packed mode").
   zero_h0: initial_state is known to be zero (not read); store_final=False: the final state is not
   stored (zeros are returned in its place, for callers that drop it). decay ([NTa, HV, K] float32,
-  chunk_decay's, e.g. from kda.fused.gate_intra) stands for gc_int, gc_frac, which may then be None."""
+  chunk_decay's, e.g. from kda.fused.gate_intra) stands for gc_int, gc_frac, which may then be None.
+  inverse ((Ainv, its low bf16 part), each [1, Ta, HV, BT] bf16; the serial variant): w and u are
+  kd = beta k exp(gc) and beta v instead, and the kernel forms v_new = Ainv (beta v - kd S) (module
+  docstring, "Inverse")."""
   config = config or Config()
   if decay is not None:
     gc_int = gc_frac = jax.ShapeDtypeStruct(kg.shape, F32)
@@ -469,6 +498,8 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
     config = dataclasses.replace(config, out_dtype=jnp.dtype(out_dtype).name)
   reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
                     rows=rows, T=T)
+  if reason is None and inverse is not None:
+    reason = _inverse_supports(inverse, kg, config, chunk_size)
   if reason is not None:
     raise ValueError(f"mosaic_gpu state_output kernel: {reason}")
   BT, BV = chunk_size, config.block_v
@@ -498,6 +529,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
   else:
     grid, names = (V // BV, HV, R), ("v", "h", "r")
   split, ns = config.warp_specialized, config.input_slots
+  inv = inverse is not None
   pub = 2 if split else 1                    # slots of the published bf16(S), bf16(v_new)
   if split:
     bars = [plgpu.Barrier(num_arrivals=4, num_barriers=2),          # w, kg, u, decay
@@ -507,11 +539,11 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
             plgpu.Barrier(num_arrivals=2)]                          # done
     extra = dict(num_threads=2, thread_name="wg")
   else:
-    bars = [plgpu.Barrier(num_arrivals=6, num_barriers=ns)]
+    bars = [plgpu.Barrier(num_arrivals=6 + 2 * inv, num_barriers=ns)]
     extra = {}
   body = lambda *refs: _body(*refs, BT=BT, BV=BV, scale=float(scale), split=split, stage_o=config.stage_o,
-                             packed=packed, **({"grouped": True} if grouped else {}))
-  base = 2 + grouped + packed                # order, cu (the groups, the packed table) come first
+                             packed=packed, inverse=inv, **({"grouped": True} if grouped else {}))
+  base = 2 + grouped + packed + 2 * inv      # order, cu (the groups, the packed table; X's split) first
   absent = [base + 6] * zero_h0 + [base + 8] * (not store_final)   # h0_g, ht_g in _body's refs
   if absent:
     body = with_absent(body, absent)
@@ -530,6 +562,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
           _swz((ns, BT, K)), _swz((ns, BT, K)), _swz((ns, BT, BV)),  # kg, w, u
           plgpu.SMEM((ns, K), F32),                                 # decay rows
           _swz((ns, BT, K)), _swz((ns, BT, BT)),                    # qg, Aqk
+          *[_swz((ns, BT, BT))] * (2 * inv),                        # X's split
           _swz((pub, K, BV)), _swz((pub, BT, BV)),                  # bf16(S), bf16(v_new)
           o_stage,
           *bars,
@@ -539,5 +572,6 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
       **extra,
   )
   h0 = () if zero_h0 else (initial_state.astype(F32),)
-  o, *final = f(order, aligned_cu, *table, kg, w, u, decay, qg, Aqk, *h0)
+  xs = tuple(x[0].astype(BF16) for x in inverse) if inv else ()
+  o, *final = f(order, aligned_cu, *table, kg, w, u, decay, qg, Aqk, *xs, *h0)
   return o[None], (final[0] if store_final else jnp.zeros((N, HV, K, V), F32))

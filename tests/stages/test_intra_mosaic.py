@@ -541,6 +541,47 @@ def test_packed_kernels_smem(monkeypatch):
   assert solve[True] <= SMEM_TWO_CTAS and solve[False] <= SMEM_THREE_CTAS
 
 
+def test_packed_defer_solve():
+  """defer (the state + output kernel's inverse mode): the same Akk, Aqk, Ainv, qg, kg bits as the
+  plain solve; Ainv's low part and kd give w, beta v gives u (to bf16 rounding of w, u); Ainv + its
+  low part inverts I + Akk; beta v is bf16(beta v), 0 at padding rows. Its SMEM: three CTAs per SM
+  at K = V = 128 with RESIDENT_AKK."""
+  lens, T, HV, K, V, gates = PACKED["K64-V64-HV2"]
+  (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
+  run = lambda defer: jax.jit(functools.partial(mgi.packed, scale=K ** -0.5, chunk_size=BT, interpret=True,
+                                                defer=defer))(q, k, v, beta, gi, gf, layout.aligned_cu,
+                                                              padding.chunk_rows(layout))
+  want, (got, dfr) = run(False), run(True)
+  assert got.w is None and got.u is None
+  f32 = lambda x: np.asarray(jnp.asarray(x, F32))
+  for f in ("Akk", "Aqk", "Ainv", "qg", "kg"):
+    np.testing.assert_array_equal(f32(getattr(got, f)), f32(getattr(want, f)), err_msg=f)
+  NTa = layout.Ta // BT
+  ch = lambda x: f32(x)[0].reshape(NTa, BT, HV, -1).transpose(0, 2, 1, 3)     # [NTa, HV, BT, d]
+  X = ch(got.Ainv) + ch(dfr.ainv_lo)
+  live = slice(0, int(layout.aligned_cu[-1]) // BT)
+  eye = np.eye(BT)
+  lo, hi = ch(dfr.ainv_lo), ch(got.Ainv)
+  assert np.all(np.abs(lo) <= 2 ** -8 * np.abs(hi)) and np.abs(lo)[live].max() > 0    # a rounding remainder
+  assert np.abs(X @ (eye + ch(got.Akk)) - eye)[live].max() <= 2e-3       # Out.Akk: the high part alone
+  for name, rhs, out in (("w", dfr.kd, want.w), ("u", dfr.bv, want.u)):
+    ref = ch(out)                # bf16 of the same float32 sum up to its order: within a bf16 rounding
+    assert np.all((np.abs(X @ ch(rhs) - ref) <= 2 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max())[live]), name
+  bv = np.asarray(jnp.asarray(padding.align_with(layout, beta)[..., None] * padding.align_with(layout, v).astype(F32),
+                              BF16).astype(F32))
+  valid = np.asarray(padding.valid_mask(layout))[None, :, None, None]
+  np.testing.assert_array_equal(f32(dfr.bv)[:, :int(layout.aligned_cu[-1])],
+                                np.where(valid, bv, 0.0)[:, :int(layout.aligned_cu[-1])])
+  S, Ta = jax.ShapeDtypeStruct, S_TA
+  rows = (S((Ta // BT,), jnp.int32),) * 2
+  so = lambda cu, r0, r1, *a: mgi._solve(cu, (r0, r1), *a[:2], None, *a[2:], interpret=False, config=mgi.Config(),
+                                         defer=True)
+  smem = lowered_smem_bytes(so, S_CU, *rows, S((Ta, S_HV, BT), BF16), S((Ta, S_HV, BT), BF16),
+                            S((3000, S_HV, 128), BF16), S((S_HV, 3000 + BT), F32))
+  print(f"\n  deferred solve (packed, V = 128): SMEM {smem} bytes")
+  assert smem <= SMEM_THREE_CTAS
+
+
 def test_packed_unwritten_tail():
   """tail_zeros=False (simulator, whose unwritten memory is NaN), on the static-bound layout of a
   traced cu_seqlens (tail chunks): every owned chunk is bit for bit tail_zeros=True's, and at the
@@ -588,10 +629,12 @@ def test_cond_free_gives_the_cond_bits(gates, monkeypatch):
 def test_resident_akk_solve_gives_the_same_bits(name, monkeypatch):
   """RESIDENT_AKK (the solve's T = L_2s X_s formed as the level's mask of Akk @ X_s, Akk's split kept
   in SMEM) gives the default solve's bits on packed inputs (the other entries of Akk meet exact zeros
-  of the block-diagonal X_s), and fits two CTAs per SM."""
+  of the block-diagonal X_s), and fits two CTAs per SM. X held in registers (X_FROM_SMEM off), as
+  the other solve holds it."""
   lens, T, HV, K, V, gates = PACKED[name]
   (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
   rows = padding.chunk_rows(layout)
+  monkeypatch.setattr(mgi, "X_FROM_SMEM", False)
   outs = {}
   for resident in (False, True):
     monkeypatch.setattr(mgi, "RESIDENT_AKK", resident)
@@ -605,3 +648,25 @@ def test_resident_akk_solve_gives_the_same_bits(name, monkeypatch):
   smem = lowered_smem_bytes(so, S_CU, S((Ta, HVs, BT), BF16), S((Ta, HVs, BT), BF16), S((Ta, HVs, 128), BF16),
                             S((Ta, HVs, 128), BF16), S((HVs, Ta), F32))
   assert SMEM_THREE_CTAS < smem <= SMEM_TWO_CTAS, smem
+
+
+def test_x_from_smem_solve_agrees_with_x_in_registers(monkeypatch):
+  """X_FROM_SMEM (the doubling reads X back from its bf16 split instead of holding it in registers)
+  gives X = Ainv + its low part within 2^-18 of X held in registers, relative to its largest entry
+  (ordinary gates); beta v is untouched."""
+  lens, T, HV, K, V, gates = PACKED["K64-V64-HV2"]
+  (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
+  rows = padding.chunk_rows(layout)
+  outs = {}
+  for from_smem in (False, True):
+    monkeypatch.setattr(mgi, "X_FROM_SMEM", from_smem)
+    f = jax.jit(functools.partial(mgi.packed, scale=K ** -0.5, chunk_size=BT, interpret=True, defer=True))
+    outs[from_smem] = f(q, k, v, beta, gi, gf, layout.aligned_cu, rows)
+  (a_out, a_d), (b_out, b_d) = outs[True], outs[False]
+  f32 = lambda x: np.asarray(jnp.asarray(x, F32))
+  np.testing.assert_array_equal(f32(a_d.bv), f32(b_d.bv))
+  X = lambda o, d: f32(o.Ainv) + f32(d.ainv_lo)
+  a, b = X(a_out, a_d), X(b_out, b_d)
+  d = np.abs(a - b).max() / np.abs(b).max()
+  print(f"\n  X from SMEM against X in registers: max |d| / max |X| = {d:.2e}")
+  assert np.isfinite(a).all() and d <= 2 ** -18

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +95,11 @@ COND_FREE = False
 # the other (max |d| 2.4e-4 of max |o| 0.148: the hardware's wgmma sums the masked entries' exact
 # zeros in another order; the same bits in the simulator).
 RESIDENT_AKK = True
+# True (with RESIDENT_AKK): the doubling keeps X in SMEM only (its bf16 split, which the products
+# read anyway) and forms X_2s = (hi + lo) - X_s T from it, so that X is not live in registers across
+# the wgmmas (the solve's register count decides its CTAs per SM). hi + lo is X to ~2^-18 relative,
+# below the split products' own ~2^-16.
+X_FROM_SMEM = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +117,14 @@ class Config:
       raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
     if self.two_part not in ("auto", "always"):
       raise ValueError(f"two_part must be 'auto' or 'always', got {self.two_part!r}")
+
+
+class Deferred(NamedTuple):
+  """The solve's results with `defer` (kda.fused.state_output's inverse mode reads them in place of
+  w, u): Out.Ainv is X's high bf16 part, as always."""
+  kd: jax.Array       # [1, Ta, HV, K] bf16, beta k exp(gc): w = X kd
+  bv: jax.Array       # [1, Ta, HV, V] bf16, beta v: u = X bv
+  ainv_lo: jax.Array  # [1, Ta, HV, BT] bf16, X - Ainv rounded to bf16
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, **_) -> Optional[str]:
@@ -509,26 +522,33 @@ def _gate_scan(g_s, gf_s, gi_s, last_g, lasti_g, nz_g, c, i_h, cnt, flag_s=None)
   return None
 
 
-def _solve_body(cu_g, *refs, packed, tail_zeros=True, resident=False):
+def _solve_body(cu_g, *refs, packed, tail_zeros=True, resident=False, defer=False):
   """Kernel 2, per (head, chunk): X = (I + Akk)^-1 by block doubling, w = X kd, u = X (beta v).
   packed: v and beta come packed, v lands in plain SMEM (`vl_s`) at the chunk's packed row.
-  resident (RESIDENT_AKK): Akk's split stays in SMEM and T = mask(Akk @ X)."""
+  resident (RESIDENT_AKK): Akk's split stays in SMEM and T = mask(Akk @ X).
+  defer (kda.fused.state_output's `inverse`): no kd, w, u; X's split (hi, lo) and beta v (bf16) are
+  stored instead, and the state + output kernel applies X: v_new = X (beta v - kd S)."""
   if packed:
     src_g, cnt_g, *refs = refs
-  akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g, a_u, kd_s, v_s, x_u, b_s, bar = refs
+  if defer:
+    akh_g, akl_g, v_g, b_g, ainv_g, ainvl_g, bv_g, a_u, v_s, x_u, b_s, bar = refs
+    kd_g = kd_s = None
+  else:
+    akh_g, akl_g, kd_g, v_g, b_g, ainv_g, w_g, u_g, a_u, kd_s, v_s, x_u, b_s, bar = refs
   (ah_s, al_s), (th_s, tl_s) = a_u      # not resident: Akk's split is read once, then T's takes its bytes
   if packed:
     (vl_s,), (xh_s, xl_s) = x_u         # v's landing zone is read once, then X's split takes it
   else:
     xh_s, xl_s = x_u
-  K, V = kd_g.shape[2], v_g.shape[2]
+  V = v_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
 
   def compute():
     plgpu.copy_gmem_to_smem(akh_g.at[rows, i_h, :], ah_s, bar)
     plgpu.copy_gmem_to_smem(akl_g.at[rows, i_h, :], al_s, bar)
-    plgpu.copy_gmem_to_smem(kd_g.at[rows, i_h, :], kd_s, bar)
+    if not defer:
+      plgpu.copy_gmem_to_smem(kd_g.at[rows, i_h, :], kd_s, bar)
     if packed:
       src, cnt = src_g[c], cnt_g[c]
       plgpu.copy_gmem_to_smem(v_g.at[pl.ds(src, BT), i_h, :], vl_s, bar)
@@ -546,6 +566,8 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True, resident=False):
       beta = lax.broadcast_in_dim(_load(b_s, ROW), (BT, V), [0])
       v_s[...] = (beta * _load(v_s).astype(F32)).astype(BF16)
     plgpu.commit_smem()   # also a warpgroup barrier: ah, al (and vl) are read before T (and X) take them
+    if defer:       # beta v leaves now: its store runs under the doubling
+      plgpu.copy_smem_to_gmem(v_s, bv_g.at[rows, i_h, :])
 
     def split_mm(a, a_store, b, b_store):
       if a_store is not None:
@@ -557,10 +579,21 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True, resident=False):
 
     eye = jnp.where(row == col, 1.0, 0.0).astype(F32)
     X = eye - jnp.where((row >> 1) == (col >> 1), a_kk, 0.0)
+    from_smem = resident and X_FROM_SMEM
+    if from_smem:
+      xh_s[...], xl_s[...] = _split(X)
+      plgpu.commit_smem()
     for s in (2, 4, 8, 16, 32):
       half = _log2(s)
       level = (((row >> (half + 1)) == (col >> (half + 1))) & (((row >> half) & 1) == 1)
                & (((col >> half) & 1) == 0))                  # (i, j): i in a 2s-block's second half, j in its first
+      if from_smem:   # X's split is in xh_s, xl_s; X itself is not held across the products
+        T = jnp.where(level, _acc([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (BT, BT)), 0.0)  # L @ X
+        XT = split_mm(None, None, T, (th_s, tl_s))
+        X = _load(xh_s).astype(F32) + _load(xl_s).astype(F32) - XT
+        xh_s[...], xl_s[...] = _split(X)
+        plgpu.commit_smem()
+        continue
       if resident:
         xh_s[...], xl_s[...] = _split(X)
         plgpu.commit_smem()
@@ -568,13 +601,15 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True, resident=False):
       else:
         T = split_mm(jnp.where(level, a_kk, 0.0), (th_s, tl_s), X, (xh_s, xl_s))          # L @ X
       X = X - split_mm(None, None, T, (th_s, tl_s))           # X @ T (X's split is in xh_s, xl_s)
-    xh_s[...], xl_s[...] = _split(X)
-    plgpu.commit_smem()
-    w = _acc([(xh_s, kd_s), (xl_s, kd_s)], (BT, K))
-    u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
-    kd_s[...] = w.astype(BF16)
-    v_s[...] = u.astype(BF16)
-    plgpu.commit_smem()
+    if not from_smem:
+      xh_s[...], xl_s[...] = _split(X)
+      plgpu.commit_smem()
+    if not defer:
+      w = _acc([(xh_s, kd_s), (xl_s, kd_s)], (BT, kd_s.shape[1]))
+      u = _acc([(xh_s, v_s), (xl_s, v_s)], (BT, V))
+      kd_s[...] = w.astype(BF16)
+      v_s[...] = u.astype(BF16)
+      plgpu.commit_smem()
   live = live_chunk(cu_g, c, BT)
   pl.when(live)(compute)
 
@@ -582,12 +617,19 @@ def _solve_body(cu_g, *refs, packed, tail_zeros=True, resident=False):
   def _():                                      # tail: Ainv = I, w = u = 0
     row, col = _iota(0, (BT, BT)), _iota(1, (BT, BT))
     xh_s[...] = jnp.where(row == col, 1.0, 0.0).astype(BF16)
+    if defer:
+      xl_s[...] = plgpu.layout_cast(jnp.zeros((BT, BT), BF16), WG)
     if tail_zeros:
-      kd_s[...] = plgpu.layout_cast(jnp.zeros((BT, K), BF16), WG)
+      if not defer:
+        kd_s[...] = plgpu.layout_cast(jnp.zeros(kd_s.shape, BF16), WG)
       v_s[...] = plgpu.layout_cast(jnp.zeros((BT, V), BF16), WG)
     plgpu.commit_smem()
 
   def store_wu():
+    if defer:
+      plgpu.copy_smem_to_gmem(xl_s, ainvl_g.at[rows, i_h, :])
+      pl.when(jnp.logical_not(live))(lambda: plgpu.copy_smem_to_gmem(v_s, bv_g.at[rows, i_h, :]))
+      return
     plgpu.copy_smem_to_gmem(kd_s, w_g.at[rows, i_h, :])
     plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, i_h, :])
 
@@ -649,28 +691,31 @@ def _scores(cu, rows, q, k, beta_t, gis, flag, *, scale, bounded, interpret, con
            q, k, beta_t, *gis, *(into or ()))
 
 
-def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=True):
-  Ta, HV, K = kd.shape
-  V = v.shape[-1]
+def _solve(cu, rows, akh, akl, kd, v, beta_t, *, interpret, config, tail_zeros=True, defer=False):
+  """-> (Ainv, w, u) [Ta, HV, *] bf16; defer (kd None): (Ainv, Ainv's low bf16 part, beta v)."""
+  HV, V = v.shape[1], v.shape[-1]
+  Ta = akh.shape[0]
   packed = rows is not None
   shape = lambda d: jax.ShapeDtypeStruct((Ta, HV, d), BF16)
   akk_t = ([_swz((BT, BT)), _swz((BT, BT))], [_swz((BT, BT)), _swz((BT, BT))])         # Akk's split, T's
+  outs = (shape(BT), shape(BT), shape(V)) if defer else (shape(BT), shape(kd.shape[-1]), shape(V))
   f = plgpu.kernel(
-      functools.partial(_solve_body, packed=packed, tail_zeros=tail_zeros, resident=RESIDENT_AKK),
-      out_type=(shape(BT), shape(K), shape(V)),
+      functools.partial(_solve_body, packed=packed, tail_zeros=tail_zeros, resident=RESIDENT_AKK, defer=defer),
+      out_type=outs,
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=[
           list(akk_t) if RESIDENT_AKK else plgpu.RefUnion(*akk_t),
-          _swz((BT, K)), _swz((BT, V)),
+          *([] if defer else [_swz((BT, kd.shape[-1]))]), _swz((BT, V)),
           plgpu.RefUnion([plgpu.SMEM((BT, V), BF16)], [_swz((BT, BT)), _swz((BT, BT))])     # v landing | X
           if packed else [_swz((BT, BT)), _swz((BT, BT))],
           plgpu.SMEM((BT,), F32),
-          plgpu.Barrier(num_arrivals=4 if packed else 5),
+          plgpu.Barrier(num_arrivals=(4 if packed else 5) - defer),
       ],
       compiler_params=_params(config),
-      kernel_name="kda_intra_solve", interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="kda_intra_solve_x" if defer else "kda_intra_solve",
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return f(cu, *(() if rows is None else rows), akh, akl, kd, v, beta_t)
+  return f(cu, *(() if rows is None else rows), akh, akl, *(() if defer else (kd,)), v, beta_t)
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
@@ -720,7 +765,7 @@ def packed_beta_rows(beta, rows):
 
 
 def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_size, bounded=None,
-           two_part=None, interpret=False, config=None, tail_zeros=True, seg=None):
+           two_part=None, interpret=False, config=None, tail_zeros=True, seg=None, defer=False):
   """`apply` on packed q, k, v [1, T, ...], beta [1, T, HV]: the align folded into the loads.
 
   rows (kda.padding.ChunkRows) places each aligned chunk: its rows r < rows.count[c] read packed
@@ -732,6 +777,8 @@ def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_siz
   Ainv I); Akk, qg, kg, w, u are left unwritten there (the fused state + output kernel never reads
   them), and gc may be unwritten there too (the tail reads no gc). seg: as in `apply` (bounded and
   two_part, if given, must be the reset-free ones: kda.stages.gate.mosaic_gpu.packed(seg=) gives them).
+  defer: the solve forms no w, u; returns (Out with w = u = None, Deferred) for the state + output
+  kernel's inverse mode.
   """
   config = config or Config()
   reason = packed_supports(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, scale=scale, chunk_size=chunk_size)
@@ -741,7 +788,7 @@ def packed(q, k, v, beta, gc_int, gc_frac, aligned_cu, rows, *, scale, chunk_siz
   # [HV, T + BT]: a chunk's BT rows from any src < T stay inside (the loads there are not TMA)
   beta_t, rows = packed_beta_rows(beta, rows)
   return _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, bounded, two_part, scale=scale,
-                interpret=interpret, config=config, Ta=Ta, tail_zeros=bool(tail_zeros), seg=seg)
+                interpret=interpret, config=config, Ta=Ta, tail_zeros=bool(tail_zeros), seg=seg, defer=defer)
 
 
 def reset_free(gc_int, seg):
@@ -751,7 +798,7 @@ def reset_free(gc_int, seg):
 
 
 def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *, scale, interpret, config,
-           Ta, tail_zeros=True, seg=None):
+           Ta, tail_zeros=True, seg=None, defer=False):
   HV = k.shape[2]
   # chunks at or past aligned_cu[-1] (the tail of a static-bound layout) are only zero-filled
   cu = jnp.array([0, Ta], jnp.int32) if aligned_cu is None else aligned_cu.astype(jnp.int32)
@@ -785,6 +832,16 @@ def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *
     z = jnp.zeros_like(kd)
     return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros((Ta,) + v.shape[1:], BF16)[None],
                qg[None], kg[None])
-  ainv, w, u = _solve(cu, rows, akh, akl, kd, v, beta_t, interpret=interpret, config=config,
-                      tail_zeros=tail_zeros)
+  return solved(cu, rows, akh, akl, aqk, qg, kg, kd, v, beta_t, interpret=interpret, config=config,
+                tail_zeros=tail_zeros, defer=defer)
+
+
+def solved(cu, rows, akh, akl, aqk, qg, kg, kd, v, beta_t, *, defer=False, **kw):
+  """The scores kernel's results [Ta, HV, *] through the solve -> Out, or with defer (Out with w = u
+  = None, Deferred)."""
+  if defer:
+    ainv, lo, bv = _solve(cu, rows, akh, akl, None, v, beta_t, defer=True, **kw)
+    return (Out(akh[None], aqk[None], ainv[None], None, None, qg[None], kg[None]),
+            Deferred(kd[None], bv[None], lo[None]))
+  ainv, w, u = _solve(cu, rows, akh, akl, kd, v, beta_t, **kw)
   return Out(akh[None], aqk[None], ainv[None], w[None], u[None], qg[None], kg[None])
