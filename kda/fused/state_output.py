@@ -100,11 +100,15 @@ from kda.stages.state import mosaic_gpu as state_mgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, tail_share, walk_order, walk_range
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import store_rows as _store_rows, with_absent, zeros as _zeros
-from kda._mosaic_gpu import acc as _acc, load as _load
+from kda._mosaic_gpu import acc as _acc, load as _load, split as _split
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
+# Inverse mode: beta v - kd S enters X's products as its own bf16 split (three wgmmas, as the solve's
+# products), so v_new = X (beta v - kd S) is rounded to bf16 once, as u - w S is; False rounds the
+# right-hand side to bf16 first (two wgmmas).
+SPLIT_RHS = True
 # Config.group_chunks' default. H200, shape B (489 sequences of 1-128 tokens): forward 2.19 ms
 # device time with 8 against 2.25 one program per sequence, the same bits
 GROUP_CHUNKS = 8
@@ -198,7 +202,7 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False, inverse=F
   kg_g, w_g, u_g, dec_g, qg_g, A_g, *refs = refs
   xh_g, xl_g, *refs = refs if inverse else (None, None, *refs)
   h0_g, o_g, ht_g, kg_s, w_s, u_s, dec_s, qg_s, A_s, *refs = refs
-  xh_s, xl_s, *refs = refs if inverse else (None, None, *refs)
+  xh_s, xl_s, yl_s, *refs = refs if inverse else (None, None, None, *refs)
   sb_s, vb_s, o_s, *bars = refs
   N = cu_g.shape[0] - 1
   NTa, K = kg_g.shape[0] // BT, kg_g.shape[-1]
@@ -350,11 +354,17 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False, inverse=F
         return acc_v[...], acc_q[...]
 
       wS, qS = pl.run_scoped(recall, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, BV), F32))
-      vb[...] = (_load(u_s.at[slot]).astype(F32) - wS).astype(BF16)
-      plgpu.commit_smem()
-      if inverse:               # v_new = X (beta v - kd S): X's split, the rhs rounded to bf16 once
-        x = _acc([(xh_s.at[slot], vb), (xl_s.at[slot], vb)], (BT, BV))
-        vb[...] = x.astype(BF16)      # reading the accumulator waited for the wgmmas' reads of vb
+      if inverse and SPLIT_RHS:  # v_new = X (beta v - kd S): X's split times the rhs's split
+        vb[...], yl_s[...] = _split(_load(u_s.at[slot]).astype(F32) - wS)
+        plgpu.commit_smem()
+        x = _acc([(xh_s.at[slot], vb), (xh_s.at[slot], yl_s), (xl_s.at[slot], vb)], (BT, BV))
+      else:
+        vb[...] = (_load(u_s.at[slot]).astype(F32) - wS).astype(BF16)
+        plgpu.commit_smem()
+        if inverse:              # the rhs rounded to bf16 first
+          x = _acc([(xh_s.at[slot], vb), (xl_s.at[slot], vb)], (BT, BV))
+      if inverse:
+        vb[...] = x.astype(BF16)       # reading the accumulator waited for the wgmmas' reads of vb
         plgpu.commit_smem()
 
       def finish(acc_a, acc_s):
@@ -563,6 +573,7 @@ def mosaic_gpu(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *,
           plgpu.SMEM((ns, K), F32),                                 # decay rows
           _swz((ns, BT, K)), _swz((ns, BT, BT)),                    # qg, Aqk
           *[_swz((ns, BT, BT))] * (2 * inv),                        # X's split
+          *[_swz((BT, BV))] * inv,                                  # the rhs's low part
           _swz((pub, K, BV)), _swz((pub, BT, BV)),                  # bf16(S), bf16(v_new)
           o_stage,
           *bars,
