@@ -76,7 +76,13 @@ TAIL_ZEROS = False
 FUSE_GATE_INTRA = True
 # Whether the packed forward's solve leaves w = Ainv kd and u = Ainv beta v unformed and the fused
 # state + output kernel applies Ainv instead, v_new = Ainv (beta v - kd S) (kda.fused.state_output,
-# "Inverse"): the solve stores Ainv's split and beta v in place of w, u and reads no kd.
+# "Inverse"): the solve stores Ainv's split and beta v in place of w, u and reads no kd, and so runs
+# three CTAs per SM (168 registers with kda.stages.intra.mosaic_gpu.X_FROM_SMEM). H200, A forward back
+# to back: 1.267 ms against 1.263-1.287 with w, u formed in the solve (three calls: within their
+# spread; the solve 0.315 against 0.424, the state + output kernel ~0.30 against 0.205). Without the
+# state kernel's SPLIT_RHS it was 1.224-1.245, but the final state's bf16 error rose to 5.63e-3. bf16
+# fidelity (fidelity.py's inputs): o 4.81e-3 against 4.60e-3, final state 4.56e-3 against 4.87e-3
+# (FLA 4.62e-3, 4.53e-3).
 INVERSE_IN_STATE = True
 
 # Whether chunk_kda runs many short sequences as fewer, longer pieces (`segment_pieces`) where that

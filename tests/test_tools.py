@@ -410,7 +410,8 @@ def test_compile_report_lowers_the_program_and_each_kernel(tmp_path, monkeypatch
   (row,) = json.loads(out.read_text())
   names = [k["kernel"] for k in row["kernels"]]
   assert row["program"] == "fwd" and row["lower_s"] > 0 and row["kernel_calls"] == len(names)
-  assert {"kda_gate", "kda_intra_scores", "kda_intra_solve", "kda_state_output"} <= set(names)
+  solve = "kda_intra_solve_x" if pipeline.INVERSE_IN_STATE else "kda_intra_solve"   # w, u left to the state kernel
+  assert {"kda_gate", "kda_intra_scores", solve, "kda_state_output"} <= set(names)
   assert all(k["lower_s"] > 0 for k in row["kernels"]) and row["kernels_lower_s"] > 0
 
 

@@ -73,6 +73,18 @@ Packed mode (rows, T given): the same arithmetic; only o's store and the zeros d
   (the last piece split as above) from a zeroed stage. The gaps are disjoint from every sequence's
   rows, so no program writes another one's rows, and there is no pass over o in the launcher.
 
+Inverse (the packed forward's default, kda.pipeline.INVERSE_IN_STATE; serial variant only): w, u
+are kd = beta k exp(gc) and beta v, and X = Ainv comes as its bf16 split (hi, lo) [Ta, HV, BT], two
+more tiles per input slot. Per chunk, after w @ bf16(S):
+
+    y     = u - wS  ->  bf16 split (yh, yl)                  (SPLIT_RHS; else bf16(y) alone)
+    v_new = Xh @ yh + Xh @ yl + Xl @ yh                      three wgmmas [64, 64] @ [64, BV]
+
+then o and S as above. The solve (kda.stages.intra.mosaic_gpu, defer) then forms no w, u: it needs
+three CTAs per SM instead of two. v_new is rounded to bf16 once, as u - w S is; the inverse's
+products cost one more dependent wgmma group per chunk (H200, A: 0.262 ms for this kernel against
+0.205 with w, u given). SMEM: 214032 bytes at K = 128, serial (X's split 32768, yl 8192 more).
+
 SMEM per program (bytes, BT = 64, BV = 64), as lowered for CUDA (limit 232448; two programs fit
 an SM's 228 KiB up to ~115 KiB each), with the f32 o stage (a bf16 o saves 8192, stage_o=False
 14336). Packed mode: the same (its plain bf16 stage is as large as the swizzled one), except that

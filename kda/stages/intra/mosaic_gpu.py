@@ -8,7 +8,9 @@ Two kernels, each one program per (value head, chunk), grid (HV, NTa):
 - solve: Akk's split, kd, v, beta -> Ainv, w, u (82952 bytes at K = V = 128 with RESIDENT_AKK, the
   default: Akk's split stays in SMEM, packed v's landing zone then holds X's: two CTAs per SM;
   66568 without it, Akk's split read once and then holding T's: room for three CTAs by SMEM, but
-  243 registers keep it at two).
+  243 registers kept it at two before X_FROM_SMEM). With `defer` (the packed forward's
+  kda.pipeline.INVERSE_IN_STATE) it forms no w, u: Ainv, its low bf16 part and beta v out, no kd in;
+  66568 bytes and 168 registers (H200 ptxas): three CTAs per SM.
 Split in two so that each fits two CTAs per SM: as one kernel (1 CTA per SM) it took 4.3 ms on the
 H200 at T = 32768, H = 16, K = V = 128, against 1.7-2.0 ms split. Chunks at or past aligned_cu[-1]
 (the tail of a static-bound layout) are only zero-filled (Ainv = I there).
@@ -32,6 +34,8 @@ diagonal may overflow there and are masked out.
 (I + Akk)^-1 by block doubling: X_1 = I, X_2s = X_s - X_s L_2s X_s, where L_2s holds Akk's pairs of
 level 2s; each product takes hi + lo bf16 splits of both operands (three wgmmas, ~2^-16 relative).
 w = X (beta k exp(gc)) and u = X (beta v) take X's split (two wgmmas) and bf16 right-hand sides.
+X_FROM_SMEM: X lives as its split in SMEM between the levels, so that the registers hold no X
+across the products (177 -> 168 registers for the deferred solve).
 
 Packed inputs (`packed`, the align folded into the loads): q, k, v, beta stay packed [1, T, ...] and
 kda.padding.ChunkRows places each aligned chunk (rows r < count[c] read packed token src[c] + r).
