@@ -435,10 +435,13 @@ def inverse_case(lens, K, V, HV=1, tail_chunks=1, seed=0):
   return inv_args, xs, wu_args
 
 
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 64)], ids=["K64-V64", "K128-V64"])
-def test_fused_inverse_matches_composed_references(K, V):
+@pytest.mark.parametrize("K,V,split", [(64, 64, True), (128, 64, True), (64, 64, False)],
+                         ids=["K64-V64", "K128-V64", "K64-V64-rhs-rounded"])
+def test_fused_inverse_matches_composed_references(K, V, split, monkeypatch):
   """Inverse mode against the references composed on w = X kd, u = X beta v (float32 from the
-  same bf16 values): o and final_state within TOL; padding tokens and the tail exactly 0."""
+  same bf16 values): o and final_state within TOL; padding tokens and the tail exactly 0. Both ways
+  of the right-hand side (so.SPLIT_RHS)."""
+  monkeypatch.setattr(so, "SPLIT_RHS", split)
   lens = [1, 63, 64, 0, 65, 130]
   inv_args, xs, wu_args = inverse_case(lens, K, V)
   _, _, owned = fused_case(lens, K, V, tail_chunks=1)
@@ -447,7 +450,7 @@ def test_fused_inverse_matches_composed_references(K, V):
                                               inverse=a[-2:]))(*inv_args, *xs)
   ref_o, ref_final = composed_reference(*wu_args, scale=scale)
   eo, ef = rel(np.asarray(o)[:, owned], np.asarray(ref_o)[:, owned]), rel(final, ref_final)
-  print(f"\n  inverse K={K} V={V}: o max {eo[0]:.2e} norm {eo[1]:.2e}, final max {ef[0]:.2e} norm {ef[1]:.2e}")
+  print(f"\n  inverse K={K} V={V} split rhs {split}: o max {eo[0]:.2e} norm {eo[1]:.2e}, final max {ef[0]:.2e} norm {ef[1]:.2e}")
   for e in (eo, ef):
     assert np.isfinite(e[0]) and e[0] <= TOL["max"] and e[1] <= TOL["norm"], (eo, ef)
   assert np.all(np.asarray(o)[:, ~owned] == 0)

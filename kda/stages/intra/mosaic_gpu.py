@@ -833,6 +833,8 @@ def _apply(q, k, v, beta_t, gc_int, gc_frac, aligned_cu, rows, flag, two_part, *
       pred = two_part if jnp.ndim(two_part) == 0 else jnp.any(two_part != 0)
     akh, akl, aqk, qg, kg, kd = lax.cond(pred, lambda a, b: run(a, b), lambda a, b: run(b), gi, gf)
   if config.probe == "scores":
+    if defer:
+      raise ValueError("mosaic_gpu intra: probe='scores' returns intra's Out alone (no defer)")
     z = jnp.zeros_like(kd)
     return Out(akh[None], aqk[None], jnp.zeros_like(akh)[None], z[None], jnp.zeros((Ta,) + v.shape[1:], BF16)[None],
                qg[None], kg[None])
