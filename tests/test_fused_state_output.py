@@ -426,11 +426,11 @@ def inverse_case(lens, K, V, HV=1, tail_chunks=1, seed=0):
   kd, bv = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (kd, bv))
   Xf = X_hi + X_lo
   w, u = (back(Xf @ chunks(x)) for x in (kd, bv))
-  # X's rows of padding tokens are those of zero kd, bv there: w, u zero as intra's
-  aqk_t = bf[4]
+  # X is random at padding rows too, so w, u are not 0 there (intra's are); Aqk's zero columns and
+  # kg's zero rows keep them out of o and S on both sides
   to_bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   xs = tuple(to_bf(back(x)) for x in (X_hi, X_lo))
-  inv_args = (bf[0], to_bf(kd), to_bf(bv), bf[3], aqk_t) + bf[5:]
+  inv_args = (bf[0], to_bf(kd), to_bf(bv), bf[3], bf[4]) + bf[5:]
   wu_args = (f32[0], jnp.asarray(w, jnp.float32), jnp.asarray(u, jnp.float32)) + f32[3:]
   return inv_args, xs, wu_args
 

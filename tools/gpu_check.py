@@ -98,13 +98,9 @@ def forward_errors(lens, gate, impls=("auto", "pallas", "reference")):
     res[label] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
     if label == "auto":
       wu = (o, s)
-      if pipeline.INVERSE_IN_STATE:
-        res["auto_inverse_in_state_vs_not"] = _switched(inp, kw, (o, s), "INVERSE_IN_STATE")
-        pipeline.INVERSE_IN_STATE = False
-        try:
-          wu = _forward(None, kw)(inp)
-        finally:
-          pipeline.INVERSE_IN_STATE = True
+      if pipeline.INVERSE_IN_STATE:          # the aligned path forms w, u: compare it with the same
+        wu = _flipped(inp, kw, "INVERSE_IN_STATE")
+        res["auto_inverse_in_state_vs_not"] = {"o": _rel(wu[0], o), "final": _rel(wu[1], s)}
       res["auto_packed_vs_aligned"] = _packed_vs_aligned(inp, kw, wu)
       res["auto_gate_intra_fused_vs_not"] = _switched(inp, kw, (o, s), "FUSE_GATE_INTRA")
       res["auto_no_states"] = _no_states(inp, kw, g_rec)
@@ -125,17 +121,22 @@ def _no_states(inp, kw, g_rec):
   return {"o_rel": _rel(o, o_r), "finite": bool(jnp.isfinite(o).all()), "segmented": bool(seg)}
 
 
+def _flipped(inp, kw, name):
+  """impl=None's (o, final_state) with the kda.pipeline switch `name` flipped."""
+  saved = getattr(pipeline, name)
+  setattr(pipeline, name, not saved)
+  try:
+    return _forward(None, kw)(inp)
+  finally:
+    setattr(pipeline, name, saved)
+
+
 def _switched(inp, kw, out, name):
   """max |d| / max |ref| of impl=None's (o, final_state) with the kda.pipeline switch `name`
   flipped against `out`: FUSE_GATE_INTRA (the gate -> intra group): 0 where it runs as it should (it
   takes log-space gates only; elsewhere the same kernels run); INVERSE_IN_STATE (Ainv applied in the
   state + output kernel): bf16 roundings of v_new apart."""
-  saved = getattr(pipeline, name)
-  setattr(pipeline, name, not saved)
-  try:
-    o, s = _forward(None, kw)(inp)
-  finally:
-    setattr(pipeline, name, saved)
+  o, s = _flipped(inp, kw, name)
   return {"o": _rel(o, out[0]), "final": _rel(s, out[1])}
 
 

@@ -366,17 +366,16 @@ def _body(*refs, BT, BV, scale, split, stage_o, packed, grouped=False, inverse=F
         return acc_v[...], acc_q[...]
 
       wS, qS = pl.run_scoped(recall, plgpu.ACC((BT, BV), F32), plgpu.ACC((BT, BV), F32))
+      y = _load(u_s.at[slot]).astype(F32) - wS
       if inverse and SPLIT_RHS:  # v_new = X (beta v - kd S): X's split times the rhs's split
-        vb[...], yl_s[...] = _split(_load(u_s.at[slot]).astype(F32) - wS)
-        plgpu.commit_smem()
-        x = _acc([(xh_s.at[slot], vb), (xh_s.at[slot], yl_s), (xl_s.at[slot], vb)], (BT, BV))
-      else:
-        vb[...] = (_load(u_s.at[slot]).astype(F32) - wS).astype(BF16)
-        plgpu.commit_smem()
-        if inverse:              # the rhs rounded to bf16 first
-          x = _acc([(xh_s.at[slot], vb), (xl_s.at[slot], vb)], (BT, BV))
-      if inverse:
-        vb[...] = x.astype(BF16)       # reading the accumulator waited for the wgmmas' reads of vb
+        vb[...], yl_s[...] = _split(y)
+        pairs = [(xh_s.at[slot], vb), (xh_s.at[slot], yl_s), (xl_s.at[slot], vb)]
+      else:                      # v_new itself, or (inverse) the rhs rounded to bf16 first
+        vb[...] = y.astype(BF16)
+        pairs = [(xh_s.at[slot], vb), (xl_s.at[slot], vb)] if inverse else []
+      plgpu.commit_smem()
+      if inverse:                # reading the accumulator waits for the wgmmas' reads of vb
+        vb[...] = _acc(pairs, (BT, BV)).astype(BF16)
         plgpu.commit_smem()
 
       def finish(acc_a, acc_s):
