@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import padding, pipeline, shapes, sharding
+from kda import padding, pipeline, shapes, sharding, validate as runtime_checks
 from kda._vma import unchecked, vary_like
 from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
                         check_shape, is_concrete)
@@ -30,25 +30,35 @@ def _as_jax(x):
 
 
 def _check_inputs(q, k, v, g, beta):
-  check_rank("q", q, 4, "[B, T, H, K]")
-  check_rank("k", k, 4, "[B, T, H, K]")
-  check_rank("v", v, 4, "[B, T, HV, V]")
-  check_rank("g", g, 4, "[B, T, HV, K]")
-  check_rank("beta", beta, 3, "[B, T, HV]")
-  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+  """-> (B, T, H, K, HV, V). A wrong shape is reported against the layout the other arguments agree
+  on: B and T are the leading dims most arguments share, H and K come from q or k (whichever has that
+  B, T), so a transposed q alone is named as q."""
+  args = (("q", q, 4, "[B, T, H, K]"), ("k", k, 4, "[B, T, H, K]"), ("v", v, 4, "[B, T, HV, V]"),
+          ("g", g, 4, "[B, T, HV, K]"), ("beta", beta, 3, "[B, T, HV]"))
+  for name, x, rank, layout in args:
+    check_rank(name, x, rank, layout)
+  for name, x, *_ in args:
     check_float(name, x)
-  check_head_sizes("q", q, {2: "H", 3: "K"})
-  check_head_sizes("v", v, {2: "HV", 3: "V"})
-  B, T, H, K = q.shape
-  HV = v.shape[2]
-  check_shape("k", k, q.shape, "[B, T, H, K] like q")
-  if v.shape[:2] != (B, T):
-    raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {tuple(v.shape)}")
-  if HV % H:
-    raise ValueError(f"v's head count HV must be a multiple of q's H={H}, got HV={HV}")
-  check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
-  check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
-  return B, T, H, K, HV, v.shape[3]
+  lead = [tuple(x.shape[:2]) for _, x, *_ in args]
+  B, T = max(lead, key=lambda bt: (lead.count(bt), -lead.index(bt)))   # most agree; ties: first
+  agree = ", ".join(n for (n, *_), bt in zip(args, lead) if bt == (B, T))
+  qk = q if tuple(q.shape[:2]) == (B, T) or tuple(k.shape[:2]) != (B, T) else k
+  H, K = qk.shape[2:]
+  HV, V = v.shape[2:]
+  check_head_sizes("q" if qk is q else "k", qk, {2: "H", 3: "K"})
+  want = {"q": (B, T, H, K), "k": (B, T, H, K), "v": (B, T, HV, V), "g": (B, T, HV, K), "beta": (B, T, HV)}
+  for name, x, _, layout in args:
+    if name == "v":
+      if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have shape [B={B}, T={T}, HV, V] (B, T as {agree}), got {tuple(v.shape)}")
+      check_head_sizes("v", v, {2: "HV", 3: "V"})
+      if HV % H:
+        raise ValueError(f"v's head count HV must be a multiple of q's H={H}, got HV={HV}")
+      continue
+    if tuple(x.shape) != want[name]:
+      raise ValueError(f"{name} must have shape {want[name]} ({layout}; B={B}, T={T} as {agree}), "
+                       f"got {tuple(x.shape)}")
+  return B, T, H, K, HV, V
 
 
 def _layout(B, T, chunk_size, cu_seqlens, segment_ids, num_segments, initial_state):
@@ -139,7 +149,7 @@ BACKWARDS = ("custom_vjp", "autodiff")
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
-              chunk_size=64, impl=None):
+              chunk_size=64, impl=None, validate=False):
   """Varlen chunked Kimi Delta Attention. See docs/api.md for the contract.
 
   q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV] -> (o [B,T,HV,V] in v.dtype,
@@ -147,16 +157,14 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   `lower_bound` Python or numpy real numbers. `T == 0`, `N == 0` and empty sequences are valid: `o`
   is empty or zero there and the final state of an empty sequence is its initial state (or zeros).
 
-  Not checked under `jax.jit`: the values of traced `cu_seqlens` / `segment_ids` (start at 0,
-  non-decreasing, end <= T, fit int32, >= 0). Their shapes and dtypes are still checked, and concrete
-  values (including numpy arrays closed over by the jitted function) are checked in full. Bad traced
-  values give garbage out (meaningless numbers, possibly NaN), never an out-of-bounds memory access
-  (the layout's gathers and scatters are clamped, filled or dropped at the buffer's edge).
-
-  Positive gates (`g > 0` after activation) are outside the contract: `exp(g) > 1` grows the state
-  instead of decaying it. Nothing checks for them (the gates may be traced); results may overflow to
-  inf / NaN over long sequences. The built-in activations (`use_gate_in_kernel=True`) always give
-  `g <= 0`.
+  Under `jax.jit` the values of traced `cu_seqlens` / `segment_ids` and of the float inputs are not
+  checked unless `validate=True` (kda.validate: reductions on the device and one host callback that
+  raises a ValueError naming the argument, index and value; jax reports it as a JaxRuntimeError at
+  the first blocking use). Shapes and dtypes are always checked, and concrete values (including
+  numpy arrays closed over by the jitted function) are checked in full. Without validation, bad
+  traced values give meaningless numbers, never an out-of-bounds memory access (the layout's
+  gathers and scatters are clamped, filled or dropped at the buffer's edge), and positive gates
+  (outside the contract: exp(g) > 1 grows the state) may overflow.
 
   Gradients come from the staged backward (S0-S5, `kda.pipeline.backward`) through a jax.custom_vjp.
   To check it, `kda.api.chunk_kda_with(..., backward="autodiff")` takes the same arguments and
@@ -166,13 +174,14 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                         safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-                        segment_ids=segment_ids, num_segments=num_segments, chunk_size=chunk_size, impl=impl)
+                        segment_ids=segment_ids, num_segments=num_segments, chunk_size=chunk_size, impl=impl,
+                        validate=validate)
 
 
 def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                    safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
-                   chunk_size=64, impl=None):
+                   chunk_size=64, impl=None, validate=False):
   """chunk_kda with a chosen gradient: backward="custom_vjp" (what chunk_kda uses: the staged
   backward S0-S5) or "autodiff" (JAX autodiff through the forward stages; it needs differentiable
   stage implementations, i.e. the jnp references: the check path for the staged backward).
@@ -203,6 +212,10 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   N = layout.N
   if initial_state is not None:
     check_shape("initial_state", initial_state, (N, HV, K, V), f"[N={N}, HV, K, V]")
+  if validate:
+    runtime_checks.checks(*map(_as_jax, (q, k, v, g, beta)), cu_seqlens=cu_seqlens, segment_ids=segment_ids, N=N,
+                          initial_state=_as_jax(initial_state), A_log=_as_jax(A_log), dt_bias=_as_jax(dt_bias),
+                          use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if mesh is not None:         # sharded over an explicit mesh: one shard_map over it (kda.sharding)
     call = functools.partial(
         chunk_kda_with, backward=backward, scale=scale, output_final_state=output_final_state,

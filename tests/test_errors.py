@@ -44,6 +44,13 @@ BAD = [
     ("g_rank", lambda i: dict(g=i.g[0]), ValueError, ("g must have rank 4", "got shape (12, 2, 8)")),
     ("beta_rank", lambda i: dict(beta=i.beta[..., None]), ValueError,
      ("beta must have rank 3", "got shape (1, 12, 2, 1)")),
+    # one argument transposed to [B, H, T, K]: named, against the layout the others agree on
+    ("q_transposed", lambda i: dict(q=jnp.swapaxes(i.q, 1, 2)), ValueError,
+     ("q must have shape (1, 12, 2, 8) ([B, T, H, K]; B=1, T=12 as k, v, g, beta)", "got (1, 2, 12, 8)")),
+    ("k_transposed", lambda i: dict(k=jnp.swapaxes(i.k, 1, 2)), ValueError,
+     ("k must have shape (1, 12, 2, 8) ([B, T, H, K]", "got (1, 2, 12, 8)")),
+    ("g_transposed", lambda i: dict(g=jnp.swapaxes(i.g, 1, 2)), ValueError,
+     ("g must have shape (1, 12, 2, 8) ([B, T, HV, K]", "got (1, 2, 12, 8)")),
     ("k_shape", lambda i: dict(k=i.k[:, :, :1]), ValueError, ("k must have shape (1, 12, 2, 8)", "got (1, 12, 1, 8)")),
     ("k_head_dim", lambda i: dict(k=i.k[..., :4]), ValueError, ("k must have shape (1, 12, 2, 8)", "got (1, 12, 2, 4)")),
     ("v_tokens", lambda i: dict(v=i.v[:, :5]), ValueError, ("v must have shape [B=1, T=12", "got (1, 5, 2, 8)")),

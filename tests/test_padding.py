@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kda
 from kda import padding
 from tests import cases
 
@@ -337,3 +338,31 @@ def test_align_and_unalign_transpose_each_other(traced):
   lay = padding.layout_from_cu_seqlens(cu, T, BT)
   jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(padding.align_with(lay, x) ** 2)))(jnp.ones((1, T, 3))))
   assert "scatter-add" not in jaxpr and "scatter_add" not in jaxpr
+
+
+def test_pad_to_capacity_keeps_results_and_compiles_once():
+  """Padded to fixed capacities (empty sequences at the end, a tail of no sequence), batches of other
+  N and T run one compiled program and give the unpadded results."""
+  f = jax.jit(lambda q, k, v, g, beta, cu, h0: kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
+                                                            output_final_state=True))
+  for seed, lens in ((0, [5, 9, 3]), (1, [17, 1])):
+    inp = cases.make_inputs(seed, lens=lens, H=2, K=8, V=8, gate="plain")
+    h0 = jax.random.normal(jax.random.PRNGKey(seed + 7), (len(lens), 2, 8, 8))
+    arrays, cu, h0p = kda.padding.pad_to_capacity((inp.q, inp.k, inp.v, inp.g, inp.beta), np.asarray(inp.cu_seqlens),
+                                                  max_sequences=4, max_tokens=24, initial_state=np.asarray(h0))
+    assert cu.shape == (5,) and arrays[0].shape[1] == 24 and h0p.shape[0] == 4
+    o, ht = f(*arrays, cu, h0p)
+    o_ref, ht_ref = kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, cu_seqlens=inp.cu_seqlens, initial_state=h0,
+                                  output_final_state=True)
+    T = inp.q.shape[1]
+    np.testing.assert_allclose(np.asarray(o[:, :T]), np.asarray(o_ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ht[:len(lens)]), np.asarray(ht_ref), rtol=1e-5, atol=1e-6)
+  assert f._cache_size() == 1
+
+
+def test_pad_to_capacity_refuses_a_batch_over_capacity():
+  x = np.zeros((1, 10, 2, 8), np.float32)
+  with pytest.raises(ValueError, match="max_sequences must be >= the batch's number of sequences N=3, got 2"):
+    kda.padding.pad_to_capacity((x,), [0, 3, 6, 10], max_sequences=2, max_tokens=16)
+  with pytest.raises(ValueError, match="max_tokens must be >= the batch's length T=10, got 8"):
+    kda.padding.pad_to_capacity((x,), [0, 3, 6, 10], max_sequences=4, max_tokens=8)

@@ -11,6 +11,7 @@ from kda.padding.layout import (ChunkRows, ChunkTable, Layout, chunk_rows, align
                                 gap_pieces, packed_gaps, search_left, search_right,
                                 aligned_length, chunk_table, layout_from_cu_seqlens, make_layout,
                                 packed_owned_mask, unalign_index, unalign_with, valid_mask)
+from kda.padding.capacity import pad_to_capacity
 from kda.padding.segments import (count_segments, segment_ids_to_cu_seqlens, segment_ids_to_seqs,
                                   seqs_to_cu_seqlens)
 
@@ -48,7 +49,7 @@ def unalign(x, cu_seqlens, aligned_cu_seqlens, T):
 
 
 __all__ = [
-    "align", "neutralize_gate", "unalign", "NEUTRAL_GATE", "Layout", "ChunkTable", "chunk_table", "ChunkRows", "chunk_rows",
+    "align", "neutralize_gate", "unalign", "pad_to_capacity", "NEUTRAL_GATE", "Layout", "ChunkTable", "chunk_table", "ChunkRows", "chunk_rows",
     "make_layout", "layout_from_cu_seqlens", "aligned_cu_seqlens", "aligned_length", "valid_mask",
     "align_index", "unalign_index", "align_with", "unalign_with", "packed_owned_mask",
     "count_segments", "segment_ids_to_seqs", "segment_ids_to_cu_seqlens", "seqs_to_cu_seqlens", "packed_gaps", "gap_pieces",
