@@ -57,6 +57,7 @@ def check_config(cfg):
   precision = getattr(cfg, "precision", None)
   if precision is not None and precision not in DOT_PRECISIONS:
     raise ValueError(f"precision must be one of {sorted(DOT_PRECISIONS)}, got {precision!r}")
-  block_v = getattr(cfg, "block_v", None)
-  if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
-    raise ValueError(f"block_v must be a power of two >= 16 (Triton dot tiles), got {block_v}")
+  for field in ("block_v", "block_k"):
+    b = getattr(cfg, field, None)
+    if b is not None and (b < 16 or b & (b - 1)):
+      raise ValueError(f"{field} must be a power of two >= 16 (Triton dot tiles), got {b}")

@@ -108,6 +108,14 @@ def test_kernel_matches_reference_varlen(profile, K, V, BT, block_v):
   assert not np.any(np.asarray(got.o)[:, ~valid]), "o at padding positions is not exactly 0"
 
 
+def test_kernel_in_k_slabs_matches_reference():
+  """o = scale qg h + Aqk v_new with the K contraction in block_k slabs (how K = 256 fits)."""
+  qg, h, Aqk, v_new, _ = stage_inputs(3, cases.SEQ_LENS["30_50"], HV=2, K=64, V=32, BT=32)
+  want = _reference(0.125, 32)(qg, h, Aqk, v_new)
+  got = _kernel(0.125, 32, output.pallas.Config(block_v=32, block_k=16))(qg, h, Aqk, v_new)
+  cases.report_close("o", got.o, want.o, **KERNEL_TOL)
+
+
 def test_config_rejects_bad_tiles():
   with pytest.raises(ValueError, match="block_v"):
     output.pallas.Config(block_v=8)
@@ -116,7 +124,7 @@ def test_config_rejects_bad_tiles():
 
 
 LOWER_CASES = [(128, 128, 64, "highest"), (128, 128, 64, "tf32"), (96, 96, 64, "highest"),
-               (128, 128, 16, "highest"), (64, 128, 32, "tf32x3")]
+               (128, 128, 16, "highest"), (64, 128, 32, "tf32x3"), (256, 256, 64, "tf32x3")]
 
 
 @pytest.mark.parametrize("K,V,BT,precision", LOWER_CASES,

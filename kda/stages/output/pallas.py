@@ -23,6 +23,7 @@ from kda.stages.output import NAME, Out
 class Config:
   """Tiles of the output kernel; they depend on K, V, BT and dtype only, never on T or cu_seqlens."""
   block_v: int = 64           # BV: output columns per program (capped at V rounded up to a power of 2)
+  block_k: int = 128          # rows of h per dot: K = 256 runs as two slabs in the shared memory K = 128 needs
   # o is the result: keep ~float32 accuracy. Three TF32 passes give 6e-7 rel on tensor cores;
   # IEEE float32 dots run on the FMA units (measured at T = 32768: 1.2 ms vs 27 ms).
   precision: str = "tf32x3"
@@ -33,14 +34,19 @@ class Config:
     _pallas.check_config(self)
 
 
-def _kernel(qg_ref, h_ref, Aqk_ref, v_new_ref, o_ref, *, scale, precision):
-  # refs: qg [BT, K], h [K, BV], Aqk [BT, BT], v_new and o [BT, BV] (one chunk, head, V tile)
+def _kernel(qg_ref, h_ref, Aqk_ref, v_new_ref, o_ref, *, scale, precision, slab):
+  # refs: qg [BT, K], h [K, BV], Aqk [BT, BT], v_new and o [BT, BV] (one chunk, head, V tile); the
+  # K contraction runs in slabs of `slab` rows, so each dot's tiles stay [BT, slab] x [slab, BV]
   f32 = jnp.float32
   BT = Aqk_ref.shape[0]
   m_causal = lax.broadcasted_iota(jnp.int32, (BT, BT), 0) >= lax.broadcasted_iota(jnp.int32, (BT, BT), 1)
   b_A = jnp.where(m_causal, Aqk_ref[...].astype(f32), 0.0)      # the producer masks it too
-  b_o = jnp.dot(qg_ref[...].astype(f32), h_ref[...].astype(f32), precision=precision,
-                preferred_element_type=f32)
+  K = qg_ref.shape[1]
+  b_o = jnp.zeros(o_ref.shape, f32)
+  for j in range(K // slab):
+    s = pl.ds(j * slab, slab)
+    b_o = b_o + jnp.dot(qg_ref[:, s].astype(f32), h_ref[s, :].astype(f32), precision=precision,
+                        preferred_element_type=f32)
   b_o = scale * b_o + jnp.dot(b_A, v_new_ref[...].astype(f32), precision=precision,
                               preferred_element_type=f32)
   o_ref[...] = b_o
@@ -57,7 +63,7 @@ def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None)
   qg = _pallas.pad_dim(qg, 3, Kp)
   h = _pallas.pad_dim(_pallas.pad_dim(h, 3, Kp), 4, Vp)
   v_new = _pallas.pad_dim(v_new, 3, Vp)
-  kernel = functools.partial(_kernel, scale=float(scale),
+  kernel = functools.partial(_kernel, scale=float(scale), slab=min(Kp, config.block_k),
                              precision=_pallas.dot_precision(config.precision, interpret))
   vals = pl.BlockSpec((None, BT, None, BV), lambda j, i_h, c: (0, c, i_h, j))
   o = pl.pallas_call(

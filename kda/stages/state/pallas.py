@@ -27,6 +27,7 @@ from kda.stages.state import NAME, Out
 class Config:
   """Tiles of the state kernel; they depend on K, V, BT and dtype only, never on T or cu_seqlens."""
   block_v: int = 64           # BV: state columns per program (capped at V rounded up to a power of 2)
+  block_k: int = 128          # state rows per dot: K = 256 runs as two slabs in the shared memory K = 128 needs
   # Both dots feed the carried state, so rounding compounds: TF32 alone (1e-3 per dot) drifts, IEEE
   # float32 runs on the FMA units (20x slower on the H200); three TF32 passes keep ~1e-7 relative
   # error on tensor cores (measured at T = 32768: 2.8e-7 rel, 1.6 ms vs 21.5 ms).
@@ -40,14 +41,17 @@ class Config:
 
 
 def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gi_ref, gf_ref, h0_ref, h_ref, v_new_ref, ht_ref, *,
-            chunk_size, precision):
+            chunk_size, precision, slab):
   # refs: order [N], cu [N+1] int32; kg, w, gc_int, gc_frac [Ta, K]; u, v_new [Ta, BV]; h [NTa, K, BV];
   # h0, ht [N, K, BV] (all of one head and V tile). Both dots run at `precision` (Config: three TF32
-  # passes by default): their rounding feeds the carried state and compounds over the chunks.
+  # passes by default): their rounding feeds the carried state and compounds over the chunks. The
+  # state is carried as K // slab row slabs, so each dot's tiles are at most [BT, slab] x [slab, BV]
+  # whatever K (Triton stages dot operands in shared memory).
   BT = chunk_size
   f32 = jnp.float32
   N = order_ref.shape[0]
   NTa, K, BV = h_ref.shape
+  slabs = [pl.ds(j * slab, slab) for j in range(K // slab)]
   i_r = pl.program_id(2)
   i_n = order_ref[i_r]
   bos, eos = cu_ref[i_n], cu_ref[i_n + 1]
@@ -55,17 +59,23 @@ def _kernel(order_ref, cu_ref, kg_ref, w_ref, u_ref, gi_ref, gf_ref, h0_ref, h_r
   def chunk(i, b_h):
     start = pl.multiple_of(bos + i * BT, BT)
     rows = pl.ds(start, BT)
-    h_ref[start // BT] = b_h
-    b_v = u_ref[rows, :].astype(f32) - jnp.dot(w_ref[rows, :].astype(f32), b_h, precision=precision,
-                                               preferred_element_type=f32)
+    b_v = u_ref[rows, :].astype(f32)
+    for s, b_s in zip(slabs, b_h):
+      h_ref[start // BT, s, :] = b_s
+      b_v = b_v - jnp.dot(w_ref[rows, s].astype(f32), b_s, precision=precision, preferred_element_type=f32)
     v_new_ref[rows, :] = b_v
     last = pl.ds(start + BT - 1, 1)
-    b_glast = exponent(gi_ref[last, :], gf_ref[last, :])                # [1, K]
-    b_upd = lax.dot_general(kg_ref[rows, :].astype(f32), b_v, _pallas.TN_DIMS, precision=precision,
-                            preferred_element_type=f32)
-    return b_h * jnp.exp(jnp.transpose(b_glast)) + b_upd
+    out = []
+    for s, b_s in zip(slabs, b_h):
+      b_glast = exponent(gi_ref[last, s], gf_ref[last, s])              # [1, slab]
+      b_upd = lax.dot_general(kg_ref[rows, s].astype(f32), b_v, _pallas.TN_DIMS, precision=precision,
+                              preferred_element_type=f32)
+      out.append(b_s * jnp.exp(jnp.transpose(b_glast)) + b_upd)
+    return tuple(out)
 
-  ht_ref[i_n] = lax.fori_loop(0, (eos - bos) // BT, chunk, h0_ref[i_n].astype(f32))
+  b_h = lax.fori_loop(0, (eos - bos) // BT, chunk, tuple(h0_ref[i_n, s, :].astype(f32) for s in slabs))
+  for s, b_s in zip(slabs, b_h):
+    ht_ref[i_n, s, :] = b_s
 
   first = cu_ref[N] // BT + i_r             # this program's tail chunks: first, first + N, ...
 
@@ -107,7 +117,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
   keys = pl.BlockSpec((None, Ta, None, Kp), lambda j, h, r: (0, 0, h, 0))
   vals = pl.BlockSpec((None, Ta, None, BV), lambda j, h, r: (0, 0, h, j))
   states = pl.BlockSpec((N, None, Kp, BV), lambda j, h, r: (0, h, 0, j))
-  kernel = functools.partial(_kernel, chunk_size=BT,
+  kernel = functools.partial(_kernel, chunk_size=BT, slab=min(Kp, config.block_k),
                              precision=_pallas.dot_precision(config.precision, interpret))
   ins = (order, aligned_cu, kg, w, u, gi, gf, h0)
   h, v_new, ht = pl.pallas_call(
