@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import padding, pipeline, shapes, sharding, validate as runtime_checks
+from kda import padding, pipeline, plan as planning, shapes, sharding, validate as runtime_checks
+from kda.padding import pieces
 from kda._vma import unchecked, vary_like
 from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
                         check_shape, is_concrete)
@@ -149,7 +150,7 @@ BACKWARDS = ("custom_vjp", "autodiff")
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
-              chunk_size=64, impl=None, validate=False):
+              chunk_size=64, impl=None, config=None, validate=False):
   """Varlen chunked Kimi Delta Attention. See docs/api.md for the contract.
 
   q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV] -> (o [B,T,HV,V] in v.dtype,
@@ -175,13 +176,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                         safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
                         segment_ids=segment_ids, num_segments=num_segments, chunk_size=chunk_size, impl=impl,
-                        validate=validate)
+                        config=config, validate=validate)
 
 
 def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                    safe_gate=False, lower_bound=None, cu_seqlens=None, segment_ids=None, num_segments=None,
-                   chunk_size=64, impl=None, validate=False):
+                   chunk_size=64, impl=None, config=None, validate=False):
   """chunk_kda with a chosen gradient: backward="custom_vjp" (what chunk_kda uses: the staged
   backward S0-S5) or "autodiff" (JAX autodiff through the forward stages; it needs differentiable
   stage implementations, i.e. the jnp references: the check path for the staged backward).
@@ -220,18 +221,18 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     call = functools.partial(
         chunk_kda_with, backward=backward, scale=scale, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        safe_gate=safe_gate, lower_bound=lower_bound, chunk_size=chunk_size, impl=impl)
+        safe_gate=safe_gate, lower_bound=lower_bound, chunk_size=chunk_size, impl=impl, config=config)
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
                   cu_seqlens=cu_seqlens, segment_ids=segment_ids)
     return sharding.chunk_kda(call, mesh, arrays, N=N, num_segments=num_segments,
                               output_final_state=output_final_state)
-  elide = pipeline.ELIDE_ZERO_STATES       # h0 made of zeros here, a final state dropped here
-  plan = pipeline.make_plan(scale=scale, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel,
+  # h0 made of zeros here, a final state dropped here: the kernels skip reading and storing them
+  plan = planning.make_plan(scale=scale, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel,
-                            lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl,
-                            zero_initial_state=elide and initial_state is None,
-                            final_state_unused=elide and not output_final_state)
-  kernels = [n for n in pipeline.FORWARD_STAGES if plan.impl(n) != "reference"]
+                            lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl, config=config,
+                            zero_initial_state=initial_state is None, final_state_unused=not output_final_state,
+                            dtype=q.dtype, K=K, V=V)
+  kernels = [n for n in planning.FORWARD if plan.impl(n) != "reference"]
   if backward == "autodiff" and kernels:
     raise ValueError("backward='autodiff' differentiates through the forward stages, which needs their "
                      f"jnp references (impl='reference'); got kernels for stages {kernels}")
@@ -244,10 +245,12 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     return jnp.zeros_like(v), (h0 if output_final_state else None)
   pack = lambda x: x.reshape((1, B * T) + x.shape[2:])
   g = pack(g)
-  pieces = pipeline.segment_pieces(HV)
-  if pipeline.segmented_takes(plan, contiguous=segment_ids is None, initial_state=initial_state,
-                              output_final_state=output_final_state, N=N, pieces=pieces):
-    layout, resets = pipeline.segmented(layout, pieces)   # fewer, longer sequences; resets inside
+  pc = plan.config("pipeline")
+  P = pieces.count(HV, pc.segment_pieces, pc.segment_walks) if pc.segment_pieces else 0
+  if plan.members_select("packed_forward") and pieces.takes(
+      P, contiguous=segment_ids is None, initial_state=initial_state, output_final_state=output_final_state,
+      N=N, use_gate_in_kernel=use_gate_in_kernel):
+    layout, resets = pieces.segmented(layout, P)   # fewer, longer sequences; resets inside
     h0 = h0[:layout.N]
   else:
     resets = None
@@ -259,7 +262,7 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
 
 def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None):
   """Packed inputs -> (o [1, T, HV, V], final_state [N, HV, K, V]), differentiable. resets: a
-  segmented layout's (kda.pipeline.segmented)."""
+  segmented layout's (kda.padding.pieces)."""
   # Inside shard_map every input varies over the same mesh axes, so each gradient has its input's
   # type; where an input was invariant (zeros made here, a replicated A_log) the cast's transpose
   # sums its gradient over the devices.
@@ -292,7 +295,7 @@ def _forward(plan, static, ints, args, *, keep):
   def run(ints, args):
     o, final_state, records = pipeline.forward(plan, _layout_of(ints, static), *args, resets=_resets(ints))
     return o, final_state, pipeline.saved(records) if keep else None
-  if _unchecked_kernels(plan, pipeline.FORWARD_STAGES):
+  if planning.unchecked_kernels(plan, planning.FORWARD):
     return unchecked(run, ints, args)
   return run(ints, args)
 
@@ -302,7 +305,7 @@ def _staged_bwd(plan, static, res, cts):
   do, dht = cts
   def run(ints, args, saved, do, dht):
     return pipeline.backward(plan, _layout_of(ints, static), *args, saved, do, dht, resets=_resets(ints))[0]
-  if _unchecked_kernels(plan, pipeline.BACKWARD_STAGES):
+  if planning.unchecked_kernels(plan, planning.BACKWARD):
     grads = unchecked(run, ints, args, saved, do, dht)
   else:
     grads = run(ints, args, saved, do, dht)
@@ -316,13 +319,6 @@ def _layout_of(ints, static):
 
 def _resets(ints):
   return ints[3] if len(ints) > 3 else None
-
-
-def _unchecked_kernels(plan, names) -> bool:
-  """Whether stages `names` run kernels that shard_map's vma checks reject: Pallas' interpreter and
-  plgpu.kernel (jax 0.11.2) do not take varying inputs (kda._vma.unchecked)."""
-  kernels = {plan.impl(n) for n in names} - {"reference"}
-  return bool(kernels) and (plan.interpret or "mosaic_gpu" in kernels)
 
 
 _staged.defvjp(_staged_fwd, _staged_bwd)

@@ -3,6 +3,8 @@ received value (docs/api.md). Every case fails in the up-front checks, before an
 from __future__ import annotations
 
 import re
+from kda import plan as planning
+from kda import stages
 
 import jax
 import jax.numpy as jnp
@@ -244,7 +246,7 @@ def test_impl_string_takes_the_backend_where_a_stage_has_it():
   """impl="pallas": kernels for the stages that have one, the reference for the others (a dict is
   strict, see impl_dict_missing_kernel above)."""
   from kda import pipeline, stages
-  plan = pipeline.make_plan(scale=1.0, chunk_size=16, impl="pallas")
+  plan = planning.make_plan(scale=1.0, chunk_size=16, impl="pallas")
   for n in stages.names():
     want = "pallas" if "pallas" in stages.get(n).implementations() else "reference"
     assert plan.impl(n) == want, (n, plan.impl(n))

@@ -17,6 +17,7 @@ import pytest
 
 import kda
 from kda import pipeline
+from kda import stages
 from kda.api import chunk_kda_with
 from tests import cases
 from tests.stages.test_gate import EXTREMES
@@ -152,7 +153,7 @@ def test_bf16_never_nan(impl):
   T = sum(LENS)
   _close("o", o[:, :T], want_o[:, :T], BF16_TOL)
   _close("final_state", S, want_S, BF16_TOL)
-  impl = impl if impl == "reference" else {n: impl for n in pipeline.FORWARD_STAGES}
+  impl = impl if impl == "reference" else {n: impl for n in stages.FORWARD}
   grads = jax.grad(lambda q, g: _loss(*_call(inp._replace(q=q), g, impl)), argnums=(0, 1))(inp.q, g)
   for name, x in zip(("dq", "dg"), grads):
     assert bool(jnp.all(jnp.isfinite(x[:, :T]))), f"{name} is not finite"
@@ -178,7 +179,7 @@ def test_gate_in_kernel_extremes(impl):
   want_o, want_S = _recurrence(inp, g_act)
   _close("o", o[:, :T], want_o[:, :T], F32_TOL)
   _close("final_state", S, want_S, F32_TOL)
-  impl = impl if impl == "reference" else {n: impl for n in pipeline.FORWARD_STAGES}
+  impl = impl if impl == "reference" else {n: impl for n in stages.FORWARD}
   grads = jax.grad(lambda g, a: _loss(*_call(inp, g, impl, use_gate_in_kernel=True, A_log=a)),
                    argnums=(0, 1))(raw, A_log)
   for name, x in zip(("dg", "dA_log"), grads):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kda.fused import state_output as so
+from kda import plan as planning
 from kda.stages import output, state
 from tests import cases
 from tests.stages.test_output_mosaic import lowered_smem_bytes
@@ -239,7 +240,7 @@ def test_pipeline_fuses_state_and_output_only_when_both_select_mosaic_gpu(monkey
     assert float(jnp.max(jnp.abs(f32(o) - want))) <= 1e-2 * float(jnp.max(jnp.abs(want)))
     assert float(jnp.max(jnp.abs(ht - want_ht))) <= 1e-2 * float(jnp.max(jnp.abs(want_ht)))
   calls.clear()
-  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=64, impl="mosaic_gpu")
+  plan = planning.make_plan(scale=K ** -0.5, chunk_size=64, impl="mosaic_gpu")
   layout = padding.layout_from_cu_seqlens(cu, T, 64)
   h0 = jnp.zeros((2, H, K, V), jnp.float32)
   _, _, rec = pipeline.forward(plan, layout, q, k, v, g, beta, h0, None, None, record=True)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kda import api, padding, pipeline
+from kda import plan as planning
 from kda.reference import recurrent_kda
 from kda.stages.gate import activate
 from tests import cases
@@ -212,7 +213,7 @@ def test_forward_saves_no_state_buffer():
   p, cu, _, _ = inputs(case)
   T = p["q"].shape[1]
   layout = padding.layout_from_cu_seqlens(cu, T, case.BT)
-  plan = pipeline.make_plan(scale=case.K ** -0.5, chunk_size=case.BT)
+  plan = planning.make_plan(scale=case.K ** -0.5, chunk_size=case.BT)
   args = (p["q"], p["k"], p["v"], p["g"], p["beta"], p["initial_state"], None, None)
   ints = (layout.starts, layout.lens, layout.aligned_cu)
   _, res = jax.eval_shape(lambda ints, *a: api._staged_fwd(plan, (T, layout.Ta, case.BT), ints, *a),
@@ -263,7 +264,7 @@ def test_backward_holds_one_state_buffer():
   NTa = layout.Ta // case.BT
   size = NTa * case.HV * case.K * case.V
   assert NTa != len(case.lens) and case.V != case.BT
-  plan = pipeline.make_plan(scale=case.K ** -0.5, chunk_size=case.BT)
+  plan = planning.make_plan(scale=case.K ** -0.5, chunk_size=case.BT)
   args = (p["q"], p["k"], p["v"], p["g"], p["beta"], p["initial_state"], None, None)
   ints = (layout.starts, layout.lens, layout.aligned_cu)
   static = (T, layout.Ta, case.BT)

@@ -35,6 +35,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from kda import api, padding, pipeline
+from kda import plan as planning
 from tests import multidevice_cases
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def test_compiled_kernels_lower_inside_shard_map(impl, call_target):
   for an H200, each device running its own kernels (no collective)."""
   mesh = jax.sharding.AbstractMesh((2,), ("model",), axis_types=(AxisType.Auto,), abstract_device=_H200)
   T, H, K, V, BT = 128, 4, 64, 64, 64
-  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=BT, impl=impl, interpret=False)
+  plan = planning.make_plan(scale=K ** -0.5, chunk_size=BT, impl=impl, interpret=False)
   hs = P(None, None, "model")
 
   def loss(q, k, v, g, beta, h0, cu):

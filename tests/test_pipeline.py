@@ -18,6 +18,9 @@ import pytest
 
 import kda
 from kda import pipeline
+from kda import plan as planning
+from kda.fused.packed_backward import mosaic_gpu as packed_backward_mgpu
+from kda.fused.packed_forward import mosaic_gpu as packed_forward_mgpu
 from kda.reference import recurrent_kda
 from tests import cases
 
@@ -373,13 +376,14 @@ def test_segment_ids_spare_slots_and_concrete_ids():
 # ---- impl selection and jit ----------------------------------------------------------------------
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="impl=None picks the kernels off CPU")
-def test_reference_impl_is_the_cpu_default():
+def test_xla_impl_is_the_cpu_default():
   names = kda.stages.names()
-  assert pipeline.default_impls(names) == {n: "reference" for n in names}
+  assert planning.default_impls(names, "cpu", "cpu") == {
+      n: "xla" if kda.stages.get(n).xla is not None else "reference" for n in names}
   lens = cases.SEQ_LENS["30_50"]
   cu, idx = np.concatenate([[0], np.cumsum(lens)]), np.arange(sum(lens))
   o, s = run_chunk("f32", idx, N=2, cu=cu)
-  o_ref, s_ref = run_chunk("f32", idx, N=2, cu=cu, impl="reference")
+  o_ref, s_ref = run_chunk("f32", idx, N=2, cu=cu, impl="xla")
   np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
   np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
 
@@ -450,12 +454,13 @@ def test_packed_group_runs_and_equals_the_aligned_kernels(monkeypatch):
   tokens no sequence owns (NaN there never leaks), and close to the recurrence."""
   x, kw = _packed_case()
   calls = []
-  real = pipeline.packed_forward
-  monkeypatch.setattr(pipeline, "packed_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+  real = packed_forward_mgpu.apply
+  monkeypatch.setattr(packed_forward_mgpu, "apply", lambda *a, **k: calls.append(1) or real(*a, **k))
   o, ht = jax.jit(lambda x: kda.chunk_kda(*x, **kw, impl="mosaic_gpu"))(x)
   assert calls
-  monkeypatch.setattr(pipeline, "packed_forward", lambda *a, **k: None)
-  o_al, ht_al = jax.jit(lambda x: kda.chunk_kda(*x, **kw, impl="mosaic_gpu"))(x)
+  aligned = {"pipeline": planning.PipelineConfig(packed=False)}
+  o_al, ht_al = jax.jit(lambda x: kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=aligned))(x)
+  assert len(calls) == 1
   f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
   o, o_al, ht, ht_al = map(f32, (o, o_al, ht, ht_al))
   end = int(kw["cu_seqlens"][-1])
@@ -475,19 +480,21 @@ def test_packed_group_runs_and_equals_the_aligned_kernels(monkeypatch):
 
 def test_packed_group_declines_what_its_kernels_refuse():
   """float32 inputs (intra's predicate refuses them), a stage on another backend, or chunk 32:
-  packed_forward returns None and the forward runs as before."""
+  the group packed_forward does not run and the forward runs the stages."""
   from kda import padding
   (q, k, v, g, beta), kw = _packed_case()
   layout = padding.layout_from_cu_seqlens(kw["cu_seqlens"], q.shape[1], 64)
   args = (kw["initial_state"], kw["A_log"], kw["dt_bias"])
-  plan = lambda **a: pipeline.make_plan(scale=0.125, chunk_size=64, use_gate_in_kernel=True, lower_bound=-5.0, **a)
+  plan = lambda **a: planning.make_plan(scale=0.125, chunk_size=64, use_gate_in_kernel=True, lower_bound=-5.0, **a)
   f32 = lambda a: a.astype(jnp.float32)
-  assert pipeline.packed_forward(plan(impl="mosaic_gpu"), layout, f32(q), f32(k), f32(v), g, beta, *args) is None
+  group = lambda p, l, *x: p.group_backend("packed_forward", p, l, *x, *args)
+  assert group(plan(impl="mosaic_gpu"), layout, q, k, v, g, beta) == "mosaic_gpu"
+  assert group(plan(impl="mosaic_gpu"), layout, f32(q), f32(k), f32(v), g, beta) is None
   mixed = plan(impl={"gate": "mosaic_gpu", "intra": "pallas", "state": "mosaic_gpu", "output": "mosaic_gpu"})
-  assert pipeline.packed_forward(mixed, layout, q, k, v, g, beta, *args) is None
+  assert group(mixed, layout, q, k, v, g, beta) is None
   l32 = padding.layout_from_cu_seqlens(kw["cu_seqlens"], q.shape[1], 32)
-  p32 = pipeline.make_plan(scale=0.125, chunk_size=32, use_gate_in_kernel=True, lower_bound=-5.0, impl="mosaic_gpu")
-  assert pipeline.packed_forward(p32, l32, q, k, v, g, beta, *args) is None
+  p32 = planning.make_plan(scale=0.125, chunk_size=32, use_gate_in_kernel=True, lower_bound=-5.0, impl="mosaic_gpu")
+  assert group(p32, l32, q, k, v, g, beta) is None
 
 
 def test_packed_backward_equals_the_aligned_one(monkeypatch):
@@ -499,19 +506,19 @@ def test_packed_backward_equals_the_aligned_one(monkeypatch):
   there and close to the recurrence."""
   x, kw = _packed_case()
   calls = []
-  real = pipeline.packed_backward_rows
-  monkeypatch.setattr(pipeline, "packed_backward_rows", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+  real = packed_backward_mgpu.apply
+  monkeypatch.setattr(packed_backward_mgpu, "apply", lambda *a, **k: calls.append(1) or real(*a, **k))
 
-  def grads():
+  def grads(**config):
     def loss(x):
-      o, ht = kda.chunk_kda(*x, **kw, impl="mosaic_gpu")
+      o, ht = kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=config or None)
       return jnp.sum(o.astype(jnp.float32)) + 0.5 * jnp.sum(ht), (o, ht)
     return jax.jit(jax.grad(loss, has_aux=True))(x)
 
   got, (o, ht) = grads()
-  assert calls and all(r is not None for r in calls)
-  monkeypatch.setattr(pipeline, "packed_backward_rows", lambda *a, **k: None)
-  want, _ = grads()
+  assert calls
+  want, _ = grads(pipeline=planning.PipelineConfig(packed=False))
+  assert len(calls) == 1
   end = int(kw["cu_seqlens"][-1])
   for name, a, b in zip("q k v g beta".split(), got, want):
     a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
@@ -530,60 +537,18 @@ def test_packed_backward_equals_the_aligned_one(monkeypatch):
   assert np.abs(f32(ht) - f32(want_ht)).max() <= 1e-2 * np.abs(f32(want_ht)).max()
 
 
-@pytest.mark.large
-def test_packed_backward_with_unwritten_tail_gives_the_same_bits(monkeypatch):
-  """pipeline.TAIL_ZEROS = False (simulator, whose unwritten memory is NaN): the packed backward's
-  kernels leave the chunks past aligned_cu[-1] unwritten and every gradient is bit for bit the
-  one with their zeros written (tail chunks: the traced cu_seqlens' static bound)."""
-  x, kw = _packed_case()
-  loss = lambda x, cu: sum(jnp.sum(o.astype(jnp.float32)) for o in
-                           kda.chunk_kda(*x, **dict(kw, cu_seqlens=cu), impl="mosaic_gpu"))
-  f = lambda: jax.jit(jax.grad(loss))(x, kw["cu_seqlens"])
-  monkeypatch.setattr(pipeline, "TAIL_ZEROS", True)
-  want = f()
-  monkeypatch.setattr(pipeline, "TAIL_ZEROS", False)
-  got = f()
-  for name, a, b in zip("q k v g beta".split(), got, want):
-    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
-
-
-@pytest.mark.large
-def test_packed_backward_with_packed_do_gives_the_same_bits(monkeypatch):
-  """pipeline.PACKED_DO = True (simulator): S2's terms kernel reads the random bf16 do packed and
-  every gradient is bit for bit the one from the aligned do."""
-  x, kw = _packed_case()
-  o0 = kda.chunk_kda(*x, **kw, impl="mosaic_gpu")[0]
-  r = jax.random.normal(jax.random.key(5), o0.shape).astype(o0.dtype)
-  loss = lambda x, cu: jnp.sum(kda.chunk_kda(*x, **dict(kw, cu_seqlens=cu), impl="mosaic_gpu")[0] * r)
-  f = lambda: jax.jit(jax.grad(loss))(x, kw["cu_seqlens"])
-  monkeypatch.setattr(pipeline, "PACKED_DO", False)
-  want = f()
-  monkeypatch.setattr(pipeline, "PACKED_DO", True)
-  from kda.stages.bwd_dh import mosaic_gpu as mgd
-  real, packed = mgd._terms_kernel, []
-  monkeypatch.setattr(mgd, "_terms_kernel", lambda *a, **k: packed.append(k.get("packed")) or real(*a, **k))
-  got = f()
-  assert packed and all(packed)                             # the terms kernel read do packed
-  for name, a, b in zip("q k v g beta".split(), got, want):
-    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
-
-
-@pytest.mark.parametrize("tail_zeros", [pytest.param(True, marks=pytest.mark.large), False],
-                         ids=["tail-zeros", "tail-unwritten"])
-def test_packed_backward_lowers_for_cuda(monkeypatch, tail_zeros):
+def test_packed_backward_lowers_for_cuda():
   """The whole jax.grad with impl=None as on an H200 (the platform mocked), lowered for CUDA from the
   CPU: the packed backward's kernels (bwd_gate, bwd_wy and bwd_intra in their packed modes) are
-  the ones called, with pipeline.TAIL_ZEROS either way."""
+  the ones called."""
   import re
   from unittest import mock
-  monkeypatch.setattr(pipeline, "TAIL_ZEROS", tail_zeros)
   S = jax.ShapeDtypeStruct
   T, H, K = 256, 2, 64
   bf = lambda *s: S(s, jnp.bfloat16)
   args = (bf(1, T, H, K), bf(1, T, H, K), bf(1, T, H, K), S((1, T, H, K), jnp.float32), bf(1, T, H))
   loss = lambda q, k, v, g, beta, cu: jnp.sum(kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0].astype(jnp.float32))
-  with mock.patch("kda.pipeline.jax.default_backend", lambda: "gpu"), mock.patch("kda.pipeline.is_hopper",
-                                                                                  lambda *a: True):
+  with mock.patch("kda.plan.platform_of", lambda device=None: ("gpu", "sm90")):
     txt = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args, S((4,), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
   names = set(re.findall(r"kda_[a-z_]+", txt))
@@ -593,7 +558,7 @@ def test_packed_backward_lowers_for_cuda(monkeypatch, tail_zeros):
 
 
 @pytest.mark.large
-def test_packed_backward_with_segment_gaps_equals_the_aligned_one(monkeypatch):
+def test_packed_backward_with_segment_gaps_equals_the_aligned_one():
   """As test_packed_backward_equals_the_aligned_one with segment_ids: padding (id 0, NaN inputs)
   before the first sequence, between sequences and after the last, so the kernels zero interior
   gap pieces of the packed gradients too."""
@@ -606,13 +571,12 @@ def test_packed_backward_with_segment_gaps_equals_the_aligned_one(monkeypatch):
   kw = dict(kw, segment_ids=jnp.asarray(ids))
   del kw["cu_seqlens"]
 
-  def grads():
-    loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="mosaic_gpu")[0].astype(jnp.float32))
+  def grads(config=None):
+    loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=config)[0].astype(jnp.float32))
     return jax.jit(jax.grad(loss))(x)
 
   got = grads()
-  monkeypatch.setattr(pipeline, "PACKED_BACKWARD", False)
-  want = grads()
+  want = grads({"pipeline": planning.PipelineConfig(packed=False)})
   for name, a, b in zip("q k v g beta".split(), got, want):
     a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
     assert np.isfinite(a).all(), name

@@ -7,6 +7,8 @@ import pytest
 
 import kda
 from kda import padding, pipeline
+from kda import plan as planning
+from kda.padding import pieces
 from kda.reference import recurrent_kda
 
 CU = np.array([0, 37, 37, 101, 166, 167, 197], np.int32)
@@ -15,9 +17,9 @@ CU = np.array([0, 37, 37, 101, 166, 167, 197], np.int32)
 @pytest.mark.parametrize("traced", [False, True], ids=["concrete", "traced"])
 def test_pieces_start_at_sequence_starts_and_reset_the_rest(traced):
   T = 256
-  make = lambda cu: pipeline.segmented(padding.layout_from_cu_seqlens(cu, T, 64), 3)
+  make = lambda cu: pieces.segmented(padding.layout_from_cu_seqlens(cu, T, 64), 3)
   lay, resets = jax.jit(make)(jnp.asarray(CU)) if traced else make(CU)
-  g = pipeline.reset_gates(jnp.full((1, T, 1, 1), -0.5), resets)
+  g = pieces.reset_gates(jnp.full((1, T, 1, 1), -0.5), resets)
   np.testing.assert_array_equal(np.asarray(lay.starts), [0, 101, 166])
   np.testing.assert_array_equal(np.asarray(lay.lens), [101, 65, 31])
   g = np.asarray(g)[0, :, 0, 0]
@@ -33,7 +35,7 @@ def test_pieces_keep_the_walks_parallel():
 
 def test_takes_only_what_it_computes_exactly(monkeypatch):
   monkeypatch.setattr(pipeline, "SEGMENTED", True)
-  plan = lambda **a: pipeline.make_plan(scale=0.125, chunk_size=64, impl="mosaic_gpu", **a)
+  plan = lambda **a: planning.make_plan(scale=0.125, chunk_size=64, impl="mosaic_gpu", **a)
   kw = dict(contiguous=True, initial_state=None, output_final_state=False, N=pipeline.SEGMENT_PIECES + 1)
   on = lambda p, **a: pipeline.segmented_takes(p, **{**kw, **a})
   assert on(plan())
@@ -42,7 +44,7 @@ def test_takes_only_what_it_computes_exactly(monkeypatch):
   assert not on(plan(), initial_state=jnp.zeros((1,)))
   assert not on(plan(), output_final_state=True)
   assert not on(plan(use_gate_in_kernel=True))
-  assert not on(pipeline.make_plan(scale=0.125, chunk_size=64, impl="reference"))
+  assert not on(planning.make_plan(scale=0.125, chunk_size=64, impl="reference"))
   monkeypatch.setattr(pipeline, "SEGMENTED", False)
   assert not on(plan())
 
@@ -103,7 +105,7 @@ def test_training_step_lowers_without_while_loops():
   loss = lambda q, k, v, g, beta, cu: jnp.sum(kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0].astype(jnp.float32))
   with mock.patch("kda.pipeline.jax.default_backend", lambda: "gpu"), mock.patch("kda.pipeline.is_hopper",
                                                                                   lambda *a: True):
-    plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=64)
+    plan = planning.make_plan(scale=K ** -0.5, chunk_size=64)
     assert pipeline.segmented_takes(plan, contiguous=True, initial_state=None, output_final_state=False, N=N,
                                     pieces=pipeline.segment_pieces(HV))
     lower = lambda f: jax.jit(f).trace(*args, S((N + 1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 from kda import padding, pipeline, stages
+from kda import plan as planning
+from kda.padding import pieces
+from kda import steps
 from kda.stages import gate
 from kda.stages.base import Stage
 from tools import stages as stages_tool
@@ -142,8 +145,8 @@ def test_stages_tool_lists_every_forward_stage():
   text = out.getvalue()
   assert rc == 0, text
   listed = [l.split()[0] for l in text.splitlines()[3:-1]]
-  assert sorted(set(listed)) == sorted(pipeline.FORWARD_STAGES)
-  for name in pipeline.FORWARD_STAGES:
+  assert sorted(set(listed)) == sorted(stages.FORWARD)
+  for name in stages.FORWARD:
     status = "no kernel" if stages.get(name).pallas is None else "ok"
     assert any(l.startswith(name) and l.rstrip().endswith(status) for l in text.splitlines()), text
   assert "no stage disagrees" in text
@@ -153,7 +156,7 @@ def test_stages_tool_compares_the_mosaic_gpu_kernels():
   """--impl mosaic_gpu: the stages with a Mosaic GPU kernel run it (the simulator here) on the
   reference's inputs, at the bfloat16 tolerance; the others are "no kernel"."""
   rep = stages_tool.compare_stages(seq_lens=[70, 1], chunk_size=64, head_dim=64, heads=1, impl="mosaic_gpu")
-  want = {n: "agrees" if stages.get(n).mosaic_gpu is not None else "no kernel" for n in pipeline.FORWARD_STAGES}
+  want = {n: "agrees" if stages.get(n).mosaic_gpu is not None else "no kernel" for n in stages.FORWARD}
   assert {s.name: s.status for s in rep.stages} == want and want["state"] == "agrees"
   assert rep.config["tol"] == stages_tool.TOL["bfloat16"]
   with pytest.raises(ValueError, match="impl must be one of"):
@@ -166,7 +169,7 @@ def as_kernel(fn):
 
 
 def test_stages_tool_flags_first_disagreeing_stage(monkeypatch):
-  get = {n: stages.get(n).reference for n in pipeline.FORWARD_STAGES}
+  get = {n: stages.get(n).reference for n in stages.FORWARD}
 
   def bad_intra(*a, interpret=False, **kw):
     out = get["intra"](*a, **kw)
@@ -220,7 +223,7 @@ def test_bench_backward_pieces():
   from kda import pipeline
   from tools import bench
   pieces = bench.backward_stage_times("A", "plain", reps=1, total=128)
-  want = {f"{n} (reference)" for n in pipeline.BACKWARD_STAGES}
+  want = {f"{n} (reference)" for n in stages.BACKWARD}
   want |= {"backward (whole, pipeline.backward)", "glue: prepare + its vjp", "glue: align do"}
   assert set(pieces) == want and all(ms > 0 for ms in pieces.values())
 
@@ -239,7 +242,7 @@ def test_bench_packed_pieces_compose_to_the_forward():
   g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (1, T, H, K))) / 8
   beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H))).astype(jnp.bfloat16)
   cu = jnp.array([0, 70, 150], jnp.int32)
-  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=64, impl="mosaic_gpu")
+  plan = planning.make_plan(scale=K ** -0.5, chunk_size=64, impl="mosaic_gpu")
   labels = []
 
   def piece(label, fn, *args):
@@ -262,10 +265,10 @@ def test_profile_attributes_device_time_to_pipeline_pieces():
   from tools import profile
 
   def f(x):
-    with pipeline.scope("intra"):
+    with steps.scope("intra"):
       y = jnp.sin(x) * 3.0
-    with pipeline.scope("bwd_dh"):
-      with pipeline.scope("state+output"):
+    with steps.scope("bwd_dh"):
+      with steps.scope("state+output"):
         y = jnp.cos(y) @ y
     return y
 

@@ -17,6 +17,10 @@ import json
 import statistics
 import sys
 import time
+from kda import plan as planning
+from kda.padding import pieces
+from kda import steps
+from kda import stages
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +110,7 @@ def _default_call(name, gate, total):
     q, k, v, g, beta, do = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta, do))
     cu = jnp.arange(B + 1, dtype=jnp.int32) * T
     T = B * T
-  plan = pipeline.make_plan(scale=q.shape[-1] ** -0.5, chunk_size=64,
+  plan = planning.make_plan(scale=q.shape[-1] ** -0.5, chunk_size=64,
                             use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
                             lower_bound=kw.get("lower_bound"))
   lay = lambda cu: padding.layout_from_cu_seqlens(cu, T, plan.chunk_size)
@@ -134,14 +138,14 @@ def stage_times(name, gate, reps, total=TOTAL):
   out = {}
   piece = _timer(out, reps)
 
-  qa, ka, va, ga, ba, valid = piece("prepare", lambda cu, *x: pipeline.prepare(plan, lay(cu), *x),
+  qa, ka, va, ga, ba, valid = piece("prepare", lambda cu, *x: steps.prepare(plan, lay(cu), *x),
                                     cu, q, k, v, g, beta)
   acu = jax.jit(lambda cu: lay(cu).aligned_cu)(cu)
 
   def stage(name_, *args):
-    impl = pipeline.choose(plan, name_, *args, **pipeline.forward_kwargs(plan, name_))
+    impl = planning.choose(plan, name_, *args, **plan.stage_kwargs(name_))
     return impl, piece(f"{name_} ({impl})", lambda *a: stages.get(name_)(
-        impl, *a, interpret=plan.interpret, **pipeline.forward_kwargs(plan, name_)), *args)
+        impl, *a, interpret=plan.interpret, **plan.stage_kwargs(name_)), *args)
 
   _, gt = stage("gate", ga, valid, A_log, dt_bias)
   _, it = stage("intra", qa, ka, va, ba, gt.gc_int, gt.gc_frac, acu)
@@ -154,7 +158,7 @@ def stage_times(name, gate, reps, total=TOTAL):
   if fused is not None:
     o, _ = piece("state+output (fused mosaic_gpu)", lambda *a: fused(
         *a, scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
-        out_dtype=pipeline.o_dtype(v)), *fargs)
+        out_dtype=steps.o_dtype(v)), *fargs)
   piece("unalign", lambda cu, o: padding.unalign_with(lay(cu), o).astype(v.dtype), cu, o)
   if fused is not None:
     packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias)
@@ -177,12 +181,12 @@ def backward_stage_times(name, gate, reps, total=TOTAL):
   _, rec = piece("backward (whole, pipeline.backward)", lambda cu, x, s, do: pipeline.backward(
       plan, lay(cu), *x, s, do, dht, record=True), cu, x, saved, do)
   piece("glue: prepare + its vjp", lambda cu, *x: jax.vjp(
-      lambda *y: pipeline.prepare(plan, lay(cu), *y)[:5], *x)[1](
-          tuple(pipeline.prepare(plan, lay(cu), *x)[:5])), cu, q, k, v, g, beta)
+      lambda *y: steps.prepare(plan, lay(cu), *y)[:5], *x)[1](
+          tuple(steps.prepare(plan, lay(cu), *x)[:5])), cu, q, k, v, g, beta)
   piece("glue: align do", lambda cu, do: padding.align_with(lay(cu), do), cu, do)
-  for n in pipeline.BACKWARD_STAGES:
-    args, skw = rec["inputs"][n], pipeline.backward_kwargs(plan, n)
-    impl = pipeline.choose(plan, n, *args, **skw)
+  for n in stages.BACKWARD:
+    args, skw = rec["inputs"][n], plan.stage_kwargs(n)
+    impl = planning.choose(plan, n, *args, **skw)
     piece(f"{n} ({impl})", lambda *a, n=n, impl=impl, skw=skw: stages.get(n)(
         impl, *a, interpret=plan.interpret, **skw), *args)
   return out
@@ -194,7 +198,7 @@ def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
   from kda import padding, pipeline
   from kda.stages.gate import mosaic_gpu as gate_mgpu
   from kda.stages.intra import mosaic_gpu as intra_mgpu
-  gkw, ikw = pipeline.forward_kwargs(plan, "gate"), pipeline.forward_kwargs(plan, "intra")
+  gkw, ikw = plan.stage_kwargs("gate"), plan.stage_kwargs("intra")
   rows = piece("packed: chunk_rows", lambda cu: padding.chunk_rows(lay(cu)), cu)
   acu = jax.jit(lambda cu: lay(cu).aligned_cu)(cu)
   gt = piece("packed: gate (mosaic_gpu)", lambda g, rows: gate_mgpu.packed(
@@ -205,7 +209,7 @@ def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
   kernel, _ = pipeline.FUSED[("state", "output")]["mosaic_gpu"]
   return piece("packed: state+output (fused mosaic_gpu, o packed)", lambda *a: kernel(
       *a[:-1], scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
-      out_dtype=pipeline.o_dtype(v), rows=a[-1], T=q.shape[1]),
+      out_dtype=steps.o_dtype(v), rows=a[-1], T=q.shape[1]),
       it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu, rows)
 
 

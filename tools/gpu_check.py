@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda import padding, pipeline, reference, stages
+from kda import plan as planning
 from tools import bench
 from tools.stages import compare_stages, record_reference
 from tools.trace import make_inputs
@@ -53,9 +54,9 @@ def stage_times(lens, gate, reps, impls=("reference", "pallas", "mosaic_gpu")):
   same inputs."""
   plan, rec, _ = record_reference(lens, head_dim=K, heads=H, dtype="bfloat16", gate=gate, interpret=False)
   out = {}
-  for name in pipeline.FORWARD_STAGES:
+  for name in stages.FORWARD:
     st = stages.get(name)
-    kw = pipeline.forward_kwargs(plan, name)
+    kw = plan.stage_kwargs(name)
     args = rec["inputs"][name]
     row = {}
     for impl in st.implementations():
@@ -113,7 +114,7 @@ def _no_states(inp, kw, g_rec):
   import kda
   o = jax.jit(lambda i: kda.chunk_kda(i.q, i.k, i.v, i.g, i.beta, cu_seqlens=i.cu_seqlens, **kw)[0])(inp)
   o_r = jax.jit(lambda i, g: reference.recurrent_kda(i.q, i.k, i.v, g, i.beta, cu_seqlens=i.cu_seqlens)[0])(inp, g_rec)
-  plan = pipeline.make_plan(scale=inp.q.shape[-1] ** -0.5, chunk_size=64,
+  plan = planning.make_plan(scale=inp.q.shape[-1] ** -0.5, chunk_size=64,
                             use_gate_in_kernel=kw.get("use_gate_in_kernel", False))
   N, HV = inp.cu_seqlens.shape[0] - 1, inp.v.shape[2]
   seg = pipeline.segmented_takes(plan, contiguous=True, initial_state=None, output_final_state=False, N=N,
@@ -145,7 +146,7 @@ def _packed_vs_aligned(inp, kw, packed_out):
   layout (pipeline.forward(packed=False)): 0 where the packed group runs as it should. The aligned
   forward forms w, u in the solve, so packed_out must come with INVERSE_IN_STATE off."""
   T = inp.q.shape[1]
-  plan = pipeline.make_plan(scale=inp.q.shape[-1] ** -0.5, chunk_size=64,
+  plan = planning.make_plan(scale=inp.q.shape[-1] ** -0.5, chunk_size=64,
                             use_gate_in_kernel=kw.get("use_gate_in_kernel", False))
   f = jax.jit(lambda i: pipeline.forward(plan, padding.layout_from_cu_seqlens(i.cu_seqlens, T, 64), i.q, i.k, i.v,
                                          i.g, i.beta, i.initial_state, kw.get("A_log"), kw.get("dt_bias"),
@@ -194,7 +195,7 @@ def main(argv=None):
           ok &= rep.ok
           report("stages")
         if ("stages" in parts and "mosaic_gpu" in impls
-            and any(stages.get(n).mosaic_gpu is not None for n in pipeline.FORWARD_STAGES)):
+            and any(stages.get(n).mosaic_gpu is not None for n in stages.FORWARD)):
           rep = compare_stages(lens, chunk_size=64, head_dim=K, heads=H, dtype="bfloat16", gate=gate,
                                interpret=False, impl="mosaic_gpu")
           r["stages_mosaic_gpu"] = {s.name: {"status": s.status, "fields": {

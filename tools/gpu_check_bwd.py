@@ -22,6 +22,7 @@ import numpy as np
 
 import kda
 from kda import padding, pipeline, stages
+from kda import plan as planning
 from tools import bench
 from tools.trace import make_inputs
 
@@ -56,7 +57,7 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret):
   inp = make_inputs(0, lens, H=heads, K=head_dim, V=head_dim, gate=gate, dtype=jnp.bfloat16)
   raw = gate == "raw"
   T = inp.q.shape[1]
-  plan = pipeline.make_plan(scale=head_dim ** -0.5, chunk_size=64, use_gate_in_kernel=raw, impl="reference",
+  plan = planning.make_plan(scale=head_dim ** -0.5, chunk_size=64, use_gate_in_kernel=raw, impl="reference",
                             interpret=interpret)
   x = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state, inp.A_log, inp.dt_bias)
   do = jax.random.normal(jax.random.PRNGKey(7), inp.v.shape, jnp.float32).astype(jnp.bfloat16)
@@ -72,11 +73,11 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret):
   rec = recorded(x, inp.cu_seqlens, do, dht)
   out = {"stages": {}}
   ok = True
-  for name in pipeline.BACKWARD_STAGES:
+  for name in stages.BACKWARD:
     st = stages.get(name)
     if st.mosaic_gpu is None:
       continue
-    kw = pipeline.backward_kwargs(plan, name)
+    kw = plan.stage_kwargs(name)
     args = tuple(x.astype(jnp.bfloat16) if i in BF16_ARGS.get(name, ()) else x
                  for i, x in enumerate(rec["inputs"][name]))
     why = (st.supports or {}).get("mosaic_gpu", lambda *a, **k: None)(*args, **kw)

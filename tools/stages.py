@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda import padding, pipeline, stages
+from kda import plan as planning
 from tools.trace import make_inputs, parse_lens
 
 # Max |diff| / max |reference| per input dtype. float32: both implementations compute in float32 and
@@ -94,7 +95,7 @@ def record_reference(seq_lens, *, chunk_size=64, head_dim=128, heads=1, dtype="f
   """The reference pipeline on tools.trace inputs, every stage recorded -> (plan, records, aligned_cu)."""
   lens = [int(n) for n in seq_lens]
   inp = make_inputs(seed, lens, H=heads, K=head_dim, V=head_dim, gate=gate, dtype=jnp.dtype(dtype))
-  plan = pipeline.make_plan(scale=head_dim ** -0.5, chunk_size=chunk_size,
+  plan = planning.make_plan(scale=head_dim ** -0.5, chunk_size=chunk_size,
                             use_gate_in_kernel=gate == "raw", impl="reference", interpret=interpret)
   T = inp.q.shape[1]
 
@@ -130,12 +131,12 @@ def compare_stages(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, 
   meta = (Ta, Ta // chunk_size, seq, kind)
 
   reports = []
-  for name in pipeline.FORWARD_STAGES:
+  for name in stages.FORWARD:
     st = stages.get(name)
     if getattr(st, impl) is None:
       reports.append(StageReport(name, "no kernel", []))
       continue
-    kw = pipeline.forward_kwargs(plan, name)
+    kw = plan.stage_kwargs(name)
     run = jax.jit(lambda *a, st=st, kw=kw: st(impl, *a, interpret=plan.interpret, **kw))
     want = rec[name]
     try:

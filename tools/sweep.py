@@ -58,7 +58,7 @@ def main(argv=None):
                                     interpret=False)
     for name in a.stages.split(","):
       st = stages.get(name)
-      kw = pipeline.forward_kwargs(plan, name)
+      kw = plan.stage_kwargs(name)
       args = rec["inputs"][name]
       want = rec[name]
       ref_ms = bench.timeit(jax.jit(lambda *x, st=st: st.reference(*x, **kw)), *args, reps=a.reps)

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda import padding, pipeline, stages
+from kda import plan as planning
 from kda.reference import recurrent_kda
 from kda.stages.gate import activate
 from tests import cases
@@ -79,7 +80,7 @@ def _recorded_forward(plan, T):
 
   Cached on everything a monkeypatched stage or neutralize_gate changes, so a patched pipeline
   (tests) is traced afresh."""
-  key = (plan, T, tuple(stages.get(n) for n in pipeline.FORWARD_STAGES), padding.neutralize_gate)
+  key = (plan, T, tuple(stages.get(n) for n in stages.FORWARD), padding.neutralize_gate)
   if key in _JIT_CACHE:
     return _JIT_CACHE[key]
 
@@ -233,7 +234,7 @@ def run_trace(seq_lens=(100, 50), *, chunk_size=64, head_dim=128, heads=1, gate=
   """Run the recorded forward and the recurrence on the built-in example; check the invariants."""
   lens = [int(n) for n in seq_lens]
   inp = make_inputs(seed, lens, H=heads, K=head_dim, V=head_dim, gate=gate, extra_tokens=extra_tokens)
-  plan = pipeline.make_plan(scale=head_dim ** -0.5, chunk_size=chunk_size,
+  plan = planning.make_plan(scale=head_dim ** -0.5, chunk_size=chunk_size,
                             use_gate_in_kernel=gate == "raw",
                             lower_bound=lower_bound if gate == "raw" else None, impl=impl)
   T = inp.q.shape[1]
@@ -325,7 +326,7 @@ def render_text(tr: Trace, head, tokens, out):
   print(f"kda trace: seq_lens {c['seq_lens']}, chunk {c['chunk_size']}, K = V = {c['head_dim']}, "
         f"H = {c['heads']}, gate {c['gate']}{' (in kernel)' if c['gate'] == 'raw' else ''}, seed {c['seed']}",
         file=out)
-  impls = ", ".join(f"{k}={c['impl'][k]}" for k in pipeline.FORWARD_STAGES)
+  impls = ", ".join(f"{k}={c['impl'][k]}" for k in stages.FORWARD)
   print(f"impl: {impls}{' (interpret)' if c['interpret'] else ''}", file=out)
   print(f"packed T = {c['T']} ({c['T_real']} real, {c['T'] - c['T_real']} of no sequence, NaN); "
         f"aligned Ta = {c['Ta']}, aligned_cu {c['aligned_cu']}, {c['Ta'] // c['chunk_size']} chunks",

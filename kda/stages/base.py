@@ -1,63 +1,94 @@
-"""The Stage interface: a name and a closed set of named implementations.
+"""The Stage interface: a name and its implementations, one module per backend.
 
-Every implementation of a stage takes the same arguments and returns the same NamedTuple, so the
-composer can swap one for another (`impl={"intra": "reference"}`) and a test can compare them
-field by field. Kernel launchers also take `interpret` (decided once, by the composer).
+A backend of stage `s` is the module `kda/stages/<s>/<backend>.py`:
+- `apply(*args, **stage_kwargs) -> Out`: every implementation of a stage takes the same positional
+  arguments and returns the same record (a NamedTuple), so one word swaps them and a test compares
+  them field by field. Kernel backends also take `interpret` (decided once, by the plan) and `config`.
+- `supports(*args, config, **stage_kwargs) -> None | str` (kernel backends): None if it takes the
+  call, else the reason in words (a dtype it does not implement, the shared memory or VMEM its tiles
+  need against what the device has).
+- `Config`: a frozen, hashable dataclass of the backend's variant choices (tiles, modes). The plan
+  carries one per stage and passes it down, so it is part of the jit cache key.
 
-The implementations (IMPLS), each in the stage package's module of that name:
-- reference: jnp (`kda/stages/<stage>/reference.py`), every stage has one;
-- pallas: a Pallas kernel, Triton lowering (`pallas.py`), any CUDA GPU;
-- mosaic_gpu: a Pallas Mosaic GPU kernel (`mosaic_gpu.py`), Hopper and newer.
-
-`supports` maps a backend name to its predicate: called with the same arguments as that
-implementation (`interpret` included for kernels), it returns None if the implementation takes
-the call and a string saying why not otherwise (e.g. "mosaic_gpu needs bf16 q/k/v, got float32").
-A backend without a predicate takes every call (today the mosaic_gpu kernels set one).
+Backends (IMPLS): reference (jnp, readable first: the spec), xla (lean jnp for CPUs and fallbacks),
+pallas (Triton, any CUDA GPU), mosaic_gpu (Hopper), mosaic_tpu (TPU). A fused group (kda.fused) is
+the same object over several member stages.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+import functools
+import inspect
+from typing import Any, Mapping, Optional
 
-IMPLS = ("reference", "pallas", "mosaic_gpu")
+IMPLS = ("reference", "xla", "pallas", "mosaic_gpu", "mosaic_tpu")
+KERNELS = ("pallas", "mosaic_gpu", "mosaic_tpu")   # take `interpret`
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Stage:
+  """A stage, or with `members` a fused group of consecutive stages: backend name -> module."""
   name: str
-  reference: Callable
-  pallas: Callable | None = None
-  mosaic_gpu: Callable | None = None
-  # {backend: predicate} (module docstring); not part of equality or the hash (a dict is unhashable)
-  supports: Mapping[str, Callable] | None = dataclasses.field(default=None, compare=False)
+  reference: Any = None
+  xla: Any = None
+  pallas: Any = None
+  mosaic_gpu: Any = None
+  mosaic_tpu: Any = None
+  members: tuple[str, ...] = ()
 
   def implementations(self) -> tuple[str, ...]:
     return tuple(i for i in IMPLS if getattr(self, i) is not None)
 
-  def get(self, impl: str) -> Callable:
+  def backend(self, impl: str):
     if impl not in IMPLS:
       raise ValueError(f"impl for stage {self.name!r} must be one of {IMPLS}, got {impl!r}")
-    fn = getattr(self, impl)
-    if fn is None:
-      raise NotImplementedError(
-          f"stage {self.name!r} has no {impl!r} implementation yet (available: "
-          f"{', '.join(self.implementations())}); pick impl={{{self.name!r}: 'reference'}}")
-    return fn
+    mod = getattr(self, impl)
+    if mod is None:
+      raise NotImplementedError(f"stage {self.name!r} has no {impl!r} implementation (it has "
+                                f"{', '.join(self.implementations())}); pick impl={{{self.name!r}: 'reference'}}")
+    return mod
 
-  def __call__(self, impl: str, *args, interpret: bool = False, **kwargs):
-    fn = self.get(impl)
-    if impl == "reference":
-      return fn(*args, **kwargs)
-    return fn(*args, interpret=interpret, **kwargs)
+  def config_type(self, impl: str):
+    """The Config class of backend `impl` (None where it has no tunables)."""
+    return getattr(getattr(self, impl, None), "Config", None)
+
+  def supports(self, impl: str, *args, config=None, **kwargs) -> Optional[str]:
+    """None if backend `impl` takes these arguments, else why not."""
+    mod = self.backend(impl)
+    fn = getattr(mod, "takes", None) or getattr(mod, "supports", None)
+    return None if fn is None else _call(fn, *args, config=config, **kwargs)
+
+  def __call__(self, impl: str, *args, interpret: bool = False, config=None, **kwargs):
+    fn = self.backend(impl).apply
+    if impl in KERNELS:
+      kwargs["interpret"] = interpret
+    return _call(fn, *args, config=config, **kwargs)
+
+
+def _call(fn, *args, config=None, **kwargs):
+  """fn(*args, **kwargs) with `config` passed where fn names it (a reference has none)."""
+  if _takes_config(fn):
+    kwargs["config"] = config
+  return fn(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_config(fn) -> bool:
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+  return "config" in params
 
 
 def resolve(impl, names: tuple[str, ...], default: Mapping[str, str],
             available: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, str]:
   """impl (None, one of IMPLS or {stage: impl}) -> {stage: impl} for every stage.
 
-  A string asks for that backend in every stage that has it and the reference elsewhere; a dict is
-  strict: naming an implementation a stage lacks is a ValueError naming the stage. `available`
-  maps each stage to its implementations (every stage has all of them when omitted).
+  A string asks for that backend in every stage that has it and the stage's xla implementation (else
+  its reference) elsewhere; a dict is strict: naming an implementation a stage lacks is a ValueError
+  naming the stage, the others keep `default`. `available` maps each stage to its implementations
+  (every stage has all of them when omitted).
   """
   has = lambda n, i: available is None or i in available[n]
   if impl is None:
@@ -65,7 +96,7 @@ def resolve(impl, names: tuple[str, ...], default: Mapping[str, str],
   if isinstance(impl, str):
     if impl not in IMPLS:
       raise ValueError(f"impl must be None, one of {IMPLS} or a dict {{stage: impl}}, got {impl!r}")
-    return {n: impl if has(n, impl) else "reference" for n in names}
+    return {n: impl if has(n, impl) else "xla" if has(n, "xla") else "reference" for n in names}
   if isinstance(impl, Mapping):
     unknown = sorted(set(impl) - set(names))
     if unknown:

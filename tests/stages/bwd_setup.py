@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda import padding, pipeline
+from kda import plan as planning
+from kda import stages
 from kda.stages.intra import from_chunks, to_chunks
 from tests import cases
 
@@ -38,7 +40,7 @@ RAW = dict(chunk_size=32, K=32, V=16, gate="raw")          # use_gate_in_kernel,
 def _records(seed, lens, H, HV, K, V, chunk_size, gate, lower_bound, extra_T):
   inp = cases.make_inputs(seed, lens=list(lens), H=H, HV=HV, K=K, V=V, gate=gate, extra_T=extra_T)
   layout = padding.layout_from_cu_seqlens(inp.cu_seqlens, inp.q.shape[1], chunk_size)
-  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=chunk_size, use_gate_in_kernel=gate == "raw",
+  plan = planning.make_plan(scale=K ** -0.5, chunk_size=chunk_size, use_gate_in_kernel=gate == "raw",
                             lower_bound=lower_bound, impl="reference")
   fwd = jax.jit(lambda *a: pipeline.forward(plan, layout, *a, record=True)[2])
   rec = fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state, inp.A_log, inp.dt_bias)

@@ -6,6 +6,7 @@ import pytest
 
 import kda
 from kda import pipeline, stages
+from kda import plan as planning
 from kda.stages.base import IMPLS, Stage
 from tests import cases
 
@@ -37,14 +38,14 @@ def test_impl_mosaic_gpu_runs_the_references_where_no_kernel_takes_the_call():
   """impl="mosaic_gpu": every stage has the kernel (S5 since its kernel); they refuse this call
   (chunk 16, float32), so the references run and the results are the reference's bit for bit; an
   impl dict naming an implementation a stage lacks raises."""
-  plan = pipeline.make_plan(scale=1.0, chunk_size=16, impl="mosaic_gpu")
+  plan = planning.make_plan(scale=1.0, chunk_size=16, impl="mosaic_gpu")
   want = {n: "mosaic_gpu" if "mosaic_gpu" in stages.get(n).implementations() else "reference"
           for n in stages.names()}
   assert dict(plan.impls) == want
   assert all(want[s.name] == "mosaic_gpu" for s in stages.FORWARD)
   assert all(i == "mosaic_gpu" for i in want.values()), want
   with pytest.raises(ValueError, match="stage 'bwd_dav' has no 'pallas' implementation"):
-    pipeline.make_plan(scale=1.0, chunk_size=16, impl={"bwd_dav": "pallas"})
+    planning.make_plan(scale=1.0, chunk_size=16, impl={"bwd_dav": "pallas"})
   inp = cases.make_inputs(0, lens=[20, 13], H=1, K=16, V=16)
   run = lambda impl: kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, cu_seqlens=inp.cu_seqlens,
                                    initial_state=inp.initial_state, output_final_state=True,
@@ -78,13 +79,13 @@ def test_impl_none_picks_mosaic_gpu_on_hopper_and_falls_back_when_refused(monkey
   assert pipeline.default_impls(names, backend="gpu", hopper=False)["state"] == "pallas"
   assert pipeline.default_impls(names, backend="cpu", hopper=True)["state"] == "reference"
   auto = pipeline.Plan(1.0, 64, False, False, None, (("state", "mosaic_gpu"),), True)
-  assert pipeline._run(auto, "state", "ok") == "mosaic_gpu"
-  assert pipeline._run(auto, "state", "bad") == "pallas"
-  assert pipeline.choose(auto, "state", "bad") == "pallas"
-  strict = pipeline.make_plan(scale=1.0, chunk_size=64, impl={"state": "mosaic_gpu"})
-  assert pipeline._run(strict, "state", "ok") == "mosaic_gpu"
+  assert planning.run(auto, "state", "ok") == "mosaic_gpu"
+  assert planning.run(auto, "state", "bad") == "pallas"
+  assert planning.choose(auto, "state", "bad") == "pallas"
+  strict = planning.make_plan(scale=1.0, chunk_size=64, impl={"state": "mosaic_gpu"})
+  assert planning.run(strict, "state", "ok") == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['state'\] = 'mosaic_gpu': mosaic_gpu takes 'ok', got 'bad'"):
-    pipeline._run(strict, "state", "bad")
-  loose = pipeline.make_plan(scale=1.0, chunk_size=64, impl="mosaic_gpu")
+    planning.run(strict, "state", "bad")
+  loose = planning.make_plan(scale=1.0, chunk_size=64, impl="mosaic_gpu")
   assert loose.impl("state") == "mosaic_gpu" and loose.impl("intra") == "reference"
-  assert pipeline._run(loose, "state", "bad") == "reference"      # a string: its backend or the reference
+  assert planning.run(loose, "state", "bad") == "reference"      # a string: its backend or the reference

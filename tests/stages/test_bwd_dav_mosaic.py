@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kda import pipeline
+from kda import plan as planning
 from kda.stages import bwd_dav
 from kda.stages.bwd_dav import mosaic_gpu as mgv
 from tests.stages import bwd_setup
@@ -184,12 +185,12 @@ def test_takes_and_supports():
   assert "HV must be <= 65535" in mgv.supports(*big, **kw)
   # the pipeline: an impl dict naming bwd_dav runs the kernel or raises the predicate's reason;
   # impl=None takes it on Hopper
-  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_dav": "mosaic_gpu"})
-  assert pipeline.choose(strict, "bwd_dav", *good, **kw) == "mosaic_gpu"
+  strict = planning.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_dav": "mosaic_gpu"})
+  assert planning.choose(strict, "bwd_dav", *good, **kw) == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['bwd_dav'\] = 'mosaic_gpu': V must be one of"):
-    pipeline.choose(strict, "bwd_dav", *zeros(128, 2, 96), **kw)
+    planning.choose(strict, "bwd_dav", *zeros(128, 2, 96), **kw)
   with pytest.raises(ValueError, match=r"impl\['bwd_dav'\] = 'mosaic_gpu': .*takes bfloat16 v_new"):
-    pipeline.choose(strict, "bwd_dav", *f32, **kw)
+    planning.choose(strict, "bwd_dav", *f32, **kw)
   assert "bwd_dav" not in pipeline.DEVICE_UNVERIFIED
   assert pipeline.default_impls(("bwd_dav",), backend="gpu", hopper=True)["bwd_dav"] == "mosaic_gpu"
   assert pipeline.default_impls(("bwd_dav",), backend="gpu", hopper=False)["bwd_dav"] == "reference"
@@ -229,7 +230,7 @@ def test_pipeline_hands_the_kernel_bf16_and_it_takes_them():
   from tests import cases
   inp = cases.make_inputs(3, lens=[45, 80, 0, 20], H=2, HV=2, K=64, V=64, dtype=BF16)
   T = inp.q.shape[1]
-  plan = pipeline.make_plan(scale=0.125, chunk_size=BT, impl="mosaic_gpu", interpret=True)
+  plan = planning.make_plan(scale=0.125, chunk_size=BT, impl="mosaic_gpu", interpret=True)
   (do,) = bwd_setup.randn(4, inp.v.shape)
   dht = jnp.zeros(inp.initial_state.shape, F32)
   x = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state, inp.A_log, inp.dt_bias)
@@ -243,7 +244,7 @@ def test_pipeline_hands_the_kernel_bf16_and_it_takes_them():
   rec = jax.block_until_ready(recorded(x, inp.cu_seqlens, do, dht))
   args = rec["inputs"]["bwd_dav"]
   assert [jnp.dtype(a.dtype) for a in args] == [jnp.dtype(BF16)] * 3     # do aligned in o's dtype
-  assert pipeline.choose(plan, "bwd_dav", *args, chunk_size=BT) == "mosaic_gpu"
+  assert planning.choose(plan, "bwd_dav", *args, chunk_size=BT) == "mosaic_gpu"
   errs = errors(rec["bwd_dav"], _reference(*args))
   print(f"\n  pipeline bwd_dav record vs reference: {fmt(errs)}")
   assert not failures(errs, "bfloat16"), fmt(errs)

@@ -35,7 +35,7 @@ def test_bwd_dh_matches_vjp_of_state_and_output():
   def run(do, dht):
     dv1 = bwd_dav.reference.apply(v_new, Aqk, do, chunk_size=BT).dv
     got = bwd_dh.reference.apply(qg, kg, w, gi, gc, h, v_new, do, dv1, dht, acu,
-                                 **pipeline.backward_kwargs(s.plan, "bwd_dh"))
+                                 **s.plan.stage_kwargs("bwd_dh"))
     want = jax.vjp(state_output, qg, kg, w, u, gc, h0)[1]((do, dht))
     return got, want
 

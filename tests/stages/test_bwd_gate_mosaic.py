@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from kda import pipeline
+from kda import plan as planning
 from kda.stages import bwd_gate, gate
 from kda.stages.bwd_gate import mosaic_gpu as mgb
 from tests.stages import bwd_setup
@@ -310,14 +311,14 @@ def test_takes_and_supports():
     mgb.Config(unroll=3)
   # the pipeline: an impl dict naming bwd_gate runs the kernel or raises the predicate's reason;
   # impl=None takes it on Hopper (checked on an H200: not in DEVICE_UNVERIFIED)
-  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl={"bwd_gate": "mosaic_gpu"})
-  bkw = pipeline.backward_kwargs(strict, "bwd_gate")
-  assert pipeline.choose(strict, "bwd_gate", *good, **bkw) == "mosaic_gpu"
+  strict = planning.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl={"bwd_gate": "mosaic_gpu"})
+  bkw = strict.stage_kwargs("bwd_gate")
+  assert planning.choose(strict, "bwd_gate", *good, **bkw) == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['bwd_gate'\] = 'mosaic_gpu': mosaic_gpu bwd_gate takes HV \* K"):
-    pipeline.choose(strict, "bwd_gate", *narrow, **bkw)
-  loose = pipeline.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl="mosaic_gpu")
-  assert pipeline.choose(loose, "bwd_gate", *good, **bkw) == "mosaic_gpu"
-  assert pipeline.choose(loose, "bwd_gate", *narrow, **bkw) == "reference"
+    planning.choose(strict, "bwd_gate", *narrow, **bkw)
+  loose = planning.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl="mosaic_gpu")
+  assert planning.choose(loose, "bwd_gate", *good, **bkw) == "mosaic_gpu"
+  assert planning.choose(loose, "bwd_gate", *narrow, **bkw) == "reference"
   assert "bwd_gate" not in pipeline.DEVICE_UNVERIFIED
   assert pipeline.default_impls(("bwd_gate",), backend="gpu", hopper=True)["bwd_gate"] == "mosaic_gpu"
 

@@ -28,7 +28,7 @@ def test_bwd_intra_matches_vjp_of_intra(case):
     fwd = lambda q, k, beta, gc: intra.reference.apply(q, k, v, beta, gi, gc, scale=scale, chunk_size=BT)[:2]
     want = jax.vjp(fwd, q, k, beta, gc)[1]((dAkk, dAqk))
     got = bwd_intra.reference.apply(q, k, beta, gi, gc, dAqk, dAkk, aq, ak, ab, ag,
-                                    **pipeline.backward_kwargs(s.plan, "bwd_intra"))
+                                    **s.plan.stage_kwargs("bwd_intra"))
     return got, want
 
   zeros = [jnp.zeros_like(x) for x in (aq, ak, ab, ag)]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from kda import pipeline
+from kda import plan as planning
 from kda.stages import bwd_intra, intra
 from kda.stages.bwd_intra import mosaic_gpu as mgb
 from kda.stages.intra import from_chunks, pair_decay, to_chunks
@@ -343,10 +344,10 @@ def test_takes_and_supports():
   assert "floating dAkk, got int32" in mgb.takes(*with_(6, good[6].astype(jnp.int32)), **kw)
   # the pipeline: an impl dict naming bwd_intra runs the kernel or raises the predicate's reason;
   # impl=None takes it on Hopper (checked on an H200 by tools.gpu_check_bwd)
-  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_intra": "mosaic_gpu"})
-  assert pipeline.choose(strict, "bwd_intra", *good, **kw) == "mosaic_gpu"
+  strict = planning.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_intra": "mosaic_gpu"})
+  assert planning.choose(strict, "bwd_intra", *good, **kw) == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['bwd_intra'\] = 'mosaic_gpu': K must be one of"):
-    pipeline.choose(strict, "bwd_intra", *zeros(128, 2, 96), **kw)
+    planning.choose(strict, "bwd_intra", *zeros(128, 2, 96), **kw)
   assert "bwd_intra" not in pipeline.DEVICE_UNVERIFIED
   assert pipeline.default_impls(("bwd_intra",), backend="gpu", hopper=True)["bwd_intra"] == "mosaic_gpu"
 

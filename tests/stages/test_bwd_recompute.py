@@ -21,7 +21,7 @@ def test_bwd_recompute_matches_forward_stages(case):
   q, k, v, beta = r["inputs"]["intra"][:4]
   g, valid, A_log, dt_bias = gate_in
   h0, acu = r["inputs"]["state"][5:7]
-  kw = pipeline.backward_kwargs(s.plan, "bwd_recompute")
+  kw = s.plan.stage_kwargs("bwd_recompute")
   rc = jax.jit(lambda *a: bwd_recompute.reference.apply(*a, **kw))(
       q, k, v, g, beta, valid, A_log, dt_bias, intra_out.Ainv, h0, acu)
   want = dict(gc_int=r["gate"].gc_int, gc_frac=r["gate"].gc_frac, w=intra_out.w, u=intra_out.u, qg=intra_out.qg, kg=intra_out.kg,

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from kda import padding, pipeline
+from kda import plan as planning
+from kda import steps
 from kda.stages import bwd_recompute, gate, intra
 from kda.stages.bwd_recompute import mosaic_gpu as mgr
 from tests import cases
@@ -29,16 +31,16 @@ def _inputs(K, V, gate_kind):
   inp = cases.make_inputs(3, lens=[30, 64, 0, 65, 1], H=2, HV=2, K=K, V=V, gate=gate_kind, extra_T=5)
   layout = padding.layout_from_cu_seqlens(inp.cu_seqlens, inp.q.shape[1], BT)
   raw = gate_kind == "raw"
-  plan = pipeline.make_plan(scale=K ** -0.5, chunk_size=BT, use_gate_in_kernel=raw, impl="reference")
+  plan = planning.make_plan(scale=K ** -0.5, chunk_size=BT, use_gate_in_kernel=raw, impl="reference")
   bf = lambda x: x.astype(jnp.bfloat16)
-  q, k, v, g, beta, valid = pipeline.prepare(plan, layout, bf(inp.q), bf(inp.k), bf(inp.v), inp.g, inp.beta)
+  q, k, v, g, beta, valid = steps.prepare(plan, layout, bf(inp.q), bf(inp.k), bf(inp.v), inp.g, inp.beta)
   return plan, layout, (q, k, v, g, beta, valid, inp.A_log, inp.dt_bias, inp.initial_state)
 
 
 @pytest.mark.parametrize("K,V,gate_kind", [(64, 64, "raw"), pytest.param(128, 128, "plain", marks=pytest.mark.large)])
 def test_recompute_kernels_match_reference(K, V, gate_kind):
   plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(K, V, gate_kind)
-  kw = pipeline.backward_kwargs(plan, "bwd_recompute")
+  kw = plan.stage_kwargs("bwd_recompute")
   f32 = lambda x: x.astype(jnp.float32)
 
   @jax.jit
@@ -69,7 +71,7 @@ def _compare(got, want, valid, tol):
 
 def test_takes_refuses_float32_and_other_chunks():
   plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(64, 64, "raw")
-  kw = pipeline.backward_kwargs(plan, "bwd_recompute")
+  kw = plan.stage_kwargs("bwd_recompute")
   f32 = lambda x: x.astype(jnp.float32)
   assert mgr.takes(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw) is None
   why = mgr.takes(f32(q), f32(k), f32(v), g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw)
@@ -97,7 +99,7 @@ def test_wy_from_saved_matches_the_reference(K, V, gate_kind):
   reference S0 on the same bf16-exact Ainv (what it computes from): bf16 output rounding only; h,
   v_new through the same state kernel; then the whole stage against the default composition."""
   plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(K, V, gate_kind)
-  kw = pipeline.backward_kwargs(plan, "bwd_recompute")
+  kw = plan.stage_kwargs("bwd_recompute")
   f32 = lambda x: x.astype(jnp.float32)
   gt = gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=kw["use_gate_in_kernel"],
                             lower_bound=kw["lower_bound"])

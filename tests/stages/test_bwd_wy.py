@@ -42,7 +42,7 @@ def test_bwd_wy_matches_vjp_of_wy(case):
     _, vjp, Ainv = jax.vjp(piece, q, k, v, beta, gc, Akk, has_aux=True)
     want = vjp((dw, du, dqg, dkg, dgc_last))
     got = bwd_wy.reference.apply(q, k, v, beta, gi, gc, Ainv, dqg, dkg, dw, du, dgc_last,
-                                 **pipeline.backward_kwargs(s.plan, "bwd_wy"))
+                                 **s.plan.stage_kwargs("bwd_wy"))
     return got, want
 
   got, (dq, dk, dv, dbeta, dgc, dAkk) = run(dqg, dkg, dw, du, dgc_last)

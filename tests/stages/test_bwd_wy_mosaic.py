@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kda import pipeline
+from kda import plan as planning
 from kda.stages import bwd_wy, intra
 from kda.stages.bwd_wy import mosaic_gpu as mgw
 from kda.stages.intra import chunk_decays, from_chunks, to_chunks
@@ -207,10 +208,10 @@ def test_takes_and_supports():
     with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu bwd_wy kernel: {reason}")):
       mgw.apply(*args, interpret=True, **kwargs)
   assert "takes floating dw, got int32" in mgw.supports(*with_(9, good[9].astype(jnp.int32)), **kw)
-  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_wy": "mosaic_gpu"})
-  assert pipeline.choose(strict, "bwd_wy", *good, **kw) == "mosaic_gpu"
+  strict = planning.make_plan(scale=0.125, chunk_size=BT, impl={"bwd_wy": "mosaic_gpu"})
+  assert planning.choose(strict, "bwd_wy", *good, **kw) == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['bwd_wy'\] = 'mosaic_gpu': mosaic_gpu bwd_wy takes bfloat16"):
-    pipeline.choose(strict, "bwd_wy", *f32, **kw)
+    planning.choose(strict, "bwd_wy", *f32, **kw)
   assert pipeline.default_impls(("bwd_wy",), backend="gpu", hopper=True)["bwd_wy"] == "mosaic_gpu"
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from kda import padding, pipeline
+from kda import plan as planning
 from kda.stages import gate, intra
 from kda.stages.intra import mosaic_gpu as mgi
 from tests.stages.test_gate import EXTREMES
@@ -380,12 +381,12 @@ def test_takes_and_supports():
     with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu intra kernel: {reason}")):
       mgi.apply(*args, interpret=True, **kwargs)
   # the pipeline: an impl dict naming intra raises the predicate's reason, impl=None falls back
-  strict = pipeline.make_plan(scale=0.125, chunk_size=BT, impl={"intra": "mosaic_gpu"})
+  strict = planning.make_plan(scale=0.125, chunk_size=BT, impl={"intra": "mosaic_gpu"})
   with pytest.raises(ValueError, match=r"impl\['intra'\] = 'mosaic_gpu': mosaic_gpu intra takes bfloat16"):
-    pipeline.choose(strict, "intra", *f32, beta, gi, gf, **kw)
-  assert pipeline.choose(strict, "intra", *good, **kw) == "mosaic_gpu"
+    planning.choose(strict, "intra", *f32, beta, gi, gf, **kw)
+  assert planning.choose(strict, "intra", *good, **kw) == "mosaic_gpu"
   auto = pipeline.Plan(0.125, BT, False, False, None, (("intra", "mosaic_gpu"),), True)
-  assert pipeline.choose(auto, "intra", *f32, beta, gi, gf, **kw) == "pallas"
+  assert planning.choose(auto, "intra", *f32, beta, gi, gf, **kw) == "pallas"
 
 
 def test_config_rejects_bad_values():

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kda import padding, pipeline
+from kda.padding import pieces
 from kda.stages import bwd_intra, intra
 from kda.stages.bwd_intra import mosaic_gpu as mgb
 from kda.stages.intra import mosaic_gpu as mgi
@@ -49,7 +50,7 @@ def case(K, strong):
   q, k, v = (jnp.asarray(np.where(m, x, 0.0), BF16) for x in (q, k, v))
   beta = jnp.asarray(np.where(valid[None, :, None], rng.uniform(0.1, 0.9, (1, T, HV)), 0.0), F32)
   gi, gf = _gc(jnp.asarray(g, F32), jnp.asarray(valid)[None])
-  seg = pipeline.segment_rows(layout, jnp.asarray(RESETS))
+  seg = pieces.segment_rows(layout, jnp.asarray(RESETS))
   return (q, k, v, beta, gi, gf), seg
 
 
@@ -128,11 +129,11 @@ def test_gate_kernels_take_the_resets_as_minus_inf_gates():
   layout = padding.make_layout(jnp.array([0], jnp.int32), jnp.array([L], jnp.int32), T, BT)
   rows = padding.chunk_rows(layout)
   resets = jnp.asarray(RESETS)
-  seg = pipeline.segment_rows(layout, resets)
+  seg = pieces.segment_rows(layout, resets)
   g = jnp.asarray(-0.99 / (1.0 + np.exp(1.0 - rng.standard_normal((1, T, HV, K)))), F32)
   kw = dict(chunk_size=BT, use_gate_in_kernel=False, lower_bound=None, interpret=True)
   on = mg.packed(g, rows, None, None, seg=seg, **kw)
-  off = mg.packed(pipeline.reset_gates(g, resets), rows, None, None, **kw)
+  off = mg.packed(pieces.reset_gates(g, resets), rows, None, None, **kw)
   for a, b in ((on.gc_int, off.gc_int), (on.gc_frac, off.gc_frac)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert not on.two_part.any() and off.two_part.any()
@@ -140,7 +141,7 @@ def test_gate_kernels_take_the_resets_as_minus_inf_gates():
   pieces = padding.gap_pieces(rows, layout.aligned_cu, T, BT)
   dgc, dgs = (jnp.asarray(rng.standard_normal((1, T, HV, K)), F32) for _ in range(2))
   d_on = mbg.packed(g, rows, pieces, None, None, dgc, dgs, seg=seg, **kw).dg
-  d_off = mbg.packed(pipeline.reset_gates(g, resets), rows, pieces, None, None, dgc, dgs, **kw).dg
+  d_off = mbg.packed(pieces.reset_gates(g, resets), rows, pieces, None, None, dgc, dgs, **kw).dg
   np.testing.assert_array_equal(np.asarray(d_on), np.asarray(d_off))
   at = RESETS[RESETS < L]
   assert not np.asarray(d_on)[0, at].any() and np.asarray(d_on)[0, np.setdiff1d(at + 1, at)].all()

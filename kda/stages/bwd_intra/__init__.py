@@ -49,5 +49,4 @@ class Out(NamedTuple):
 
 from kda.stages.bwd_intra import mosaic_gpu, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, mosaic_gpu=mosaic_gpu.apply,
-              supports={"mosaic_gpu": mosaic_gpu.takes})
+STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu)

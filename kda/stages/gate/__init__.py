@@ -88,5 +88,4 @@ def chunk_cumsum(g, chunk_size):
 
 from kda.stages.gate import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
-              supports={"mosaic_gpu": mosaic_gpu.takes})
+STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu)

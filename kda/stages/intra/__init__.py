@@ -71,5 +71,4 @@ def chunk_decays(gi, gf):
 
 from kda.stages.intra import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
-              supports={"mosaic_gpu": mosaic_gpu.takes})
+STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu)

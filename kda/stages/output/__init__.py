@@ -21,5 +21,4 @@ class Out(NamedTuple):
 
 from kda.stages.output import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
-              supports={"mosaic_gpu": mosaic_gpu.takes})
+STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu)

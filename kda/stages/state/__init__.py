@@ -43,5 +43,4 @@ def chunk_decay(gc_int, gc_frac, chunk_size):
 
 from kda.stages.state import mosaic_gpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference.apply, pallas=pallas.apply, mosaic_gpu=mosaic_gpu.apply,
-              supports={"mosaic_gpu": mosaic_gpu.takes})
+STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu)

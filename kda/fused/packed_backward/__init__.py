@@ -1,0 +1,10 @@
+"""packed_backward: the backward S0-S5 with the packed layout's align and unalign folded into kernels.
+
+g is never aligned (S0's gate kernel reads it packed, S5 reads it and stores dg packed), and the
+stages whose kernels take the call store their gradients packed (S3 dv, S4 dq and dk), so no XLA pass
+unaligns them; q, k, v, beta and do are aligned once, as in the aligned backward. The same
+gradients as the stages on the aligned layout.
+
+apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None)
+  -> kda.pipeline.Grads.
+"""

@@ -1,0 +1,103 @@
+"""packed_backward on Hopper: S0 and S5 run their packed Mosaic GPU modes; S1-S4 run whatever the
+plan chooses for them, packed where their kernel is chosen (module docstring of the group)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from kda import padding, stages
+from kda.padding.pieces import segment_rows
+from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
+from kda.steps import Grads, query_keys, scope
+
+
+def _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state):
+  S = jax.ShapeDtypeStruct
+  Ta, HV = layout.Ta, v.shape[2]
+  aligned = lambda x, d=None: S((1, Ta) + x.shape[2:], d or x.dtype)
+  qs = S((1, Ta, HV, q.shape[3]), q.dtype)
+  ga, valid, gc = aligned(g), S((1, Ta), jnp.bool_), aligned(g, jnp.float32)
+  rc_args = (qs, qs, aligned(v), ga, aligned(beta), valid, A_log, dt_bias, None, initial_state, layout.aligned_cu)
+  return rc_args, (ga, valid, A_log, dt_bias, gc, gc), gc
+
+
+def supports(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved=None, do=None, dht=None,
+             resets=None, *, config=None, **_) -> Optional[str]:
+  """None if S0 and S5 select mosaic_gpu on the aligned call and their packed modes take it."""
+  rc_args, gate_args, gc = _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state)
+  if plan.choose("bwd_recompute", *rc_args, **plan.stage_kwargs("bwd_recompute")) != "mosaic_gpu":
+    return "bwd_recompute does not select mosaic_gpu"
+  if plan.choose("bwd_gate", *gate_args, **plan.stage_kwargs("bwd_gate")) != "mosaic_gpu":
+    return "bwd_gate does not select mosaic_gpu"
+  rows = padding.chunk_rows(layout)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
+  return bwd_gate_mgpu.packed_supports(g, rows, pieces, A_log, dt_bias, gc, gc, **plan.stage_kwargs("bwd_gate"))
+
+
+def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None, *,
+          config=None, interpret=None):
+  interpret = plan.interpret if interpret is None else interpret
+  rows = padding.chunk_rows(layout)
+  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
+  seg = {} if resets is None else dict(seg=segment_rows(layout, resets))
+  tail = dict(tail_zeros=False)      # the tail's rows: unwritten, and nothing reads them
+  kw = plan.stage_kwargs
+  with scope("prepare"):
+    (qp, kp), qk_vjp = jax.vjp(lambda q, k: query_keys(plan, q, k, v.shape[2]), q, k)   # per token
+    qa, ka, va, ba = (padding.align_with(layout, x) for x in (qp, kp, v, beta))
+    valid = padding.valid_mask(layout)[None]
+    do_packed = do
+    do = padding.align_with(layout, do)
+
+  def kernel(name, *args, **extra):
+    return plan.choose(name, *args, **kw(name), **extra) == "mosaic_gpu"
+
+  def packed_kw(name, *args, store=False, **extra):
+    """Stage `name`'s packed keywords where its kernel takes the call: the unwritten tail and, with
+    `store`, its packed output store (rows, pieces, T)."""
+    if not kernel(name, *args, **extra):
+      return {}
+    return dict(tail, **(dict(rows=rows, pieces=pieces, T=layout.T) if store else {}))
+
+  def stage(name, *args, **extra):
+    with scope(name):
+      return plan.run(name, *args, **kw(name), **extra)
+
+  rc_args = (qa, ka, va, g, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
+  with scope("bwd_recompute"):
+    rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows,
+                                     config=plan.config("bwd_recompute", "mosaic_gpu"),
+                                     **kw("bwd_recompute"), **tail, **seg)
+  av_args = (rc.v_new, saved.Aqk, do, layout.aligned_cu)
+  av = stage("bwd_dav", *av_args, **packed_kw("bwd_dav", *av_args))
+  gc = (rc.gc_int, rc.gc_frac)
+  dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
+  dh_kw = packed_kw("bwd_dh", *dh_args)
+  if do_packed.dtype == jnp.bfloat16 and dh_kw:
+    dh_kw.update(do_packed=do_packed, rows=rows)   # the terms kernel reads do packed: aligned do dies early
+  ds = stage("bwd_dh", *dh_args, **dh_kw)
+  dv_dtype = dict(dv_dtype=va.dtype)
+  grad_dtype = dict(grad_dtype=qa.dtype) if qa.dtype == ka.dtype else {}
+  wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
+  wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype)
+  wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw)
+  it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
+  it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype)
+  if it_kw:
+    it_kw.update(seg)
+  it = stage("bwd_intra", *it_args, **grad_dtype, **it_kw)
+  with scope("bwd_gate"):          # dg packed in g's dtype, zeros at tokens of no sequence
+    gt = bwd_gate_mgpu.packed(g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=interpret,
+                              config=plan.config("bwd_gate", "mosaic_gpu"), **kw("bwd_gate"), **seg)
+  like = lambda d, x: None if x is None else d.astype(x.dtype)
+  unalign = lambda d, stored: d if "rows" in stored else padding.unalign_with(layout, d)
+  with scope("prepare_vjp"):       # what a kernel did not store packed is unaligned here
+    dq, dk = qk_vjp((like(unalign(it.dq, it_kw), qp), like(unalign(it.dk, it_kw), kp)))
+    if plan.use_qk_l2norm:         # its backward at tokens of no sequence (any q, k there: NaN) gives 0
+      owned = padding.packed_owned_mask(layout)[None, :, None, None]
+      dq, dk = (jnp.where(owned, d, jnp.zeros((), d.dtype)) for d in (dq, dk))
+    dv = like(unalign(wy.dv, wy_kw), v)
+    dg, dbeta = like(gt.dg, g), like(unalign(it.dbeta, {}), beta)
+  return Grads(dq, dk, dv, dg, dbeta, ds.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))

@@ -1,0 +1,69 @@
+"""The cheap glue steps around the stages, shared by the pipeline and the packed groups: the
+per-token preparation of q and k, the alignment of the inputs, the name scopes of profiles, and the
+backward's records."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kda import padding
+
+
+def scope(name: str):
+  """The name scope of a pipeline piece (kda.<stage>, kda.state+output, ...): XLA's ops and the
+  kernels of that piece carry it in profiles (tools.profile groups the device time by it)."""
+  return jax.named_scope(f"kda.{name}")
+
+
+def l2norm(x):
+  """x / sqrt(sum(x**2, -1) + 1e-6) in float32, back in x's dtype."""
+  xf = x.astype(jnp.float32)
+  return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def query_keys(plan, q, k, HV):
+  """q, k per token, aligned or packed: use_qk_l2norm (a zero row stays zero), then the GVA repeat
+  (value head j reads head j // (HV // H))."""
+  if plan.use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  rep = HV // q.shape[2]
+  if rep > 1:
+    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+  return q, k
+
+
+def prepare(plan, layout, q, k, v, g, beta):
+  """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs and
+  the [1, Ta] real-token mask."""
+  q, k, v, beta = (padding.align_with(layout, x) for x in (q, k, v, beta))
+  valid = padding.valid_mask(layout)[None]
+  q, k = query_keys(plan, q, k, v.shape[2])                      # after align: padding stays 0
+  g = padding.align_with(layout, g)
+  if plan.use_gate_in_kernel:
+    g = padding.neutralize_gate(g, valid)
+  return q, k, v, g, beta, valid
+
+
+def o_dtype(v):
+  """The dtype a fused kernel stores o in: v's where that is bf16 (o ends in it), else float32."""
+  return jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+
+
+class Saved(NamedTuple):
+  """What the custom VJP keeps of the forward besides its inputs: O(T * BT) per head, no state."""
+  Aqk: jax.Array   # [1, Ta, HV, BT] intra's dtype (bf16 from kernels for bf16 inputs)
+  Ainv: jax.Array  # [1, Ta, HV, BT] (I + Akk)^-1, intra's dtype
+
+
+class Grads(NamedTuple):
+  """Cotangents of forward's inputs, each like its input (None where the input is None)."""
+  q: jax.Array              # [1, T, H, K]
+  k: jax.Array              # [1, T, H, K]
+  v: jax.Array              # [1, T, HV, V]
+  g: jax.Array              # [1, T, HV, K]
+  beta: jax.Array           # [1, T, HV]
+  initial_state: jax.Array  # [N, HV, K, V] float32
+  A_log: jax.Array | None   # [HV]
+  dt_bias: jax.Array | None  # [HV * K]

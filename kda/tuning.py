@@ -1,0 +1,46 @@
+"""The defaults table: which Config each stage, fused group and the pipeline run with.
+
+One table keyed by (stage or group, backend, device generation, dtype, K, V, chunk size); a row's
+key fields may be None (any). Rows apply in order, later rows refining earlier ones, on top of the
+Config class's own defaults. A user's `config={name: Config}` replaces the table's choice.
+
+Generations: "sm90" (H100, H200), "gpu" (other CUDA GPUs), "v5e", "v6e", "v7x" (TPU), "cpu".
+"""
+from __future__ import annotations
+
+import dataclasses
+
+Key = tuple  # (name, backend, generation, dtype, K, V, chunk_size)
+
+TABLE: list[tuple[Key, dict]] = [
+    # the pipeline: segmented pieces of many short sequences (Mosaic GPU kernels only take them)
+    (("pipeline", None, None, None, None, None, None), dict(segment_pieces=16, segment_walks=256)),
+]
+
+
+def _matches(key: Key, want: Key) -> bool:
+  return all(k is None or k == w for k, w in zip(key, want))
+
+
+def _fields(name, backend, generation, dtype, K, V, chunk_size) -> dict:
+  want = (name, backend, generation, dtype, K, V, chunk_size)
+  out = {}
+  for key, fields in TABLE:
+    if _matches(key, want):
+      out.update(fields)
+  return out
+
+
+def default_config(op, backend: str, *, generation, dtype, K, V, chunk_size):
+  """The table's Config for backend `backend` of stage or group `op` (None: it has no Config)."""
+  cls = op.config_type(backend)
+  if cls is None:
+    return None
+  fields = _fields(op.name, backend, generation, dtype, K, V, chunk_size)
+  known = {f.name for f in dataclasses.fields(cls)}
+  return cls(**{k: v for k, v in fields.items() if k in known})
+
+
+def pipeline_fields(*, generation, dtype, K, V, chunk_size) -> dict:
+  """The table's fields of kda.plan.PipelineConfig."""
+  return _fields("pipeline", "", generation, dtype, K, V, chunk_size)
