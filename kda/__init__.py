@@ -1,6 +1,6 @@
-"""kda: varlen chunked Kimi Delta Attention in JAX, as a staged pipeline (jnp reference + Pallas)."""
-from kda import padding, reference, stages
+"""kda: varlen chunked Kimi Delta Attention in JAX, as a staged pipeline (jnp references + Pallas kernels)."""
+from kda import fused, padding, plan, reference, stages
 from kda.api import chunk_kda
-from kda.pipeline import Plan
+from kda.plan import PipelineConfig, Plan
 
-__all__ = ["chunk_kda", "reference", "padding", "stages", "Plan"]
+__all__ = ["chunk_kda", "reference", "padding", "stages", "fused", "plan", "Plan", "PipelineConfig"]

@@ -1,7 +1,8 @@
-"""pipeline.ELIDE_ZERO_STATES: with initial_state=None and output_final_state=False the Mosaic GPU
+"""With initial_state=None and output_final_state=False the Mosaic GPU
 state kernels skip the zero initial state and the unused final state (forward: the fused state +
 output kernel; backward: S0's state kernel and bwd_dh's walk, which also skips the zero final-state
-cotangent and the dropped dh0). Same bits as without (simulator); CUDA lowering of the variants."""
+cotangent and the dropped dh0). Same bits as explicit zero states (simulator); CUDA lowering of the
+variants."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 
 import kda
-from kda import pipeline, stages
 from kda.fused import state_output
 from kda.stages.bwd_dh import mosaic_gpu as mgd
 from kda.stages.state import mosaic_gpu as mgs
@@ -33,24 +33,20 @@ def test_chunk_kda_grad_is_the_same_with_the_states_elided(monkeypatch):
     names = ("zero_h0", "store_final", "dht_zero", "need_dh0")
     return lambda *a, **k: seen.append((tag, {n: k[n] for n in names if n in k})) or real(*a, **k)
 
-  group = ("state", "output")
-  monkeypatch.setitem(pipeline.FUSED, group,
-                      {"mosaic_gpu": (spy(state_output.mosaic_gpu, "fused"), state_output.takes)})
+  monkeypatch.setattr(state_output, "mosaic_gpu", spy(state_output.mosaic_gpu, "fused"))
   monkeypatch.setattr(mgs, "apply", spy(mgs.apply, "state"))            # S0 calls it by attribute
-  st = stages.get("bwd_dh")
-  monkeypatch.setitem(stages.STAGES, "bwd_dh", dataclasses.replace(st, mosaic_gpu=spy(st.mosaic_gpu, "walk")))
+  monkeypatch.setattr(mgd, "apply", spy(mgd.apply, "walk"))
 
-  def grads():
+  def grads(**states):
     def loss(q, k, v, g, beta):
-      o = kda.chunk_kda(q, k, v, g, beta, **kw, impl="mosaic_gpu")[0]
+      o = kda.chunk_kda(q, k, v, g, beta, **kw, **states, impl="mosaic_gpu")[0]
       return jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0).astype(jnp.float32) ** 2)
     return jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*x))
 
-  monkeypatch.setattr(pipeline, "ELIDE_ZERO_STATES", False)
-  plain = grads()
+  N, HV, K, V = kw["cu_seqlens"].shape[0] - 1, x[2].shape[2], x[0].shape[3], x[2].shape[3]
+  plain = grads(initial_state=jnp.zeros((N, HV, K, V), jnp.float32), output_final_state=True)
   assert all(not flags for _, flags in seen), seen
   seen.clear()
-  monkeypatch.setattr(pipeline, "ELIDE_ZERO_STATES", True)
   elided = grads()
   flags = dict(seen)
   assert flags["fused"] == dict(zero_h0=True, store_final=False), flags

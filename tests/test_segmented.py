@@ -1,12 +1,12 @@
-"""kda.pipeline.SEGMENTED: short sequences run as fewer, longer ones with a -inf gate at each inner
-sequence start (exact: exp(GATE_FLOOR) == 0 in float32)."""
+"""PipelineConfig.segment_pieces (kda.padding.pieces): short sequences run as fewer, longer ones with a
+-inf gate at each inner sequence start (exact: exp(GATE_FLOOR) == 0 in float32)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kda
-from kda import padding, pipeline
+from kda import padding
 from kda import plan as planning
 from kda.padding import pieces
 from kda.reference import recurrent_kda
@@ -29,24 +29,23 @@ def test_pieces_start_at_sequence_starts_and_reset_the_rest(traced):
 
 
 def test_pieces_keep_the_walks_parallel():
-  assert pipeline.segment_pieces(16) == pipeline.SEGMENT_PIECES == 16
-  assert [pipeline.segment_pieces(h) for h in (1, 3, 4, 32)] == [256, 86, 64, 16]
+  pc = planning.PipelineConfig()
+  assert pc.segment_pieces == 16 and pieces.count(16, pc.segment_pieces, pc.segment_walks) == 16
+  assert [pieces.count(h, 16, 256) for h in (1, 3, 4, 32)] == [256, 86, 64, 16]
 
 
-def test_takes_only_what_it_computes_exactly(monkeypatch):
-  monkeypatch.setattr(pipeline, "SEGMENTED", True)
-  plan = lambda **a: planning.make_plan(scale=0.125, chunk_size=64, impl="mosaic_gpu", **a)
-  kw = dict(contiguous=True, initial_state=None, output_final_state=False, N=pipeline.SEGMENT_PIECES + 1)
-  on = lambda p, **a: pipeline.segmented_takes(p, **{**kw, **a})
-  assert on(plan())
-  assert not on(plan(), N=pipeline.SEGMENT_PIECES)
-  assert not on(plan(), contiguous=False)
-  assert not on(plan(), initial_state=jnp.zeros((1,)))
-  assert not on(plan(), output_final_state=True)
-  assert not on(plan(use_gate_in_kernel=True))
-  assert not on(planning.make_plan(scale=0.125, chunk_size=64, impl="reference"))
-  monkeypatch.setattr(pipeline, "SEGMENTED", False)
-  assert not on(plan())
+def test_takes_only_what_it_computes_exactly():
+  kw = dict(contiguous=True, initial_state=None, output_final_state=False, N=17, use_gate_in_kernel=False)
+  on = lambda P=16, **a: pieces.takes(P, **{**kw, **a})
+  assert on()
+  assert not on(N=16)
+  assert not on(contiguous=False)
+  assert not on(initial_state=jnp.zeros((1,)))
+  assert not on(output_final_state=True)
+  assert not on(use_gate_in_kernel=True)
+  assert not on(P=0)
+  assert planning.make_plan(scale=0.125, chunk_size=64, impl="mosaic_gpu").members_select("packed_forward")
+  assert not planning.make_plan(scale=0.125, chunk_size=64, impl="reference").members_select("packed_forward")
 
 
 @pytest.mark.large      # ~70 s in the simulator
@@ -54,9 +53,7 @@ def test_segmented_forward_and_gradient_match_the_recurrence(monkeypatch):
   """impl="mosaic_gpu" (simulator), two pieces over six sequences (one empty, boundaries mid-chunk),
   NaN past cu_seqlens[-1]: o close to the recurrence and to the aligned run, every gradient close to
   the aligned run's, finite, and exactly 0 past the end."""
-  monkeypatch.setattr(pipeline, "SEGMENTED", True)
-  monkeypatch.setattr(pipeline, "SEGMENT_PIECES", 2)
-  monkeypatch.setattr(pipeline, "SEGMENT_WALKS", 4)     # two pieces at HV = 2
+  two = {"pipeline": planning.PipelineConfig(segment_pieces=2, segment_walks=4)}     # two pieces at HV = 2
   r = [np.random.default_rng(i) for i in range(6)]
   T, H, HV, K, V = 256, 1, 2, 64, 64
   none = (np.arange(T) >= CU[-1])[None, :, None, None]
@@ -68,19 +65,20 @@ def test_segmented_forward_and_gradient_match_the_recurrence(monkeypatch):
   do = jnp.asarray(r[5].standard_normal((1, T, HV, V)), jnp.float32)
   cu = jnp.asarray(CU)
   seen = []
-  real = pipeline.segmented
-  monkeypatch.setattr(pipeline, "segmented", lambda *a, **k: seen.append(1) or real(*a, **k))
+  real = pieces.segmented
+  monkeypatch.setattr(pieces, "segmented", lambda *a, **k: seen.append(1) or real(*a, **k))
 
-  def run():
-    fwd = lambda x, cu: kda.chunk_kda(*x, cu_seqlens=cu, impl="mosaic_gpu")[0]
+  def run(config):
+    fwd = lambda x, cu: kda.chunk_kda(*x, cu_seqlens=cu, impl="mosaic_gpu", config=config)[0]
     loss = lambda x, cu: jnp.sum(fwd(x, cu).astype(jnp.float32) * do)
     f32 = lambda a: np.asarray(a.astype(jnp.float32))
     return f32(jax.jit(fwd)(x, cu)), [f32(a) for a in jax.jit(jax.grad(loss))(x, cu)]
 
-  o, grads = run()
+  o, grads = run(two)
   assert seen
-  monkeypatch.setattr(pipeline, "SEGMENTED", False)
-  o_al, grads_al = run()
+  seen.clear()
+  o_al, grads_al = run({"pipeline": planning.PipelineConfig(segment_pieces=0)})
+  assert not seen
   end = CU[-1]
   clean = lambda a: jnp.asarray(np.nan_to_num(np.asarray(a.astype(jnp.float32))))
   want = np.asarray(recurrent_kda(*map(clean, x), cu_seqlens=cu)[0])
@@ -103,11 +101,11 @@ def test_training_step_lowers_without_while_loops():
   bf = lambda *s: S(s, jnp.bfloat16)
   args = (bf(1, T, HV, K), bf(1, T, HV, K), bf(1, T, HV, K), S((1, T, HV, K), jnp.float32), bf(1, T, HV))
   loss = lambda q, k, v, g, beta, cu: jnp.sum(kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0].astype(jnp.float32))
-  with mock.patch("kda.pipeline.jax.default_backend", lambda: "gpu"), mock.patch("kda.pipeline.is_hopper",
-                                                                                  lambda *a: True):
+  with mock.patch("kda.plan.platform_of", lambda device=None: ("gpu", "sm90")):
     plan = planning.make_plan(scale=K ** -0.5, chunk_size=64)
-    assert pipeline.segmented_takes(plan, contiguous=True, initial_state=None, output_final_state=False, N=N,
-                                    pieces=pipeline.segment_pieces(HV))
+    assert plan.members_select("packed_forward") == "mosaic_gpu"
+    assert pieces.takes(pieces.count(HV, 16, 256), contiguous=True, initial_state=None, output_final_state=False,
+                        N=N, use_gate_in_kernel=False)
     lower = lambda f: jax.jit(f).trace(*args, S((N + 1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     step = lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     # with the final state: not segmented, and the walks group the sequences (kda._mosaic_gpu.sequence_groups)

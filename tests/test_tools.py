@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import io
+from types import SimpleNamespace
 import json
 
 import jax
@@ -93,7 +94,7 @@ def test_trace_catches_unneutralised_padding_gates(monkeypatch):
     return gate.Out(g_act, gate.chunk_cumsum(whole, chunk_size), gate.chunk_cumsum(frac, chunk_size))
 
   monkeypatch.setattr(padding, "neutralize_gate", lambda g, valid: g)
-  monkeypatch.setitem(stages.STAGES, "gate", Stage("gate", reference=unmasked))
+  monkeypatch.setitem(stages.STAGES, "gate", Stage("gate", reference=SimpleNamespace(apply=unmasked)))
   rc, out, _ = run_main(SMALL)
   assert rc == 1
   tr = trace.run_trace(LENS, chunk_size=BT, head_dim=D, heads=2, extra_tokens=EXTRA)
@@ -106,13 +107,13 @@ def test_trace_catches_unneutralised_padding_gates(monkeypatch):
 
 
 def test_trace_catches_padding_leak_in_intra(monkeypatch):
-  ref = stages.get("intra").reference
+  ref = stages.get("intra").reference.apply
 
   def leaky(*args, **kwargs):
     out = ref(*args, **kwargs)
     return out._replace(w=out.w + 1e-3)         # w != 0 at padding; v_new = u - w @ S follows
 
-  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", reference=leaky))
+  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", reference=SimpleNamespace(apply=leaky)))
   tr = trace.run_trace(LENS, chunk_size=BT, head_dim=D, gate="plain", extra_tokens=EXTRA)
   bad = failed(tr)
   assert {"w = 0 at padding", "v_new = 0 at padding", "real-token outputs = recurrence's (rel)"} <= bad
@@ -169,7 +170,7 @@ def as_kernel(fn):
 
 
 def test_stages_tool_flags_first_disagreeing_stage(monkeypatch):
-  get = {n: stages.get(n).reference for n in stages.FORWARD}
+  get = {n: stages.get(n).reference.apply for n in stages.FORWARD}
 
   def bad_intra(*a, interpret=False, **kw):
     out = get["intra"](*a, **kw)
@@ -179,10 +180,12 @@ def test_stages_tool_flags_first_disagreeing_stage(monkeypatch):
     out = get["output"](*a, **kw)
     return out._replace(o=jnp.full_like(out.o, jnp.nan))
 
-  monkeypatch.setitem(stages.STAGES, "gate", Stage("gate", reference=get["gate"]))          # no kernel
-  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", get["intra"], bad_intra))
-  monkeypatch.setitem(stages.STAGES, "state", Stage("state", get["state"], as_kernel(get["state"])))
-  monkeypatch.setitem(stages.STAGES, "output", Stage("output", get["output"], nan_output))
+  ns = lambda fn: SimpleNamespace(apply=fn)
+  monkeypatch.setitem(stages.STAGES, "gate", Stage("gate", reference=ns(get["gate"])))          # no kernel
+  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", reference=ns(get["intra"]), pallas=ns(bad_intra)))
+  monkeypatch.setitem(stages.STAGES, "state", Stage("state", reference=ns(get["state"]),
+                                                    pallas=ns(as_kernel(get["state"]))))
+  monkeypatch.setitem(stages.STAGES, "output", Stage("output", reference=ns(get["output"]), pallas=ns(nan_output)))
   rep = stages_tool.compare_stages(**STAGES_SMALL)
   status = {s.name: s.status for s in rep.stages}
   assert status == {"gate": "no kernel", "intra": "differs", "state": "agrees", "output": "differs"}
@@ -220,10 +223,9 @@ def test_bench_smoke_table_and_pieces(tmp_path, capsys):
 def test_bench_backward_pieces():
   """tools.bench's backward pieces on a tiny CPU run: every backward stage with the implementation
   the pipeline picks (the reference on a CPU), the glue and the whole backward, all timed."""
-  from kda import pipeline
   from tools import bench
   pieces = bench.backward_stage_times("A", "plain", reps=1, total=128)
-  want = {f"{n} (reference)" for n in stages.BACKWARD}
+  want = {f"{n} ({'xla' if stages.get(n).xla else 'reference'})" for n in stages.BACKWARD}
   want |= {"backward (whole, pipeline.backward)", "glue: prepare + its vjp", "glue: align do"}
   assert set(pieces) == want and all(ms > 0 for ms in pieces.values())
 
@@ -295,78 +297,6 @@ def test_profile_attributes_device_time_to_pipeline_pieces():
   assert gaps == [(20.0, "c", "d"), (5.0, "a", "c")]
 
 
-def test_timeline_splits_device_events_by_call():
-  """tools.timeline's split: each call's device events by its host span, offsets from the call's
-  start, the busy sum, the tail after the last event's end; a call without events is left out."""
-  from tools import timeline
-  events = [("k2", 30.0, {}, 150.0), ("k1", 20.0, {}, 110.0), ("late", 5.0, {}, 400.0), ("k3", 10.0, {}, 1020.0)]
-  rows = timeline.split_calls(events, [(1000.0, 100.0), (100.0, 200.0), (600.0, 50.0)])
-  assert len(rows) == 2
-  first, second = rows
-  assert first["timeline"] == [(10.0, 20.0, "k1"), (50.0, 30.0, "k2")]
-  assert (first["first_us"], first["last_us"], first["busy_us"], first["events"]) == (10.0, 80.0, 50.0, 2)
-  assert first["tail_us"] == 120.0 and first["host_us"] == 200.0
-  assert second["timeline"] == [(20.0, 10.0, "k3")] and second["tail_us"] == 70.0
-
-
-def test_timeline_smoke(tmp_path, capsys, monkeypatch):
-  """tools.timeline end to end on a CPU, on a small stand-in for the forward: the three timings, the
-  switches set and the calls profiled."""
-  from kda import pipeline
-  from tools import bench, timeline
-  x = jnp.arange(64.0).reshape(8, 8)
-  monkeypatch.setattr(bench, "calls", lambda name, gate, impl, total: ((x, x), lambda a, b: a @ b + 1.0, None))
-  monkeypatch.setattr(pipeline, "FUSE_GATE_INTRA", pipeline.FUSE_GATE_INTRA)   # restored after --switch
-  out = tmp_path / "t.json"
-  assert timeline.main(["--variants", "B:plain", "--calls", "2", "--reps", "1", "--switch", "FUSE_GATE_INTRA=0",
-                        "--gate-scale", "1", "--dir", str(tmp_path / "tr"), "--out", str(out)]) == 0
-  assert pipeline.FUSE_GATE_INTRA is False
-  res = json.loads(out.read_text())["B:plain"]
-  assert res["host_ms"] > 0 and res["b2b_ms"] > 0 and res["dispatch_ms"] > 0
-  assert "host-timed" in capsys.readouterr().out
-  with pytest.raises(SystemExit):
-    timeline.main(["--calls", "0"])
-
-
-def test_packed_check_compare_counts_and_bounds_differences():
-  """tools.packed_check.compare: bit for bit, one bf16 step (2^-8 relative) within --max-ulps 1,
-  two steps not, a NaN never within."""
-  from tools import packed_check
-  a = np.array([1.0, -0.5, 0.25, 3.0], np.float32)
-  r = packed_check.compare(a, a.copy())
-  assert r["same"] and r["within"] and r["differ"] == 0
-  b = a.copy()
-  b[1] = -0.5 * (1 + 2 ** -8)
-  r = packed_check.compare(a, b)
-  assert not r["same"] and r["within"] and r["differ"] == 1 and r["max_abs"] == pytest.approx(0.5 * 2 ** -8)
-  b[1] = -0.5 * (1 + 2 ** -6)
-  assert not packed_check.compare(a, b)["within"]
-  b = a.copy()
-  b[0] = np.nan
-  assert not packed_check.compare(a, b)["within"]
-
-
-def test_packed_check_switches():
-  from tools import packed_check
-  assert packed_check.switches("TAIL_ZEROS=0, PACKED_BACKWARD=1") == {"TAIL_ZEROS": False, "PACKED_BACKWARD": True}
-  assert packed_check.switches("") == {}
-  assert packed_check.switches("kda.stages.bwd_wy.mosaic_gpu.INPLACE=0") == {"kda.stages.bwd_wy.mosaic_gpu.INPLACE": False}
-  with pytest.raises(ValueError, match="kda module"):
-    packed_check.switches("os.sep=1")
-  with pytest.raises(ValueError, match="not a boolean switch"):
-    packed_check.switches("NOPE=1")
-
-
-@pytest.mark.large
-def test_packed_check_runs_the_simulator(capsys):
-  """The tool end to end on a tiny shape B with the Mosaic GPU kernels in the simulator: the packed
-  backward is taken and every output is within bounds (bit for bit there)."""
-  from tools import packed_check
-  assert packed_check.main(["--variants", "B:plain", "--total", "96", "--reps", "1", "--impl", "mosaic_gpu"]) == 0
-  out = capsys.readouterr().out
-  assert "dg     bit for bit" in out and "fwd+bwd ms: checked" in out
-
-
 def test_memory_peak_from_dumps():
   """tools.memory's parsers on a small live-range and buffer-assignment dump: the peak step, the
   values live there (array values named with and without '{}'), parameters left out."""
@@ -400,21 +330,20 @@ allocation 1: size 900, preallocated-temp:
   assert [r[1] for r in rows] == ["b{0}", "b{1}", "a"]
 
 
-def test_compile_report_lowers_the_program_and_each_kernel(tmp_path, monkeypatch):
+def test_compile_report_lowers_the_program_and_each_kernel(tmp_path):
   """tools.compile_report --lower-only (a CPU, the platform taken as an H200): the forward's phases
   and each Mosaic GPU kernel it calls, lowered alone for CUDA (the unfused gate and intra kernels:
   the gate -> intra group's lowering is tests/test_fused_gate_intra.py's, and takes 15 s more)."""
-  from kda import pipeline
   from tools import compile_report
-  monkeypatch.setattr(pipeline, "FUSE_GATE_INTRA", False)
   out = tmp_path / "c.json"
   assert compile_report.main(["--variants", "C:plain", "--total", "1024", "--no-bwd", "--kernels",
-                              "--lower-only", "--out", str(out)]) == 0
+                              "--lower-only", "--config", "packed_forward.fuse_gate_intra=0",
+                              "--out", str(out)]) == 0
   (row,) = json.loads(out.read_text())
   names = [k["kernel"] for k in row["kernels"]]
   assert row["program"] == "fwd" and row["lower_s"] > 0 and row["kernel_calls"] == len(names)
-  solve = "kda_intra_solve_x" if pipeline.INVERSE_IN_STATE else "kda_intra_solve"   # w, u left to the state kernel
-  assert {"kda_gate", "kda_intra_scores", solve, "kda_state_output"} <= set(names)
+  # w, u left to the state kernel (packed_forward's inverse_in_state): the deferred solve
+  assert {"kda_gate", "kda_intra_scores", "kda_intra_solve_x", "kda_state_output"} <= set(names)
   assert all(k["lower_s"] > 0 for k in row["kernels"]) and row["kernels_lower_s"] > 0
 
 

@@ -151,7 +151,9 @@ def stage_times(name, gate, reps, total=TOTAL):
   _, it = stage("intra", qa, ka, va, ba, gt.gc_int, gt.gc_frac, acu)
   sargs = (it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, h0, acu)
   fargs = (it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu)
-  fused = pipeline.fused_kernel(plan, ("state", "output"), sargs, *fargs, chunk_size=plan.chunk_size)
+  fused = None
+  if plan.group_backend("state_output", *fargs, chunk_size=plan.chunk_size) == "mosaic_gpu":
+    fused = kda.fused.GROUPS["state_output"].mosaic_gpu.apply
   _, st = stage("state", *sargs)
   _, ot = stage("output", it.qg, st.h, it.Aqk, st.v_new)
   o = ot.o
@@ -193,7 +195,7 @@ def backward_stage_times(name, gate, reps, total=TOTAL):
 
 
 def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
-  """The packed group's pieces (pipeline.packed_forward), each jitted apart: the layout glue
+  """The packed group's pieces (kda.fused.packed_forward), each jitted apart: the layout glue
   (chunk_rows), the gate and intra kernels on the packed inputs, the fused kernel storing o packed."""
   from kda import padding, pipeline
   from kda.stages.gate import mosaic_gpu as gate_mgpu
@@ -206,14 +208,14 @@ def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
   it = piece("packed: intra (mosaic_gpu)", lambda *a: intra_mgpu.packed(
       *a, bounded=gt.bounded, two_part=gt.two_part, interpret=plan.interpret, **ikw),
       q, k, v, beta, gt.gc_int, gt.gc_frac, acu, rows)
-  kernel, _ = pipeline.FUSED[("state", "output")]["mosaic_gpu"]
+  kernel = kda.fused.GROUPS["state_output"].mosaic_gpu.apply
   return piece("packed: state+output (fused mosaic_gpu, o packed)", lambda *a: kernel(
       *a[:-1], scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
       out_dtype=steps.o_dtype(v), rows=a[-1], T=q.shape[1]),
       it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu, rows)
 
 
-def calls(name, gate, impl, total=TOTAL):
+def calls(name, gate, impl, total=TOTAL, config=""):
   """The timed calls of a shape: (args, fwd, loss) with args = (q, k, v, g, beta, diff_kw, traced_kw,
   do), fwd(*args) -> o and loss(*args) = sum(o * do), differentiated in args[:6]. diff_kw holds the
   differentiable keywords (A_log, dt_bias), traced_kw cu_seqlens: both are arguments of the jitted
@@ -221,16 +223,22 @@ def calls(name, gate, impl, total=TOTAL):
   per N); a closed-over cu_seqlens would be concrete and get the exact layout. do is an argument
   too, as the jax peer passes it (closed over, it would be a 128 MiB constant of the program, whose
   lowering and compile then take seconds longer). impl: "auto" (chunk_kda's default: kernels where
-  a stage has one), or an impl string."""
+  a stage has one), or an impl string; config: tools.configs' text."""
   impl = None if impl == "auto" else impl
   args, kw, do = make_inputs(name, gate, total=total)
+  cfg = None
+  if config:
+    from tools import configs
+    q, v = args[0], args[2]
+    cfg = configs.parse(config, planning.make_plan(scale=1.0, chunk_size=64, impl=impl, dtype=q.dtype,
+                                                    K=q.shape[-1], V=v.shape[-1]))
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
   traced_kw = {k: v for k, v in kw.items() if k == "cu_seqlens"}
   static_kw = {k: v for k, v in kw.items() if k not in diff_kw and k not in traced_kw}
 
   def fwd(q, k, v, g, beta, dk, tk, do=None):
     del do
-    return kda.chunk_kda(q, k, v, g, beta, impl=impl, **static_kw, **dk, **tk)[0]
+    return kda.chunk_kda(q, k, v, g, beta, impl=impl, config=cfg, **static_kw, **dk, **tk)[0]
 
   def loss(q, k, v, g, beta, dk, tk, do):
     return jnp.sum(fwd(q, k, v, g, beta, dk, tk).astype(jnp.float32) * do.astype(jnp.float32))
@@ -238,10 +246,10 @@ def calls(name, gate, impl, total=TOTAL):
   return (*args, diff_kw, traced_kw, do), fwd, loss
 
 
-def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL):
+def bench_one(name, gate, impl, reps, do_bwd=True, total=TOTAL, config=""):
   """impl: "auto" (chunk_kda's default: kernels where a stage has one), "pallas" or "reference"."""
-  label = impl
-  args, fwd, loss = calls(name, gate, impl, total)
+  label = impl + (f" [{config}]" if config else "")
+  args, fwd, loss = calls(name, gate, impl, total, config)
   f = jax.jit(fwd)
   t0 = time.perf_counter()
   jax.block_until_ready(f(*args))
@@ -338,26 +346,18 @@ def main(argv=None):
   p.add_argument("--total", type=int, default=TOTAL, help="packed tokens (smaller for a smoke run)")
   p.add_argument("--peer", help="FLA's JSON (fla_bench.py --out, run_peer.sh's fla.json) from the same device run")
   p.add_argument("--jla", help="jax-linear-attention's JSON (run_peer.sh's jla.json) from the same device run")
-  p.add_argument("--keep-states", action="store_true",
-                 help="kda.pipeline.ELIDE_ZERO_STATES off: the state kernels read the zero initial state "
-                      "and store the unused final state (the calls here pass neither)")
-  p.add_argument("--aligned-backward", action="store_true",
-                 help="kda.pipeline.PACKED_BACKWARD off: the backward aligns g and unaligns dq, dk, dv, dg "
-                      "in XLA (the same gradients)")
+  p.add_argument("--config", default="",
+                 help="configs of the timed calls, name.field=value,... (tools.configs), e.g. "
+                      "pipeline.packed=0 (the aligned layout) or packed_forward.fuse_gate_intra=0")
   p.add_argument("--out", help="write results as JSON")
   a = p.parse_args(argv)
-  from kda import pipeline
-  if a.keep_states:
-    pipeline.ELIDE_ZERO_STATES = False
-  if a.aligned_backward:
-    pipeline.PACKED_BACKWARD = False
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   rows, pieces = [], {}
   for var in a.variants.split(","):
     name, gate = var.split(":")
     for impl in a.impls.split(","):
       try:
-        r = bench_one(name, gate, impl, a.reps, do_bwd=not a.no_bwd, total=a.total)
+        r = bench_one(name, gate, impl, a.reps, do_bwd=not a.no_bwd, total=a.total, config=a.config)
       except Exception as e:  # noqa: BLE001 - report and go on with the other cases
         r = {"shape": name, "gate": gate, "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]}
       rows.append(r)

@@ -113,8 +113,7 @@ def as_hopper(on):
   if not on:
     yield
     return
-  with mock.patch("kda.pipeline.jax.default_backend", lambda: "gpu"), \
-       mock.patch("kda.pipeline.is_hopper", lambda *a: True):
+  with mock.patch("kda.plan.platform_of", lambda device=None: ("gpu", "sm90")):
     yield
 
 
@@ -140,8 +139,9 @@ def phases(fn, args, lower_only, run=True):
   return out
 
 
-def report_one(name, gate, total, do_bwd, kernels, lower_only, ptxas=False):
-  args, fwd, loss = bench.calls(name, gate, "auto", total)
+def report_one(name, gate, total, do_bwd, kernels, lower_only, ptxas=False, config=""):
+  with as_hopper(lower_only):
+    args, fwd, loss = bench.calls(name, gate, "auto", total, config)
   if lower_only:
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
   fn = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)) if do_bwd else (lambda *a: fwd(*a))
@@ -182,6 +182,7 @@ def main(argv=None):
                  help="each kernel's registers and spills from ptxas's log (Mosaic GPU's dumps, in a temporary folder)")
   p.add_argument("--no-precompile", action="store_true",
                  help="kda._precompile off: every kernel compiles inside XLA's compile of the program")
+  p.add_argument("--config", default="", help="configs of the call, name.field=value,... (tools.configs)")
   p.add_argument("--out")
   a = p.parse_args(argv)
   if a.no_precompile:
@@ -189,7 +190,7 @@ def main(argv=None):
   rows = []
   for var in filter(None, a.variants.split(",")):
     name, gate = var.split(":")
-    row = report_one(name, gate, a.total, not a.no_bwd, a.kernels, a.lower_only, a.ptxas)
+    row = report_one(name, gate, a.total, not a.no_bwd, a.kernels, a.lower_only, a.ptxas, a.config)
     rows.append(row)
     for kname, r in row.get("ptxas", {}).items():
       print(f"  ptxas {kname:48s} " + " ".join(f"{k} {v}" for k, v in r.items()), flush=True)

@@ -7,10 +7,10 @@ On realistic shapes (varlen T = 32768 packed, H = 16, K = V = 128, bf16; lengths
   2. the whole forward (impl=None, the default: Mosaic GPU on Hopper; and impl="pallas") against
      the token-by-token recurrence in float32, next to the XLA-compiled reference pipeline's error
      on the same inputs; and impl=None (the packed group) against the same kernels on the aligned
-     layout (pipeline.forward(packed=False), with kda.pipeline.INVERSE_IN_STATE off as that path
-     has it), which must agree (0 on the H200), impl=None with kda.pipeline.FUSE_GATE_INTRA flipped
-     (the gate -> intra group), which must give the same bits, and with INVERSE_IN_STATE flipped
-     (Ainv applied in the state + output kernel), within one bf16 rounding of o;
+     layout (PipelineConfig(packed=False), against the packed forward with inverse_in_state off as
+     that path has it), which must agree (0 on the H200), with packed_forward's fuse_gate_intra off
+     (the gate -> intra group), which must give the same bits, and with inverse_in_state off (Ainv
+     applied in the state + output kernel), within one bf16 rounding of o;
   3. per-stage times (kernel vs XLA reference on the recorded inputs; mosaic_gpu kernels also with
      the inputs they take in bf16 cast, "mosaic_gpu_bf16_inputs") and the whole forward's time
      (median after warm-up) against the reference pipeline compiled by XLA.
@@ -30,6 +30,8 @@ import numpy as np
 
 from kda import padding, pipeline, reference, stages
 from kda import plan as planning
+from kda.fused.packed_forward import mosaic_gpu as packed_forward_mgpu
+from kda.padding import pieces
 from tools import bench
 from tools.stages import compare_stages, record_reference
 from tools.trace import make_inputs
@@ -71,12 +73,11 @@ def stage_times(lens, gate, reps, impls=("reference", "pallas", "mosaic_gpu")):
   return out
 
 
-def _forward(impl, kw):
-  """A new jitted chunk_kda of make_inputs' record (new each call: jit traces it under the module
-  switches set then)."""
+def _forward(impl, kw, config=None):
+  """A jitted chunk_kda of make_inputs' record, with the initial and the final state."""
   return jax.jit(lambda i: __import__("kda").chunk_kda(
       i.q, i.k, i.v, i.g, i.beta, initial_state=i.initial_state, output_final_state=True,
-      cu_seqlens=i.cu_seqlens, impl=impl, **kw))
+      cu_seqlens=i.cu_seqlens, impl=impl, config=config, **kw))
 
 
 def forward_errors(lens, gate, impls=("auto", "pallas", "reference")):
@@ -98,61 +99,31 @@ def forward_errors(lens, gate, impls=("auto", "pallas", "reference")):
     o, s = _forward(impl, kw)(inp)
     res[label] = {"o_rel": _rel(o, o_r), "final_rel": _rel(s, s_r), "finite": bool(jnp.isfinite(o).all())}
     if label == "auto":
-      wu = (o, s)
-      if pipeline.INVERSE_IN_STATE:          # the aligned path forms w, u: compare it with the same
-        wu = _flipped(inp, kw, "INVERSE_IN_STATE")
-        res["auto_inverse_in_state_vs_not"] = {"o": _rel(wu[0], o), "final": _rel(wu[1], s)}
-      res["auto_packed_vs_aligned"] = _packed_vs_aligned(inp, kw, wu)
-      res["auto_gate_intra_fused_vs_not"] = _switched(inp, kw, (o, s), "FUSE_GATE_INTRA")
+      # the aligned path forms w, u in the solve: compare it with the packed path doing the same
+      wu = _forward(None, kw, {"packed_forward": packed_forward_mgpu.Config(inverse_in_state=False)})(inp)
+      res["auto_inverse_in_state_vs_not"] = {"o": _rel(wu[0], o), "final": _rel(wu[1], s)}
+      aligned = _forward(None, kw, {"pipeline": planning.PipelineConfig(packed=False)})(inp)
+      res["auto_packed_vs_aligned"] = {"o": _rel(wu[0], aligned[0]), "final": _rel(wu[1], aligned[1])}
+      unfused = _forward(None, kw, {"packed_forward": packed_forward_mgpu.Config(fuse_gate_intra=False)})(inp)
+      res["auto_gate_intra_fused_vs_not"] = {"o": _rel(unfused[0], o), "final": _rel(unfused[1], s)}
       res["auto_no_states"] = _no_states(inp, kw, g_rec)
   return res
 
 
 def _no_states(inp, kw, g_rec):
   """impl=None without initial or final state (what a training step passes; many short sequences
-  then run segmented, kda.pipeline.SEGMENTED) against the recurrence from zero states."""
+  then run as segmented pieces, kda.padding.pieces) against the recurrence from zero states."""
   import kda
   o = jax.jit(lambda i: kda.chunk_kda(i.q, i.k, i.v, i.g, i.beta, cu_seqlens=i.cu_seqlens, **kw)[0])(inp)
   o_r = jax.jit(lambda i, g: reference.recurrent_kda(i.q, i.k, i.v, g, i.beta, cu_seqlens=i.cu_seqlens)[0])(inp, g_rec)
   plan = planning.make_plan(scale=inp.q.shape[-1] ** -0.5, chunk_size=64,
                             use_gate_in_kernel=kw.get("use_gate_in_kernel", False))
   N, HV = inp.cu_seqlens.shape[0] - 1, inp.v.shape[2]
-  seg = pipeline.segmented_takes(plan, contiguous=True, initial_state=None, output_final_state=False, N=N,
-                                 pieces=pipeline.segment_pieces(HV))
+  pc = plan.config("pipeline")
+  seg = bool(plan.members_select("packed_forward")) and pieces.takes(
+      pieces.count(HV, pc.segment_pieces, pc.segment_walks), contiguous=True, initial_state=None,
+      output_final_state=False, N=N, use_gate_in_kernel=kw.get("use_gate_in_kernel", False))
   return {"o_rel": _rel(o, o_r), "finite": bool(jnp.isfinite(o).all()), "segmented": bool(seg)}
-
-
-def _flipped(inp, kw, name):
-  """impl=None's (o, final_state) with the kda.pipeline switch `name` flipped."""
-  saved = getattr(pipeline, name)
-  setattr(pipeline, name, not saved)
-  try:
-    return _forward(None, kw)(inp)
-  finally:
-    setattr(pipeline, name, saved)
-
-
-def _switched(inp, kw, out, name):
-  """max |d| / max |ref| of impl=None's (o, final_state) with the kda.pipeline switch `name`
-  flipped against `out`: FUSE_GATE_INTRA (the gate -> intra group): 0 where it runs as it should (it
-  takes log-space gates only; elsewhere the same kernels run); INVERSE_IN_STATE (Ainv applied in the
-  state + output kernel): bf16 roundings of v_new apart."""
-  o, s = _flipped(inp, kw, name)
-  return {"o": _rel(o, out[0]), "final": _rel(s, out[1])}
-
-
-def _packed_vs_aligned(inp, kw, packed_out):
-  """max |d| / max |ref| of impl=None's (o, final_state) against the same kernels on the aligned
-  layout (pipeline.forward(packed=False)): 0 where the packed group runs as it should. The aligned
-  forward forms w, u in the solve, so packed_out must come with INVERSE_IN_STATE off."""
-  T = inp.q.shape[1]
-  plan = planning.make_plan(scale=inp.q.shape[-1] ** -0.5, chunk_size=64,
-                            use_gate_in_kernel=kw.get("use_gate_in_kernel", False))
-  f = jax.jit(lambda i: pipeline.forward(plan, padding.layout_from_cu_seqlens(i.cu_seqlens, T, 64), i.q, i.k, i.v,
-                                         i.g, i.beta, i.initial_state, kw.get("A_log"), kw.get("dt_bias"),
-                                         packed=False)[:2])
-  o, s = f(inp)
-  return {"o": _rel(packed_out[0], o), "final": _rel(packed_out[1], s)}
 
 
 def main(argv=None):

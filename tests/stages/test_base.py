@@ -1,11 +1,15 @@
-"""The Stage interface: the backends it names, impl selection, supports predicates and fallbacks."""
+"""The Stage interface: the backends it names, impl selection, supports predicates, fallbacks and
+configs carried by the plan."""
 from __future__ import annotations
+
+import dataclasses
+import types
 
 import numpy as np
 import pytest
 
 import kda
-from kda import pipeline, stages
+from kda import fused, stages
 from kda import plan as planning
 from kda.stages.base import IMPLS, Stage
 from tests import cases
@@ -16,76 +20,126 @@ def test_every_stage_is_a_package_with_its_backends():
     st = stages.get(name)
     pkg = getattr(stages, name)
     assert pkg.STAGE is st and pkg.NAME == name
-    assert st.reference is pkg.reference.apply
-    assert (st.pallas is None) == (not hasattr(pkg, "pallas"))
-    if st.pallas is not None:
-      assert st.pallas is pkg.pallas.apply
-    if st.mosaic_gpu is not None:
-      assert st.mosaic_gpu is pkg.mosaic_gpu.apply and st.supports == {"mosaic_gpu": pkg.mosaic_gpu.takes}
-    else:
-      assert st.supports is None and not hasattr(pkg, "mosaic_gpu")
-  assert "mosaic_gpu" in IMPLS
+    assert st.reference is pkg.reference
+    for impl in IMPLS[1:]:
+      assert (getattr(st, impl) is None) == (not hasattr(pkg, impl)), (name, impl)
+      mod = getattr(st, impl)
+      if mod is not None:
+        assert mod is getattr(pkg, impl) and callable(mod.apply)
+        if impl != "xla":
+          assert callable(getattr(mod, "supports", None)) or impl == "pallas", (name, impl)
+  for name, g in fused.GROUPS.items():
+    assert g.name == name and g.members and all(m in stages.names() for m in g.members)
 
 
-def test_supports_is_outside_equality_and_hash():
-  ref = lambda *a: None
-  a = Stage("x", reference=ref)
-  b = Stage("x", reference=ref, supports={"pallas": lambda *args, **kw: "no"})
-  assert a == b and hash(a) == hash(b)
-
-
-def test_impl_mosaic_gpu_runs_the_references_where_no_kernel_takes_the_call():
-  """impl="mosaic_gpu": every stage has the kernel (S5 since its kernel); they refuse this call
-  (chunk 16, float32), so the references run and the results are the reference's bit for bit; an
-  impl dict naming an implementation a stage lacks raises."""
+def test_impl_mosaic_gpu_falls_back_where_no_kernel_takes_the_call():
+  """impl="mosaic_gpu": every stage has the kernel; they refuse this call (chunk 16, float32), so
+  the xla / reference implementations run, bit for bit those of impl="xla"; an impl dict naming an
+  implementation a stage lacks raises."""
   plan = planning.make_plan(scale=1.0, chunk_size=16, impl="mosaic_gpu")
-  want = {n: "mosaic_gpu" if "mosaic_gpu" in stages.get(n).implementations() else "reference"
-          for n in stages.names()}
-  assert dict(plan.impls) == want
-  assert all(want[s.name] == "mosaic_gpu" for s in stages.FORWARD)
-  assert all(i == "mosaic_gpu" for i in want.values()), want
+  assert all(i == "mosaic_gpu" for i in dict(plan.impls).values()), plan.impls
   with pytest.raises(ValueError, match="stage 'bwd_dav' has no 'pallas' implementation"):
     planning.make_plan(scale=1.0, chunk_size=16, impl={"bwd_dav": "pallas"})
   inp = cases.make_inputs(0, lens=[20, 13], H=1, K=16, V=16)
   run = lambda impl: kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, cu_seqlens=inp.cu_seqlens,
                                    initial_state=inp.initial_state, output_final_state=True,
                                    chunk_size=16, impl=impl)
-  for got, want in zip(run("mosaic_gpu"), run("reference")):
+  for got, want in zip(run("mosaic_gpu"), run("xla")):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def _fake(tag):
-  def fn(*args, interpret=False, **kwargs):
-    return tag
-  return fn
+def _backend(tag, supports=None):
+  return types.SimpleNamespace(apply=lambda *args, interpret=False, **kw: tag, supports=supports)
 
 
-def test_impl_none_picks_mosaic_gpu_on_hopper_and_falls_back_when_refused(monkeypatch):
-  """impl=None: mosaic_gpu on sm_90 where a stage has it, pallas elsewhere on a GPU; a mosaic_gpu
-  kernel whose `supports` refuses the call gives way to pallas, then the reference; an impl dict
-  naming the stage turns the refusal into a ValueError with the predicate's reason."""
-  refuse = {"mosaic_gpu": lambda x, **kw: None if x == "ok" else f"mosaic_gpu takes 'ok', got {x!r}"}
-  st = Stage("state", reference=_fake("reference"), pallas=_fake("pallas"), mosaic_gpu=_fake("mosaic_gpu"),
-             supports=refuse)
+def test_impl_none_picks_by_platform_and_falls_back_when_refused(monkeypatch):
+  """impl=None: mosaic_gpu on sm_90 where a stage has it, pallas elsewhere on a GPU, mosaic_tpu on a
+  TPU, xla on a CPU; a kernel whose `supports` refuses the call gives way to the next backend of the
+  platform's order; an impl dict naming the stage turns the refusal into a ValueError with the
+  predicate's reason; a string impl falls back to xla, then the reference."""
+  refuse = lambda x, **kw: None if x == "ok" else f"mosaic_gpu takes 'ok', got {x!r}"
+  st = Stage("state", reference=_backend("reference"), pallas=_backend("pallas"),
+             mosaic_gpu=_backend("mosaic_gpu", refuse))
   monkeypatch.setitem(stages.STAGES, "state", st)
-  # every real stage with a pallas kernel has a mosaic_gpu one too: a fake pallas-only stage
-  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", reference=_fake("reference"), pallas=_fake("pallas")))
+  monkeypatch.setitem(stages.STAGES, "intra", Stage("intra", reference=_backend("reference"), pallas=_backend("pallas")))
   names = stages.names()
-  assert pipeline.default_impls(names, backend="gpu", hopper=True)["state"] == "mosaic_gpu"
-  assert pipeline.default_impls(names, backend="gpu", hopper=True)["intra"] == "pallas"
-  monkeypatch.setattr(pipeline, "DEVICE_UNVERIFIED", frozenset({"bwd_gate"}))
-  assert pipeline.default_impls(names, backend="gpu", hopper=True)["bwd_gate"] == "reference"
-  assert pipeline.default_impls(names, backend="gpu", hopper=True)["bwd_dav"] == "mosaic_gpu"
-  assert pipeline.default_impls(names, backend="gpu", hopper=False)["state"] == "pallas"
-  assert pipeline.default_impls(names, backend="cpu", hopper=True)["state"] == "reference"
-  auto = pipeline.Plan(1.0, 64, False, False, None, (("state", "mosaic_gpu"),), True)
+  assert planning.default_impls(names, "gpu", "sm90")["state"] == "mosaic_gpu"
+  assert planning.default_impls(names, "gpu", "sm90")["intra"] == "pallas"
+  assert planning.default_impls(names, "gpu", "sm90")["bwd_dav"] == "mosaic_gpu"
+  assert planning.default_impls(names, "gpu", "gpu")["state"] == "pallas"
+  assert planning.default_impls(names, "cpu", "cpu")["state"] == "reference"   # no xla here
+  assert planning.default_impls(names, "tpu", "v6e")["state"] == "reference"   # no mosaic_tpu, no xla
+  monkeypatch.setattr(planning, "platform_of", lambda device=None: ("gpu", "sm90"))
+  auto = planning.make_plan(scale=1.0, chunk_size=64)
   assert planning.run(auto, "state", "ok") == "mosaic_gpu"
   assert planning.run(auto, "state", "bad") == "pallas"
-  assert planning.choose(auto, "state", "bad") == "pallas"
   strict = planning.make_plan(scale=1.0, chunk_size=64, impl={"state": "mosaic_gpu"})
   assert planning.run(strict, "state", "ok") == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['state'\] = 'mosaic_gpu': mosaic_gpu takes 'ok', got 'bad'"):
     planning.run(strict, "state", "bad")
   loose = planning.make_plan(scale=1.0, chunk_size=64, impl="mosaic_gpu")
-  assert loose.impl("state") == "mosaic_gpu" and loose.impl("intra") == "reference"
-  assert planning.run(loose, "state", "bad") == "reference"      # a string: its backend or the reference
+  assert loose.impl("state") == "mosaic_gpu"
+  assert planning.run(loose, "state", "bad") == "reference"
+
+
+def test_triton_kernels_are_never_the_default_off_a_gpu():
+  """A TPU host must not pick the Triton kernels (their lowering fails there)."""
+  for platform, gen in (("tpu", "v5e"), ("tpu", "v7x"), ("cpu", "cpu")):
+    impls = planning.default_impls(stages.names(), platform, gen)
+    assert "pallas" not in impls.values() and "mosaic_gpu" not in impls.values(), (platform, impls)
+
+
+def test_plan_carries_a_config_per_backend_from_the_table():
+  plan = planning.make_plan(scale=1.0, chunk_size=64, impl="mosaic_gpu")
+  for name in stages.names():
+    for impl in stages.get(name).implementations():
+      cls = stages.get(name).config_type(impl)
+      assert (plan.config(name, impl) is None) == (cls is None), (name, impl)
+      if cls is not None:
+        assert isinstance(plan.config(name, impl), cls)
+  assert plan.config("pipeline") == planning.PipelineConfig()
+  hash(plan)
+
+
+def test_user_config_replaces_the_default_and_keys_the_plan():
+  from kda.stages.state import pallas as state_pallas
+  base = planning.make_plan(scale=1.0, chunk_size=64, impl="pallas")
+  cfg = state_pallas.Config(block_v=32)
+  plan = planning.make_plan(scale=1.0, chunk_size=64, impl="pallas", config={"state": cfg})
+  assert plan.config("state") is cfg and plan != base and hash(plan) != hash(base)
+  piped = planning.make_plan(scale=1.0, chunk_size=64, config={"pipeline": planning.PipelineConfig(packed=False)})
+  assert piped.config("pipeline").packed is False
+
+
+def test_config_for_a_backend_that_does_not_run_is_an_error():
+  from kda.stages.state import pallas as state_pallas
+  with pytest.raises(ValueError, match=r"config\['state'\] is Config of backend 'pallas', but 'state' runs 'mosaic_gpu'"):
+    planning.make_plan(scale=1.0, chunk_size=64, impl="mosaic_gpu", config={"state": state_pallas.Config()})
+  with pytest.raises(ValueError, match=r"config names unknown stage or group 'stat'"):
+    planning.make_plan(scale=1.0, chunk_size=64, config={"stat": state_pallas.Config()})
+  with pytest.raises(ValueError, match=r"config\['state_output'\] tunes the fused group 'state_output', which does not run"):
+    planning.make_plan(scale=1.0, chunk_size=64, impl={"state": "pallas", "output": "reference"},
+                       config={"state_output": fused.GROUPS["state_output"].config_type("mosaic_gpu")()})
+  with pytest.raises(ValueError, match=r"config\['pipeline'\] must be a kda.plan.PipelineConfig"):
+    planning.make_plan(scale=1.0, chunk_size=64, config={"pipeline": {"packed": False}})
+  with pytest.raises(TypeError, match="config must be None or a dict"):
+    planning.make_plan(scale=1.0, chunk_size=64, config=[1])
+
+
+def test_flipping_a_config_field_changes_the_program_and_keeps_the_result():
+  """The config is part of the plan, so of the jit key: the Triton state kernel in K slabs of 16
+  (block_k) lowers to another program than one slab, and computes the same output (interpreted)."""
+  from kda.stages.state import pallas as state_pallas
+  inp = cases.make_inputs(1, lens=[40, 17], H=1, K=32, V=32)
+  f = lambda cfg: kda.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, cu_seqlens=inp.cu_seqlens, chunk_size=16,
+                                impl={"state": "pallas"}, config={"state": cfg})
+  a, b = state_pallas.Config(block_k=32), state_pallas.Config(block_k=16)
+  text = lambda cfg: jax_text(lambda q: f(cfg)[0], inp.q)
+  assert text(a) != text(b)
+  np.testing.assert_allclose(np.asarray(f(a)[0]), np.asarray(f(b)[0]), rtol=1e-6, atol=1e-6)
+  assert dataclasses.replace(a, block_k=16) == b
+
+
+def jax_text(fn, *args):
+  import jax
+  return jax.jit(fn).lower(*args).as_text()

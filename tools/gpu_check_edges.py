@@ -1,0 +1,177 @@
+"""python -m tools.gpu_check_edges: head dims up to 256, float16, and NaN confinement, on the device.
+
+Two parts (--parts):
+  dims  chunk_kda forward + backward (impl=None) against the token recurrence for K, V in
+        {(256, 256), (128, 256), (256, 128)}, bf16 and f16, varlen (cu_seqlens [0, 100, 300, 1200,
+        3000, 4096]) and fixed length (B = 2), raw gates with safe_gate and lower_bound -5 (the varlen
+        case flash-linear-attention's tests run at K = V = 256): each output's error ratio
+        sqrt(mean(d^2)) / sqrt(mean(ref^2)) (FLA's measure) against --tol, and which backend each
+        stage ran.
+  nan   one non-finite value in one input (q, k, v, g, beta, do) at a token of one short sequence
+        among many (3000 sequences of 1-3 tokens: the segmented mode, sequences sharing chunks):
+        every other sequence's o and gradients must stay finite and equal to the run with that
+        value replaced by 0; the bad sequence must stay non-finite somewhere.
+Prints one JSON line per case and writes them to --out; exit status 1 if a check fails.
+CPU smoke run (kernels interpreted, small): --total 300 --parts nan --impl xla.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kda
+from kda.reference import recurrent_kda
+from kda.stages import gate as gate_stage
+
+DIMS = ((256, 256), (128, 256), (256, 128))
+CU = (0, 100, 300, 1200, 3000, 4096)
+
+
+def ratio(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want ** 2)), 1e-30))
+
+
+def _inputs(key, B, T, H, K, V, dtype):
+  ks = jax.random.split(key, 8)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (B, T, H, K))).astype(dtype)
+  k = unit(jax.random.normal(ks[1], (B, T, H, K))).astype(dtype)
+  v = jax.random.normal(ks[2], (B, T, H, V)).astype(dtype)
+  g = jax.random.normal(ks[3], (B, T, H, K), jnp.float32)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))).astype(dtype)
+  A_log = jax.random.uniform(ks[5], (H,), minval=-1.0, maxval=1.0)
+  dt_bias = 0.5 * jax.random.normal(ks[6], (H * K,))
+  do = jax.random.normal(ks[7], (B, T, H, V), jnp.float32)
+  return (q, k, v, g, beta), A_log, dt_bias, do
+
+
+def dims_case(K, V, dtype, varlen, tol, impl=None):
+  H = 4
+  B, T = (1, CU[-1]) if varlen else (2, CU[-1] // 2)
+  x, A_log, dt_bias, do = _inputs(jax.random.PRNGKey(K + 7 * V), B, T, H, K, V, dtype)
+  N = len(CU) - 1 if varlen else B
+  h0 = jax.random.normal(jax.random.PRNGKey(3), (N, H, K, V)) * 0.1
+  cu = jnp.asarray(CU, jnp.int32) if varlen else None
+  gkw = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+
+  def loss(fn, x, A_log, dt_bias, h0):
+    o, ht = fn(x, A_log, dt_bias, h0)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht), (o, ht)
+
+  def ours(x, A_log, dt_bias, h0):
+    return kda.chunk_kda(*x, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
+                         cu_seqlens=cu, impl=impl, **gkw)
+
+  def truth(x, A_log, dt_bias, h0):
+    q, k, v, g, beta = (a.astype(jnp.float32) for a in x)
+    ga = gate_stage.activate(g, A_log, dt_bias, use_gate_in_kernel=True, lower_bound=-5.0)
+    if cu is None:
+      outs = [recurrent_kda(q[b:b + 1], k[b:b + 1], v[b:b + 1], ga[b:b + 1], beta[b:b + 1], initial_state=h0[b:b + 1],
+                            output_final_state=True) for b in range(B)]
+      return jnp.concatenate([o for o, _ in outs]), jnp.concatenate([s for _, s in outs])
+    return recurrent_kda(q, k, v, ga, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+
+  grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2, 3), has_aux=True))
+  (g_got, (o, ht)) = grad(ours)(x, A_log, dt_bias, h0)
+  (g_want, (o_r, ht_r)) = grad(truth)(x, A_log, dt_bias, h0)
+  errs = {"o": ratio(o, o_r), "ht": ratio(ht, ht_r)}
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_got[0], g_want[0]):
+    errs[name] = ratio(a, b)
+  errs.update(dA_log=ratio(g_got[1], g_want[1]), ddt_bias=ratio(g_got[2], g_want[2]), dh0=ratio(g_got[3], g_want[3]))
+  plan = kda.plan.make_plan(scale=K ** -0.5, chunk_size=64, use_gate_in_kernel=True, lower_bound=-5.0, impl=impl,
+                            dtype=dtype, K=K, V=V)
+  ok = all(np.isfinite(e) and e <= tol for e in errs.values())
+  return {"case": f"dims K{K} V{V} {jnp.dtype(dtype).name} {'varlen' if varlen else 'fixed'}", "ok": ok,
+          "errors": errs, "impls": dict(plan.impls)}
+
+
+def nan_case(where, total, impl=None):
+  rng = np.random.default_rng(0)
+  lens = []
+  while sum(lens) < total:
+    lens.append(int(rng.integers(1, 4)))
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  T, H, K = int(cu[-1]), 4, 128
+  x, _, _, do = _inputs(jax.random.PRNGKey(1), 1, T, H, K, K, jnp.bfloat16)
+  x = list(x)
+  x[3] = jax.nn.log_sigmoid(x[3]) / 16                  # log-space gates (the segmented mode takes them)
+  bad_seq = len(lens) // 3
+  tok = int(cu[bad_seq])
+  seq_of = np.searchsorted(cu, np.arange(T), side="right") - 1
+  cuj = jnp.asarray(cu)
+
+  @jax.jit
+  def run(x, do):
+    def loss(x):
+      o = kda.chunk_kda(*x, cu_seqlens=cuj, impl=impl)[0]
+      return jnp.sum(o.astype(jnp.float32) * do), o
+    grads, o = jax.grad(loss, has_aux=True)(x)
+    return o, grads
+
+  def put(value):
+    xs, d = list(x), do
+    if where == "do":
+      d = do.at[0, tok].set(value)
+    else:
+      i = ("q", "k", "v", "g", "beta").index(where)
+      xs[i] = xs[i].at[0, tok].set(jnp.asarray(value, xs[i].dtype))
+    return run(xs, d)
+
+  bad, zero = put(jnp.nan), put(0.0)
+  other = seq_of != bad_seq
+  res = {"case": f"nan in {where}", "sequences": len(lens), "T": T}
+  ok = True
+  for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (bad[0], *bad[1]), (zero[0], *zero[1])):
+    a, b = np.asarray(a, np.float32)[0], np.asarray(b, np.float32)[0]
+    finite = np.isfinite(a.reshape(T, -1)).all(axis=1)
+    leaked = sorted(set(seq_of[~finite & other].tolist()))
+    same = bool(np.array_equal(a[other], b[other]))
+    res[name] = {"other_sequences_nonfinite": len(leaked), "others_equal_zero_run": same,
+                 "bad_sequence_nonfinite": bool((~finite[~other]).any())}
+    ok &= not leaked and same
+  res["bad_sequence_nonfinite"] = any(res[n]["bad_sequence_nonfinite"] for n in ("o", "dq", "dk", "dv", "dg", "dbeta"))
+  res["ok"] = bool(ok and res["bad_sequence_nonfinite"])
+  return res
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--parts", default="dims,nan")
+  p.add_argument("--dtypes", default="bfloat16,float16")
+  p.add_argument("--tol", type=float, default=0.008, help="max error ratio (FLA's varlen test: 0.005-0.015)")
+  p.add_argument("--total", type=int, default=7000, help="tokens of the NaN case")
+  p.add_argument("--impl", default=None, help="chunk_kda's impl (default: None, the platform's choice)")
+  p.add_argument("--out")
+  a = p.parse_args(argv)
+  rows = []
+  if "dims" in a.parts:
+    for dt in a.dtypes.split(","):
+      for K, V in DIMS:
+        for varlen in (True, False):
+          try:
+            rows.append(dims_case(K, V, jnp.dtype(dt), varlen, a.tol, a.impl))
+          except Exception as e:  # noqa: BLE001 - report and go on
+            rows.append({"case": f"dims K{K} V{V} {dt} {'varlen' if varlen else 'fixed'}", "ok": False,
+                         "error": f"{type(e).__name__}: {e}"[:400]})
+          print(json.dumps(rows[-1]), flush=True)
+  if "nan" in a.parts:
+    for where in ("q", "k", "v", "g", "beta", "do"):
+      try:
+        rows.append(nan_case(where, a.total, a.impl))
+      except Exception as e:  # noqa: BLE001
+        rows.append({"case": f"nan in {where}", "ok": False, "error": f"{type(e).__name__}: {e}"[:400]})
+      print(json.dumps(rows[-1]), flush=True)
+  if a.out:
+    with open(a.out, "w") as fh:
+      json.dump(rows, fh, indent=1)
+  return 0 if all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
