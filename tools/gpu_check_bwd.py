@@ -7,7 +7,6 @@ cases, H = 16, K = V = 128 by default):
      the recorded reference output: max |d| / max |ref| per field, and the median ms of both;
   3. jax.grad of sum(o * do) with impl="mosaic_gpu" against impl="reference" (max relative error
      per gradient) and both timed.
-Exit status 1 if a kernel disagrees with its reference beyond the tolerances.
 `--interpret --total 256 --heads 1 --head-dim 64` runs it in the simulator on a CPU (a smoke run).
 Writes everything to --out as JSON; exit status 1 if a check fails (a field above --tol).
 """
