@@ -235,7 +235,7 @@ def tpu_section(files) -> list[str]:
     cols = []
     for x in rows:
       cols += [c for c, v in x.items() if c not in cols and not isinstance(v, (dict, list))]
-    fmt = lambda v: num(v, 3 if abs(v) < 1000 else 0) if isinstance(v, float) else ("-" if v is None else v)
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else v)
     lines += table(cols, [[fmt(x.get(c)) for c in cols] for x in rows]) if rows else ["No rows.", ""]
   return lines
 
