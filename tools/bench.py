@@ -292,6 +292,27 @@ def device_peak_mb():
   return None if peak is None else peak / 2**20
 
 
+def run_info():
+  """What identifies a run: the commit (with "-dirty" when the tree had changes), the device, the
+  versions. tools.perf_report names every figure by it."""
+  import datetime
+  import os
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, timeout=30)
+  try:
+    commit = git("rev-parse", "HEAD").stdout.strip() or None
+    if commit and git("status", "--porcelain", "--untracked-files=no").stdout.strip():
+      commit += "-dirty"
+  except (OSError, subprocess.SubprocessError):
+    commit = None
+  dev = jax.devices()[0]
+  return {"commit": commit, "device": dev.device_kind, "platform": dev.platform,
+          "device_count": jax.device_count(), "jax": jax.__version__,
+          "kda": getattr(kda, "__version__", None),
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
 def peer_figures(path):
   """FLA's JSON (fla_bench.py --out): {"A:plain": {"fwd_ms_median", "fwdbwd_ms_median", ...}}."""
   with open(path) as fh:
@@ -383,7 +404,7 @@ def main(argv=None):
       print(f"  {label:34s} {ms if isinstance(ms, str) else f'{ms:8.3f}'}")
   if a.out:
     with open(a.out, "w") as fh:
-      json.dump({"rows": rows, "stages": pieces, "fla": fla, "jla": jla}, fh, indent=1)
+      json.dump({"run": run_info(), "rows": rows, "stages": pieces, "fla": fla, "jla": jla}, fh, indent=1)
   return 0
 
 

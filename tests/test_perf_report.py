@@ -1,0 +1,88 @@
+"""tools.perf_report: docs/performance.md from benchmark JSON (the example files in tests/data/perf)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import shutil
+
+import pytest
+
+from tools import perf_report
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "perf"
+
+
+def report(tmp_path, folder, png=True):
+  out, chart = tmp_path / "docs" / "performance.md", tmp_path / "docs" / "performance.png"
+  argv = ["--dir", str(folder), "--out", str(out), "--png", str(chart) if png else ""]
+  assert perf_report.main(argv) == 0
+  return out, chart, argv
+
+
+def section(page, title):
+  """The lines of the table under heading `title` (up to the next heading)."""
+  part = page.split(f"### {title}\n", 1)[1].split("\n#", 1)[0]
+  return [l for l in part.splitlines() if l.startswith("| ")]
+
+
+def test_tables_against_the_peers(tmp_path):
+  out, _, _ = report(tmp_path, DATA, png=False)
+  page = out.read_text()
+  assert "## Run example on NVIDIA H200" in page
+  assert "- FLA: device NVIDIA H200, fla 0.6.0" in page
+  # jla's ms embedded by tools.bench, its memory and compile figures from jla.json beside it
+  assert "(`jla.json`; embedded by tools.bench)" in page
+  fwd = section(page, "Forward, ms (median)")
+  assert "| A:plain | auto | 1.601 | 1.890 | 1.630 | 0.98 |" in fwd       # 1.601 / min(1.89, 1.63)
+  assert "| B:plain | auto | 1.704 | 2.110 | 2.040 | 0.84 |" in fwd
+  fb = section(page, "Forward + backward, ms (median)")
+  assert "| C:plain | auto | 8.423 | 9.580 | 6.240 | 1.35 |" in fb
+  mem = section(page, "Memory, MiB")
+  assert "| A:plain | auto | 864 | 2840 | 4410 | 3605 | 2150 |" in mem
+  assert "| B:plain | auto | - | 2845 | - | 3840 | 2150 |" in mem
+  assert "| A:plain | auto | 10.5 | 29.0 | 6.0 | 14.0 | - | - |" in section(page, "Compile, s")
+  assert "| A:gate_safe | auto | ValueError: an example of a failed case |" in section(page, "Failed cases")
+  assert "| intra (mosaic_gpu) | 1.300 |" in section(page, "Pieces of the default forward, A:plain, ms (each jitted apart)")
+  assert "| bwd_intra (mosaic_gpu) | 2.490 |" in section(page, "Pieces of the default backward, A:plain, ms (each jitted apart)")
+  tpu = page.split("## TPU: ahead-of-time compiles\n", 1)[1]
+  assert "| state | f32 | v7x | an example of a refused compile | 2 | 70 | 57.6 | 64 | - | - | 0.4 |" in tpu
+  assert "performance.png" not in page
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the [plot] extra")
+def test_chart_and_check(tmp_path):
+  out, chart, argv = report(tmp_path, DATA)
+  assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "![forward and forward + backward of the newest run" in out.read_text()
+  assert perf_report.main(argv + ["--check"]) == 0
+  out.write_text(out.read_text().replace("1.601", "1.600"))
+  assert perf_report.main(argv + ["--check"]) == 1
+
+
+def test_newest_run_first_and_unknown_files(tmp_path):
+  folder = tmp_path / "benchmarks"
+  shutil.copytree(DATA, folder / "new")
+  older = (DATA / "kda.json").read_text().replace("2026-12-03T00:00:00Z", "2026-11-01T00:00:00Z")
+  (folder / "old").mkdir()
+  (folder / "old" / "kda.json").write_text(older.replace('"commit": "example"', '"commit": "older"'))
+  (folder / "notes.json").write_text('{"something": 1}')
+  out, _, _ = report(tmp_path, folder, png=False)
+  page = out.read_text()
+  assert page.index("## Run example on") < page.index("## Run older on")
+  # the older run's folder has no peer files: only what tools.bench embedded
+  old = page.split("## Run older on", 1)[1]
+  assert "- FLA: no figures for this run" in old and "| A:plain | auto | 1.601 | - | 1.630 | 0.98 |" in old
+  assert "| `notes.json` | not a benchmark file |" in page
+
+
+def test_no_benchmarks(tmp_path):
+  chart = tmp_path / "docs" / "performance.png"
+  chart.parent.mkdir()
+  chart.write_bytes(b"stale")
+  out, chart, _ = report(tmp_path, tmp_path / "benchmarks")
+  assert "No benchmark JSON is committed yet" in out.read_text() and not chart.exists()
+
+
+def test_committed_page_is_generated():
+  """docs/performance.md is what `python -m tools.perf_report` makes of benchmarks/."""
+  assert perf_report.main(["--check"]) == 0, "run python -m tools.perf_report and commit the page"
