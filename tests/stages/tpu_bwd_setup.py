@@ -1,0 +1,133 @@
+"""Inputs of the backward stages for the Mosaic TPU kernels' tests (TPU interpret mode on CPU).
+
+`case(...)` builds one aligned varlen layout (lens with a 1-token sequence, a partial chunk, an empty
+sequence, and a tail chunk past aligned_cu[-1]), random inputs that are zero at padding as the
+padding layer leaves them, and chains the stage references S0 -> S4 on them, so every stage's kernel
+is compared with its reference on the inputs the pipeline would hand it. bf16 cases round q, k, v,
+do (and Aqk, as the forward kernels store it) to bf16; the references take the same values.
+Gates: "ordinary" (log gates in (-1, 0)), "extreme" (-1e4, -inf, -30 and -5 sprinkled in one head:
+gc floored at -128 per token, reaching about -8000 in a chunk).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from kda import padding
+from kda.stages import bwd_dav, bwd_dh, bwd_intra, bwd_recompute, bwd_wy, gate, intra
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+LENS = (1, 70, 0, 37)        # a 1-token sequence, a partial second chunk, an empty one, a partial chunk
+INTERPRET = pltpu.InterpretParams()
+
+
+class Case(NamedTuple):
+  BT: int
+  scale: float
+  valid: jax.Array        # [1, Ta] bool
+  acu: jax.Array          # [N+1] int32
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  g: jax.Array            # raw gates (already activated: use_gate_in_kernel=False)
+  beta: jax.Array
+  h0: jax.Array
+  Aqk: jax.Array
+  Ainv: jax.Array
+  do: jax.Array
+  dht: jax.Array
+  rc: bwd_recompute.Out
+  av: bwd_dav.Out
+  ds: bwd_dh.Out
+  wy: bwd_wy.Out
+  it: bwd_intra.Out
+
+
+def layout(lens, BT, tail_chunks=1):
+  lens = np.asarray(lens, np.int64)
+  acu = np.concatenate([[0], np.cumsum(-(-lens // BT) * BT)]).astype(np.int32)
+  Ta = int(acu[-1]) + tail_chunks * BT
+  valid = np.zeros(Ta, bool)
+  for n, L in enumerate(lens):
+    valid[acu[n]:acu[n] + L] = True
+  return jnp.asarray(valid)[None], jnp.asarray(acu), Ta
+
+
+@functools.lru_cache(maxsize=None)
+def case(HV=2, K=64, V=64, BT=64, dtype="f32", gates="ordinary", lens=LENS, seed=0) -> Case:
+  dt = {"f32": F32, "bf16": BF16}[dtype]
+  valid, acu, Ta = layout(lens, BT)
+  rng = np.random.default_rng(seed)
+  m = np.asarray(valid)[0][None, :, None, None]
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = (unit(rng.standard_normal((1, Ta, HV, K))) for _ in range(2))
+  v = rng.standard_normal((1, Ta, HV, V))
+  g = -0.99 / (1.0 + np.exp(1.0 - rng.standard_normal((1, Ta, HV, K))))
+  if gates == "extreme":
+    hit = rng.random((1, Ta, 1, K))
+    pick = np.asarray([-1e4, -np.inf, -30.0, -5.0], np.float32)[rng.integers(0, 4, (1, Ta, 1, K))]
+    g[:, :, :1] = np.where(hit < 0.1, pick, g[:, :, :1])
+  beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((1, Ta, HV))))
+  N = len(lens)
+  h0 = 0.5 * rng.standard_normal((N, HV, K, V))
+  do = rng.standard_normal((1, Ta, HV, V))
+  dht = rng.standard_normal((N, HV, K, V))
+  z = lambda x: jnp.asarray(np.where(m, x, 0.0))
+  q, k, v, do = (z(x).astype(dt) for x in (q, k, v, do))
+  g = jnp.where(valid[:, :, None, None], jnp.asarray(g, F32), padding.NEUTRAL_GATE)
+  beta = jnp.asarray(np.where(m[..., 0], beta, 0.0), F32)
+  h0, dht = jnp.asarray(h0, F32), jnp.asarray(dht, F32)
+  scale = K ** -0.5
+  return _chain(BT, scale, valid, acu, q, k, v, g, beta, h0, do, dht)
+
+
+def _chain(BT, scale, valid, acu, q, k, v, g, beta, h0, do, dht):
+  @jax.jit
+  def run(valid, acu, q, k, v, g, beta, h0, do, dht):
+    gt = gate.reference.apply(g, valid, None, None, chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
+    fw = intra.reference.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, scale=scale, chunk_size=BT)
+    Aqk = fw.Aqk.astype(q.dtype)           # bf16 from the forward kernels with bf16 inputs
+    rc = bwd_recompute.reference.apply(q, k, v, g, beta, valid, None, None, fw.Ainv, h0, acu, chunk_size=BT,
+                                       use_gate_in_kernel=False, lower_bound=None)
+    av = bwd_dav.reference.apply(rc.v_new, Aqk, do, acu, chunk_size=BT)
+    gc = (rc.gc_int, rc.gc_frac)
+    ds = bwd_dh.reference.apply(rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, acu, scale=scale,
+                                chunk_size=BT)
+    wy = bwd_wy.reference.apply(q, k, v, beta, *gc, fw.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, acu,
+                                chunk_size=BT)
+    it = bwd_intra.reference.apply(q, k, beta, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, acu,
+                                   scale=scale, chunk_size=BT)
+    return Aqk, fw.Ainv, rc, av, ds, wy, it
+  Aqk, Ainv, rc, av, ds, wy, it = run(valid, acu, q, k, v, g, beta, h0, do, dht)
+  return Case(BT, scale, valid, acu, q, k, v, g, beta, h0, Aqk, Ainv, do, dht, rc, av, ds, wy, it)
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  scale = max(float(np.max(np.abs(want))), 1e-30) if want.size else 1.0
+  return float(np.max(np.abs(got - want))) / scale if want.size else 0.0
+
+
+def close(name, got, want, tol):
+  """max|got - want| <= tol * max|want| (gradients span magnitudes), and finite where want is."""
+  got = np.asarray(jnp.asarray(got, F32))
+  want = np.asarray(jnp.asarray(want, F32))
+  assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+  assert np.all(np.isfinite(got) == np.isfinite(want)), f"{name}: non-finite where the reference is finite"
+  err = rel_err(got, want)
+  assert err <= tol, f"{name}: max|d| / max|ref| = {err:.2e} > {tol}"
+  return err
+
+
+# Mosaic lowering for a TPU without libtpu (TPU.md section 4): the count of Mosaic kernels
+def lower_tpu(fn, *args, device_kind="TPU v6 lite"):
+  dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+  specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
+  return text.count("stablehlo.custom_call @tpu_custom_call")
