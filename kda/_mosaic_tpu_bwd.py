@@ -2,9 +2,9 @@
 
 Layout. The stages' arrays are token-major [1, Ta, HV, D]; a TPU block must keep D on the 128 lanes
 and tokens on the sublanes, which the heads in between forbid (kda's (None, BT, None, D) blocks do
-not lower). The launchers transpose to head-first [HV, Ta, D] (per-token scalars to [HV, Ta, 1],
-per-chunk rows to [NTa, HV, 1, D]) and back; kernels take MB heads per program as (MB, BT, D) blocks
-and loop over them with a fori_loop, so the live values are one head's.
+not lower). The launchers transpose to head-first [HV, Ta, D] and back (per-chunk rows and per-token
+scalars to head groups, `rows_in`); kernels take MB heads per program as (MB, BT, D) blocks and loop
+over them with a fori_loop, so the live values are one head's.
 
 VMEM. Every pipelined block is double-buffered; `block_bytes` pads a block's last two dims to the
 dtype's (sublane, 128-lane) tile. A kernel's need is 2 * blocks + scratch + an allowance for one
@@ -113,32 +113,73 @@ def exact(a, b, dims):
 # ---- layouts -------------------------------------------------------------------------------------
 
 def head_first(x):
-  """[1, Ta, HV, D] -> [HV, Ta, D]; [1, Ta, HV] -> [HV, Ta, 1]."""
-  x = x[0]
-  if x.ndim == 2:
-    x = x[..., None]
-  return jnp.transpose(x, (1, 0, 2))
+  """[1, Ta, HV, D] -> [HV, Ta, D]."""
+  return jnp.transpose(x[0], (1, 0, 2))
 
 
-def token_major(x, scalar=False):
-  """[HV, Ta, D] -> [1, Ta, HV, D] ([1, Ta, HV] for scalar=True, from [HV, Ta, 1])."""
-  x = jnp.transpose(x, (1, 0, 2))[None]
-  return x[..., 0] if scalar else x
+def token_major(x):
+  """[HV, Ta, D] -> [1, Ta, HV, D]."""
+  return jnp.transpose(x, (1, 0, 2))[None]
 
 
-def chunk_rows(x):
-  """Per-chunk rows [1, NTa, HV, D] -> [NTa, HV, 1, D] (a (None, MB, 1, D) block: full last dims)."""
-  return x[0][:, :, None, :]
+# Per-chunk rows ([1, NTa, HV, D]) and per-token scalars ([1, Ta, HV]) go in groups of MB heads,
+# [HV / MB, NTa, MB, D] and [HV / MB, NTa, MB, BT], read as (None, None, MB, D) blocks: the last
+# two dims are the array's, so any MB lowers, and HBM pads (MB, D) to (8, 128) tiles only (a
+# [HV, Ta, 1] layout would pad every scalar to 128 lanes). Kernels read head m's row with
+# ref[pl.ds(m, 1), :] and turn rows into columns with `to_col`.
+
+def rows_in(x, MB):
+  """[1, NTa, HV, D] -> [HV / MB, NTa, MB, D]."""
+  _, NTa, HV, D = x.shape
+  return jnp.transpose(x[0].reshape(NTa, HV // MB, MB, D), (1, 0, 2, 3))
 
 
-def rows_out(x):
-  """[NTa, HV, 1, D] -> [1, NTa, HV, D]."""
-  return x[:, :, 0, :][None]
+def rows_out(y):
+  """[HV / MB, NTa, MB, D] -> [1, NTa, HV, D]."""
+  G, NTa, MB, D = y.shape
+  return jnp.transpose(y, (1, 0, 2, 3)).reshape(1, NTa, G * MB, D)
 
 
-def token_blocks(MB, BT, D, head_axis=0, chunk=None):
-  """BlockSpec of a head-first [HV, Ta, D] array: MB heads, one chunk (chunk(c) maps the grid's
-  chunk index, e.g. reversed), for grids (heads, chunks) with any scalar-prefetch refs after."""
+def scalars_in(x, MB, BT):
+  """[1, Ta, HV] -> [HV / MB, NTa, MB, BT]."""
+  _, Ta, HV = x.shape
+  return jnp.transpose(x[0].reshape(Ta // BT, BT, HV // MB, MB), (2, 0, 3, 1))
+
+
+def scalars_out(y):
+  """[HV / MB, NTa, MB, BT] -> [1, Ta, HV]."""
+  G, NTa, MB, BT = y.shape
+  return jnp.transpose(y, (1, 3, 0, 2)).reshape(1, NTa * BT, G * MB)
+
+
+def group_block(MB, D, chunk=None):
+  """The (None, None, MB, D) block of a grouped array, for grids (head group, chunk, *prefetch)."""
+  chunk = chunk or (lambda c, *_: c)
+  return pl.BlockSpec((None, None, MB, D), lambda h, c, *s: (h, chunk(c, *s), 0, 0))
+
+
+def head_row(ref, m):
+  """Head m's [1, D] row of a (MB, D) grouped block."""
+  return ref[pl.ds(m, 1), :]
+
+
+def to_col(row):
+  """[1, n] -> [n, 1], exactly (a diagonal select and a lane reduction: no transpose)."""
+  n = row.shape[-1]
+  eye = tri(n, lambda r, c: r == c) > 0
+  return jnp.sum(jnp.where(eye, row, 0.0), axis=1, keepdims=True)
+
+
+def to_row(col):
+  """[n, 1] -> [1, n], exactly (a diagonal select and a sublane reduction)."""
+  n = col.shape[0]
+  eye = tri(n, lambda r, c: r == c) > 0
+  return jnp.sum(jnp.where(eye, col, 0.0), axis=0, keepdims=True)
+
+
+def token_block(MB, BT, D, chunk=None):
+  """The (MB, BT, D) block of a head-first [HV, Ta, D] array (chunk(c, *prefetch) maps the grid's
+  chunk index, e.g. reversed), for grids (head group, chunk, *prefetch)."""
   chunk = chunk or (lambda c, *_: c)
   return pl.BlockSpec((MB, BT, D), lambda h, c, *s: (h, chunk(c, *s), 0))
 

@@ -21,8 +21,8 @@ blocks of [N, HV, K, V] picked by that map. Empty sequences own no chunk: their 
 select outside the kernel (as are the rows of a sequence whose block the kernel never wrote).
 
 Blocks (head-first, MB heads): qg, kg, w, dqg, dkg, dw (MB, BT, K); v_new, do, dv, du (MB, BT, V);
-h (MB, K, V) straight from S0's [1, NTa, HV, K, V]; exp(gc_last) as a column (MB, K, 1) and
-dgc_last out as a column (MB, K, 1) ([NTa, HV, K, 1]: a free reshape to [1, NTa, HV, K]).
+h (MB, K, V) straight from S0's [1, NTa, HV, K, V]; exp(gc_last) in and dgc_last out as head-group
+rows (MB, K) (kda._mosaic_tpu_bwd.rows_in), turned into columns and back in VMEM.
 Precision: bf16 do -> bf16 MXU operands with float32 accumulation (dS stays float32 in VMEM);
 float32 do -> HIGHEST.
 """
@@ -52,8 +52,8 @@ def vmem_need(MB, K, V, BT, dtypes) -> int:
   qg, kg, w, vn, do, dv = dtypes
   b = T.block_bytes
   ins = (b((MB, BT, K), qg) + b((MB, BT, K), kg) + b((MB, BT, K), w) + b((MB, BT, V), vn)
-         + b((MB, BT, V), do) + b((MB, BT, V), dv) + 2 * b((MB, K, V), T.F32) + b((MB, K, 1), T.F32))
-  outs = b((MB, BT, V), T.F32) + 3 * b((MB, BT, K), T.F32) + b((MB, K, 1), T.F32) + b((MB, K, V), T.F32)
+         + b((MB, BT, V), do) + b((MB, BT, V), dv) + 2 * b((MB, K, V), T.F32) + b((MB, K), T.F32))
+  outs = b((MB, BT, V), T.F32) + 3 * b((MB, BT, K), T.F32) + b((MB, K), T.F32) + b((MB, K, V), T.F32)
   work = 6 * b((max(BT, K), max(K, V)), T.F32)     # one head's dS_next, products, operand casts
   return 2 * (ins + outs) + b((MB, K, V), T.F32) + work
 
@@ -128,8 +128,9 @@ def _kernel(seq_ref, flag_ref, *refs, MB, NT, scale, low, has_dht, has_dh0):
     seed = dht_r[m] if has_dht else jnp.zeros(dS_r.shape[1:], T.F32)
     dSn = jnp.where(last, seed, jnp.where(owned, dS_r[m], 0.0))
     du, dqg, dkg, dw, dgl, dS = dh_step(h_r[m], dSn, qg_r[m], kg_r[m], w_r[m], vn_r[m], do_r[m], dv_r[m],
-                                        dec_r[m], scale=scale, low=low)
-    du_r[m], dqg_r[m], dkg_r[m], dw_r[m], dgl_r[m] = du, dqg, dkg, dw, dgl
+                                        T.to_col(T.head_row(dec_r, m)), scale=scale, low=low)
+    du_r[m], dqg_r[m], dkg_r[m], dw_r[m] = du, dqg, dkg, dw
+    dgl_r[pl.ds(m, 1), :] = T.to_row(dgl)
     dS_r[m] = dS
     if has_dh0:
       @pl.when(first)
@@ -151,19 +152,19 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   low = jnp.dtype(do.dtype) == jnp.dtype(T.BF16)
   has_dht, has_dh0 = not dht_zero and N > 0, need_dh0 and N > 0
   seq, flags = T.chunk_flags(aligned_cu, NTa, BT)
-  dec = chunk_decay(gc_int, gc_frac, BT)[..., None]                 # [NTa, HV, K, 1]
+  dec = T.rows_in(chunk_decay(gc_int, gc_frac, BT)[None], MB)       # [HV / MB, NTa, MB, K]
   rev = lambda c: NTa - 1 - c                                         # grid step -> chunk
   tok = lambda D: pl.BlockSpec((MB, BT, D), lambda hb, c, s, f: (hb, rev(c), 0))
-  per_chunk = lambda *tail: pl.BlockSpec((None, MB) + tail, lambda hb, c, s, f: (rev(c), hb) + (0,) * len(tail))
+  row = T.group_block(MB, K, lambda c, *_: rev(c))
   state = pl.BlockSpec((None, MB, K, V), lambda hb, c, s, f: (s[rev(c)], hb, 0, 0))
   hblk = pl.BlockSpec((None, None, MB, K, V), lambda hb, c, s, f: (0, rev(c), hb, 0, 0))
-  in_specs = [tok(K), tok(K), tok(K), hblk, tok(V), tok(V), tok(V), per_chunk(K, 1)] + [state] * has_dht
+  in_specs = [tok(K), tok(K), tok(K), hblk, tok(V), tok(V), tok(V), row] + [state] * has_dht
   args = [T.head_first(x) for x in (qg, kg, w)] + [h] + [T.head_first(x) for x in (v_new, do, dv)] + [dec]
   args += [dht.astype(T.F32)] * has_dht
   out_shape = ([jax.ShapeDtypeStruct((N, HV, K, V), T.F32)] * has_dh0
                + [jax.ShapeDtypeStruct((HV, Ta, V), T.F32)] + [jax.ShapeDtypeStruct((HV, Ta, K), T.F32)] * 3
-               + [jax.ShapeDtypeStruct((NTa, HV, K, 1), T.F32)])
-  out_specs = [state] * has_dh0 + [tok(V), tok(K), tok(K), tok(K), per_chunk(K, 1)]
+               + [jax.ShapeDtypeStruct((HV // MB, NTa, MB, K), T.F32)])
+  out_specs = [state] * has_dh0 + [tok(V), tok(K), tok(K), tok(K), row]
   nbytes = sum(x.size * x.dtype.itemsize for x in args) + sum(4 * o.size for o in out_shape)
   outs = pl.pallas_call(
       functools.partial(_kernel, MB=MB, NT=NTa, scale=scale, low=low, has_dht=has_dht, has_dh0=has_dh0),
@@ -184,4 +185,4 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   elif need_dh0:
     dh0 = dht.astype(T.F32)
   return Out(dh0, T.token_major(du), T.token_major(dqg), T.token_major(dkg), T.token_major(dw),
-             dgl[..., 0][None])
+             T.rows_out(dgl))
