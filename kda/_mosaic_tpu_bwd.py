@@ -9,8 +9,11 @@ over them with a fori_loop, so the live values are one head's.
 VMEM. Every pipelined block is double-buffered; `block_bytes` pads a block's last two dims to the
 dtype's (sublane, 128-lane) tile. A kernel's need is 2 * blocks + scratch + an allowance for one
 head's intermediates; `heads_per_program` takes the largest divisor of HV whose need fits the
-budget (0.9 x VMEM per TensorCore, `vmem_capacity`), and the kernels ask for that need as
-`vmem_limit_bytes`.
+budget (0.9 x VMEM per TensorCore of the generation, kda._mosaic_tpu's table), and the kernels set
+vmem_limit_bytes from the need as the forward's do.
+
+Not padded: K, V stay as given in the lane dim (a full-dim block of 64 lanes lowers; HBM tiles pad
+it to 128 lanes either way, so the bytes moved are the same).
 
 Precision (the dtype policy). `mm(a, b, dims, low)`: with low (bf16 inputs) the operands are rounded
 to bf16 here and multiplied at DEFAULT (one MXU pass, float32 accumulation), so the TPU interpreter,
@@ -19,72 +22,54 @@ HIGHEST. Cumulative sums are dots with triangular 0/1 matrices at HIGHEST in bot
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+
+from kda import _mosaic_tpu as _mt
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HI = lax.Precision.HIGHEST
 NN = (((1,), (0,)), ((), ()))   # a @ b
 NT = (((1,), (1,)), ((), ()))   # a @ b^T
 TN = (((0,), (0,)), ((), ()))   # a^T @ b
-DEFAULT_VMEM = 64 << 20         # off a TPU (interpret mode, tests): v7x's, the smallest per core
-BUDGET = 0.9                    # of VMEM per TensorCore, for blocks + scratch + intermediates
-LANES = 128
+interpret_params = _mt.interpret_params   # True -> pltpu.InterpretParams() (the TPU interpreter)
 
 
-def vmem_capacity() -> int:
-  """VMEM bytes per TensorCore of the TPU being compiled for (the abstract mesh's device under an
-  AOT compile), DEFAULT_VMEM when tracing for no TPU."""
-  try:
-    return int(pltpu.get_tpu_info().vmem_capacity_bytes)
-  except Exception:  # noqa: BLE001  not a TPU (CPU interpret mode): no generation to ask
-    return DEFAULT_VMEM
-
-
-def interpret_params(interpret):
-  """apply's `interpret` -> pallas_call's: True means the TPU interpreter (pltpu.InterpretParams()),
-  which checks what the generic one does not (out-of-bounds reads, unwritten scratch, revisits)."""
-  if interpret is True:
-    return pltpu.InterpretParams()
-  return interpret or False
-
-
-def sublanes(dtype) -> int:
-  return 8 * 4 // jnp.dtype(dtype).itemsize        # (8, 128) f32 tiles, (16, 128) bf16
+def vmem_budget() -> int:
+  """0.9 x the VMEM per TensorCore of the generation being traced for (kda._mosaic_tpu.generation:
+  the smallest, v7x's, off a TPU)."""
+  return _mt.generation().vmem_cap
 
 
 def block_bytes(shape, dtype) -> int:
   """VMEM bytes of one buffer of a block (None dims count as 1), last two dims tile-padded."""
-  shape = [1 if d is None else d for d in shape]
-  shape = [1] * max(0, 2 - len(shape)) + shape
-  lead = 1
-  for d in shape[:-2]:
-    lead *= d
-  s = -(-shape[-2] // sublanes(dtype)) * sublanes(dtype)
-  lanes = -(-shape[-1] // LANES) * LANES
-  return lead * s * lanes * jnp.dtype(dtype).itemsize
+  return _mt.buffer_bytes(shape, dtype, _mt.generation())
 
 
-def heads_per_program(HV: int, per_head: int, fixed: int, budget: int, cap: int = 16) -> int:
-  """The largest divisor MB of HV (<= cap) with fixed + MB * per_head <= budget; 0 if none fits."""
+def heads_per_program(HV: int, per_head: int, fixed: int = 0, cap: int = 16) -> int:
+  """The largest divisor MB of HV (<= cap) with fixed + MB * per_head within the VMEM budget; 0 if
+  none fits."""
   best = 0
   for mb in range(1, min(HV, cap) + 1):
-    if HV % mb == 0 and fixed + mb * per_head <= budget:
+    if HV % mb == 0 and fixed + mb * per_head <= vmem_budget():
       best = mb
   return best
 
 
-def vmem_limit(need: int) -> int:
-  """vmem_limit_bytes for a kernel needing `need` bytes: the need plus a quarter and 4 MiB for
-  Mosaic's internal scratch, within the budget."""
-  return int(min(BUDGET * vmem_capacity(), need * 5 // 4 + (4 << 20)))
+def budget_reason(kernel: str, need: int):
+  if need > vmem_budget():
+    gen = _mt.generation()
+    return (f"mosaic_tpu {kernel} needs {need / 2**20:.1f} MiB of VMEM for its tiles, over "
+            f"{_mt.VMEM_FRACTION} x the {gen.vmem_bytes / 2**20:.0f} MiB of {gen.name}")
+  return None
 
 
 def compiler_params(semantics, need):
-  return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit(need))
+  """vmem_limit_bytes = min(0.9 x VMEM, max(the default scoped limit, 2 x need)), as the forward's
+  kernels ask (room for Mosaic's spills and internal scratch)."""
+  gen = _mt.generation()
+  return _mt.compiler_params(semantics, _mt.Budget(need, min(gen.vmem_cap, max(gen.scoped_vmem_bytes, 2 * need))))
 
 
 def mm(a, b, dims, low):
@@ -197,20 +182,8 @@ def head_loop(MB, body):
 
 # ---- varlen tables (scalar prefetch, SMEM) --------------------------------------------------------
 
-FIRST, LAST, OWNED = 1, 2, 4
-
-
-def chunk_flags(aligned_cu, NTa, chunk_size):
-  """(seq [NTa] int32, flags [NTa] int32) for SMEM: each chunk's sequence (the tail, owned by no
-  sequence, maps to the last one: its blocks then follow that sequence's and are revisited
-  consecutively) and FIRST | LAST | OWNED bits."""
-  from kda.padding import chunk_table
-  t = chunk_table(jnp.asarray(aligned_cu, jnp.int32), NTa, chunk_size)
-  N = aligned_cu.shape[0] - 1
-  seq = jnp.where(t.seq >= 0, t.seq, max(N - 1, 0)).astype(jnp.int32)
-  flags = (t.first.astype(jnp.int32) * FIRST + t.last.astype(jnp.int32) * LAST
-           + (t.seq >= 0).astype(jnp.int32) * OWNED)
-  return seq, flags
+FIRST, LAST, TAIL = _mt.FIRST, _mt.LAST, _mt.TAIL
+chunk_flags = _mt.chunk_flags   # (sequence of each chunk, the tail mapped to the last; FIRST | LAST | TAIL)
 
 
 def aligned_cu_reason(aligned_cu):

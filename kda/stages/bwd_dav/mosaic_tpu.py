@@ -43,7 +43,7 @@ def vmem_need(MB, V, BT, v_dtype, a_dtype, do_dtype) -> int:
 def default_config(HV, V, BT, v_dtype=T.F32, a_dtype=T.F32, do_dtype=T.F32) -> Config:
   """The most heads per program (<= 16) that fit the generation's VMEM budget."""
   per = vmem_need(1, V, BT, v_dtype, a_dtype, do_dtype)
-  mb = T.heads_per_program(HV, per, 0, int(T.BUDGET * T.vmem_capacity()))
+  mb = T.heads_per_program(HV, per)
   return Config(max(mb, 1))
 
 
@@ -61,9 +61,7 @@ def supports(v_new, Aqk, do, aligned_cu=None, *, chunk_size, config=None, **_) -
   if HV % cfg.heads_per_program:
     return f"heads_per_program {cfg.heads_per_program} must divide HV {HV}"
   need = vmem_need(cfg.heads_per_program, V, chunk_size, v_new.dtype, Aqk.dtype, do.dtype)
-  if need > T.BUDGET * T.vmem_capacity():
-    return f"bwd_dav needs {need} bytes of VMEM, over {T.BUDGET} x {T.vmem_capacity()}"
-  return None
+  return T.budget_reason("bwd_dav", need)
 
 
 def _kernel(v_ref, a_ref, do_ref, dA_ref, dv_ref, *, MB, BT, low):

@@ -16,7 +16,7 @@ VMEM scratch from one step to the next, and per head of the program
 
 Scalar prefetch (SMEM): the chunk -> sequence map (the tail mapped to the last sequence, so its dht /
 dh0 blocks follow that sequence's and every block is revisited on consecutive steps only) and
-per-chunk FIRST / LAST / OWNED bits (kda._mosaic_tpu_bwd.chunk_flags). dht and dh0 are (MB, K, V)
+per-chunk FIRST / LAST / TAIL bits (kda._mosaic_tpu_bwd.chunk_flags). dht and dh0 are (MB, K, V)
 blocks of [N, HV, K, V] picked by that map. Empty sequences own no chunk: their dh0 is dht, set by a
 select outside the kernel (as are the rows of a sequence whose block the kernel never wrote).
 
@@ -60,7 +60,7 @@ def vmem_need(MB, K, V, BT, dtypes) -> int:
 
 def default_config(HV, K, V, BT, dtypes=(T.F32,) * 6) -> Config:
   per = vmem_need(1, K, V, BT, dtypes)
-  return Config(max(T.heads_per_program(HV, per, 0, int(T.BUDGET * T.vmem_capacity())), 1))
+  return Config(max(T.heads_per_program(HV, per), 1))
 
 
 def _dtypes(qg, kg, w, v_new, do, dv):
@@ -94,9 +94,7 @@ def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, c
   if HV % cfg.heads_per_program:
     return f"heads_per_program {cfg.heads_per_program} must divide HV {HV}"
   need = vmem_need(cfg.heads_per_program, K, V, chunk_size, dts)
-  if need > T.BUDGET * T.vmem_capacity():
-    return f"bwd_dh needs {need} bytes of VMEM, over {T.BUDGET} x {T.vmem_capacity()}"
-  return None
+  return T.budget_reason("bwd_dh", need)
 
 
 def dh_step(S, dSn, qg, kg, w, v_new, do, dv, dec, *, scale, low):
@@ -122,7 +120,7 @@ def _kernel(seq_ref, flag_ref, *refs, MB, NT, scale, low, has_dht, has_dh0):
   du_r, dqg_r, dkg_r, dw_r, dgl_r, dS_r = outs[has_dh0:]
   c = NT - 1 - pl.program_id(1)
   f = flag_ref[c]
-  first, last, owned = (f & T.FIRST) != 0, (f & T.LAST) != 0, (f & T.OWNED) != 0
+  first, last, owned = (f & T.FIRST) != 0, (f & T.LAST) != 0, (f & T.TAIL) == 0
 
   def head(m):
     seed = dht_r[m] if has_dht else jnp.zeros(dS_r.shape[1:], T.F32)

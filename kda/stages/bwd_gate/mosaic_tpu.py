@@ -44,7 +44,7 @@ def vmem_need(MB, K, BT, g_dtype) -> int:
 
 def default_config(HV, K, BT, g_dtype=T.F32) -> Config:
   per = vmem_need(1, K, BT, g_dtype)
-  return Config(max(T.heads_per_program(HV, per, 0, int(T.BUDGET * T.vmem_capacity())), 1))
+  return Config(max(T.heads_per_program(HV, per), 1))
 
 
 def supports(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
@@ -69,9 +69,7 @@ def supports(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in
   if HV % cfg.heads_per_program:
     return f"heads_per_program {cfg.heads_per_program} must divide HV {HV}"
   need = vmem_need(cfg.heads_per_program, K, chunk_size, g.dtype)
-  if need > T.BUDGET * T.vmem_capacity():
-    return f"bwd_gate needs {need} bytes of VMEM, over {T.BUDGET} x {T.vmem_capacity()}"
-  return None
+  return T.budget_reason("bwd_gate", need)
 
 
 def _softplus(x):

@@ -65,7 +65,7 @@ def vmem_need(MB, K, BT, in_dtype, grad_dtype) -> int:
 
 def default_config(HV, K, BT, in_dtype=T.F32, grad_dtype=T.F32) -> Config:
   per = vmem_need(1, K, BT, in_dtype, grad_dtype)
-  return Config(max(T.heads_per_program(HV, per, 0, int(T.BUDGET * T.vmem_capacity())), 1))
+  return Config(max(T.heads_per_program(HV, per), 1))
 
 
 def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, chunk_size,
@@ -90,9 +90,7 @@ def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligne
   if HV % cfg.heads_per_program:
     return f"heads_per_program {cfg.heads_per_program} must divide HV {HV}"
   need = vmem_need(cfg.heads_per_program, K, chunk_size, q.dtype, gd)
-  if need > T.BUDGET * T.vmem_capacity():
-    return f"bwd_intra needs {need} bytes of VMEM, over {T.BUDGET} x {T.vmem_capacity()}"
-  return None
+  return T.budget_reason("bwd_intra", need)
 
 
 def _rows(x, a):

@@ -52,7 +52,7 @@ def vmem_need(MB, K, V, BT, in_dtype, dv_dtype) -> int:
 
 def default_config(HV, K, V, BT, in_dtype=T.F32, dv_dtype=T.F32) -> Config:
   per = vmem_need(1, K, V, BT, in_dtype, dv_dtype)
-  return Config(max(T.heads_per_program(HV, per, 0, int(T.BUDGET * T.vmem_capacity())), 1))
+  return Config(max(T.heads_per_program(HV, per), 1))
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
@@ -79,9 +79,7 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, a
   if HV % cfg.heads_per_program:
     return f"heads_per_program {cfg.heads_per_program} must divide HV {HV}"
   need = vmem_need(cfg.heads_per_program, K, V, chunk_size, q.dtype, dv_dtype or T.F32)
-  if need > T.BUDGET * T.vmem_capacity():
-    return f"bwd_wy needs {need} bytes of VMEM, over {T.BUDGET} x {T.vmem_capacity()}"
-  return None
+  return T.budget_reason("bwd_wy", need)
 
 
 def wy_step(q, k, v, b, gi, gf, gi_last, gf_last, Ainv, dqg, dkg, dw, du, dgl, *, low):
