@@ -23,34 +23,9 @@ import numpy as np
 sys.path.insert(0, "/work/shared/tpu_probe")
 from aot_compile import compile_for, size, tpu_mesh  # noqa: E402
 
-S = jax.ShapeDtypeStruct
-F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+from tests.stages.tpu_bwd_setup import specs  # noqa: E402
 
-
-def specs(stage, dt, HV=16, Ta=8192, K=128, V=128, BT=64, N=4):
-  NTa = Ta // BT
-  tok = lambda D, d=F32: S((1, Ta, HV, D), d)
-  acu = S((N + 1,), I32)
-  st = S((N, HV, K, V), F32)
-  if stage == "bwd_dav":
-    return (tok(V, dt), tok(BT, dt), tok(V, dt), acu), dict(chunk_size=BT)
-  if stage == "bwd_dh":
-    return ((tok(K), tok(K), tok(K), tok(K), tok(K), S((1, NTa, HV, K, V), F32), tok(V), tok(V, dt),
-             tok(V), st, acu), dict(scale=K ** -0.5, chunk_size=BT))
-  if stage == "bwd_wy":
-    return ((tok(K, dt), tok(K, dt), tok(V, dt), S((1, Ta, HV), F32), tok(K), tok(K), tok(BT), tok(K),
-             tok(K), tok(K), tok(V), S((1, NTa, HV, K), F32), acu), dict(chunk_size=BT, dv_dtype=dt))
-  if stage == "bwd_intra":
-    return ((tok(K, dt), tok(K, dt), S((1, Ta, HV), F32), tok(K), tok(K), tok(BT), tok(BT), tok(K),
-             tok(K), S((1, Ta, HV), F32), tok(K), acu), dict(scale=K ** -0.5, chunk_size=BT, grad_dtype=dt))
-  if stage == "bwd_gate":
-    return ((tok(K, dt), S((1, Ta), jnp.bool_), S((HV,), F32), S((HV * K,), F32), tok(K), tok(K)),
-            dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None))
-  if stage == "bwd_recompute":
-    return ((tok(K, dt), tok(K, dt), tok(V, dt), tok(K, dt), S((1, Ta, HV), dt), S((1, Ta), jnp.bool_),
-             S((HV,), F32), S((HV * K,), F32), tok(BT), st, acu),
-            dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None))
-  raise ValueError(stage)
+F32, BF16 = jnp.float32, jnp.bfloat16
 
 
 def vmem_asked(text):

@@ -25,6 +25,37 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 LENS = (1, 70, 0, 37)        # a 1-token sequence, a partial second chunk, an empty one, a partial chunk
 INTERPRET = pltpu.InterpretParams()
 
+# The cases the stage tests share (one reference chain each per session): float32 with extreme gates
+# in head 0 (head 1 ordinary) at K = V = 64, bf16 at K = V = 128; the large run adds the other
+# pairings, K != V, BT 32 and 16, one head.
+CASES = {
+    "f32-K64-extreme": dict(dtype="f32", K=64, V=64, gates="extreme"),
+    "bf16-K128": dict(dtype="bf16", K=128, V=128),
+}
+LARGE_CASES = {
+    "f32-K128": dict(dtype="f32", K=128, V=128),
+    "bf16-K64-extreme": dict(dtype="bf16", K=64, V=64, gates="extreme"),
+    "f32-K64-V128-BT32": dict(dtype="f32", K=64, V=128, BT=32),
+    "f32-K128-V64-BT16-HV1": dict(dtype="f32", K=128, V=64, BT=16, HV=1),
+}
+
+
+def all_cases():
+  """pytest params: CASES, then LARGE_CASES marked large."""
+  import pytest
+  return ([pytest.param(v, id=k) for k, v in CASES.items()]
+          + [pytest.param(v, id=k, marks=pytest.mark.large) for k, v in LARGE_CASES.items()])
+
+
+# max|kernel - reference| / max|reference| per field.
+# float32 inputs: HIGHEST everywhere, the dtype policy's bound; measured <= 3.2e-7 (summation order:
+# 0/1 cumsum dots, the intra sub-block factorisation) on every case here.
+F32_TOL = 1e-5
+# bf16 inputs: bf16 MXU operands (2^-9 relative rounding each, float32 accumulation) against the
+# float32 reference on the same values; measured <= 4.7e-3 (bwd_wy's dAkk: four chained dots). A
+# wrong or missing term is O(1).
+BF16_TOL = 2e-2
+
 
 class Case(NamedTuple):
   BT: int
@@ -46,6 +77,7 @@ class Case(NamedTuple):
   ds: bwd_dh.Out
   wy: bwd_wy.Out
   it: bwd_intra.Out
+  it0: bwd_intra.Out      # bwd_intra's own terms: the reference on zero accumulators
 
 
 def layout(lens, BT, tail_chunks=1):
@@ -100,11 +132,16 @@ def _chain(BT, scale, valid, acu, q, k, v, g, beta, h0, do, dht):
                                 chunk_size=BT)
     wy = bwd_wy.reference.apply(q, k, v, beta, *gc, fw.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, acu,
                                 chunk_size=BT)
-    it = bwd_intra.reference.apply(q, k, beta, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, acu,
-                                   scale=scale, chunk_size=BT)
-    return Aqk, fw.Ainv, rc, av, ds, wy, it
-  Aqk, Ainv, rc, av, ds, wy, it = run(valid, acu, q, k, v, g, beta, h0, do, dht)
-  return Case(BT, scale, valid, acu, q, k, v, g, beta, h0, Aqk, Ainv, do, dht, rc, av, ds, wy, it)
+    acc = (wy.dq, wy.dk, wy.dbeta, wy.dgc)
+    it, it0 = (bwd_intra.reference.apply(q, k, beta, *gc, av.dAqk, wy.dAkk, *a, acu, scale=scale, chunk_size=BT)
+               for a in (acc, [jnp.zeros_like(x) for x in acc]))
+    return Aqk, fw.Ainv, rc, av, ds, wy, it, it0
+  out = run(valid, acu, q, k, v, g, beta, h0, do, dht)
+  return Case(BT, scale, valid, acu, q, k, v, g, beta, h0, *out[:2], do, dht, *out[2:])
+
+
+def tol(c):
+  return BF16_TOL if c.q.dtype == BF16 else F32_TOL
 
 
 def rel_err(got, want):
@@ -131,3 +168,68 @@ def lower_tpu(fn, *args, device_kind="TPU v6 lite"):
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
     text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
   return text.count("stablehlo.custom_call @tpu_custom_call")
+
+
+# ---- each stage's arguments from a Case, and its kernel run in the TPU interpreter ---------------
+
+def stage_args(stage, c: Case, zero_acc=False):
+  """(positional args, keyword args, the reference's Out) of `stage` on case c."""
+  r, BT = c.rc, c.BT
+  gc = (r.gc_int, r.gc_frac)
+  if stage == "bwd_dav":
+    return (r.v_new, c.Aqk, c.do, c.acu), dict(chunk_size=BT), c.av
+  if stage == "bwd_dh":
+    return ((r.qg, r.kg, r.w, *gc, r.h, r.v_new, c.do, c.av.dv, c.dht, c.acu),
+            dict(scale=c.scale, chunk_size=BT), c.ds)
+  if stage == "bwd_wy":
+    d = c.ds
+    return ((c.q, c.k, c.v, c.beta, *gc, c.Ainv, d.dqg, d.dkg, d.dw, d.du, d.dgc_last, c.acu),
+            dict(chunk_size=BT), c.wy)
+  if stage == "bwd_intra":
+    w = c.wy
+    acc = (w.dq, w.dk, w.dbeta, w.dgc)
+    if zero_acc:
+      acc = tuple(jnp.zeros_like(x) for x in acc)
+    args = (c.q, c.k, c.beta, *gc, c.av.dAqk, w.dAkk, *acc, c.acu)
+    return args, dict(scale=c.scale, chunk_size=BT), c.it0 if zero_acc else c.it
+  raise ValueError(stage)
+
+
+def run(module, args, kw, interpret=INTERPRET, **extra):
+  """module.apply(*args, **kw, **extra) in the TPU interpreter, jitted once per keyword set."""
+  return _jitted(module, interpret, tuple(sorted({**kw, **extra}.items())))(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(module, interpret, kw):
+  return jax.jit(functools.partial(module.apply, interpret=interpret, **dict(kw)))
+
+
+def specs(stage, dt, HV=16, Ta=8192, K=128, V=128, BT=64, N=4):
+  """(ShapeDtypeStructs of `stage`'s positional arguments, its keyword arguments); the defaults are
+  the production shapes of the AOT compile (tools/tpu_bwd_aot.py)."""
+  S = jax.ShapeDtypeStruct
+  I32 = jnp.int32
+  NTa = Ta // BT
+  tok = lambda D, d=F32: S((1, Ta, HV, D), d)
+  acu = S((N + 1,), I32)
+  st = S((N, HV, K, V), F32)
+  if stage == "bwd_dav":
+    return (tok(V, dt), tok(BT, dt), tok(V, dt), acu), dict(chunk_size=BT)
+  if stage == "bwd_dh":
+    return ((tok(K), tok(K), tok(K), tok(K), tok(K), S((1, NTa, HV, K, V), F32), tok(V), tok(V, dt),
+             tok(V), st, acu), dict(scale=K ** -0.5, chunk_size=BT))
+  if stage == "bwd_wy":
+    return ((tok(K, dt), tok(K, dt), tok(V, dt), S((1, Ta, HV), F32), tok(K), tok(K), tok(BT), tok(K),
+             tok(K), tok(K), tok(V), S((1, NTa, HV, K), F32), acu), dict(chunk_size=BT, dv_dtype=dt))
+  if stage == "bwd_intra":
+    return ((tok(K, dt), tok(K, dt), S((1, Ta, HV), F32), tok(K), tok(K), tok(BT), tok(BT), tok(K),
+             tok(K), S((1, Ta, HV), F32), tok(K), acu), dict(scale=K ** -0.5, chunk_size=BT, grad_dtype=dt))
+  if stage == "bwd_gate":
+    return ((tok(K, dt), S((1, Ta), jnp.bool_), S((HV,), F32), S((HV * K,), F32), tok(K), tok(K)),
+            dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None))
+  if stage == "bwd_recompute":
+    return ((tok(K, dt), tok(K, dt), tok(V, dt), tok(K, dt), S((1, Ta, HV), dt), S((1, Ta), jnp.bool_),
+             S((HV,), F32), S((HV * K,), F32), tok(BT), st, acu),
+            dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None))
+  raise ValueError(stage)
