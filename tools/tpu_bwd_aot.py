@@ -3,7 +3,8 @@
   JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=$PWD /work/tpu-venv/bin/python \
       tools/tpu_bwd_aot.py [--stages bwd_dav,bwd_dh] [--gen v5e,v6e,v7x] [--dtype bf16,f32]
 
-Shapes: one row of T = 8192 aligned tokens in 4 sequences, HV = 16, K = V = 128, BT = 64. Prints,
+Shapes: one row of T = 8192 aligned tokens in 4 sequences, HV = 16, K = V = 128, BT = 64
+(tests/stages/tpu_bwd_setup.specs; bwd_fused is kda.fused.bwd_tpu). Prints,
 per kernel x generation x dtype: compiled or the error, the VMEM the kernel asks for
 (vmem_limit_bytes) against the generation's VMEM, memory_analysis() temp bytes, cost flops.
 """
@@ -18,14 +19,24 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, "/work/shared/tpu_probe")
-from aot_compile import compile_for, size, tpu_mesh  # noqa: E402
+from aot_compile import size, tpu_mesh  # noqa: E402
 
 from tests.stages.tpu_bwd_setup import specs  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def compile_for(fn, args, gen):
+  """fn AOT-compiled for `gen` on the ShapeDtypeStruct pytree args -> (compiled, lowered)."""
+  mesh = tpu_mesh(gen)
+  sh = NamedSharding(mesh, P())
+  args = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), args)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    lowered = jax.jit(fn).trace(*args).lower()
+  return lowered.compile(), lowered
 
 
 def vmem_asked(text):
@@ -36,13 +47,13 @@ def vmem_asked(text):
 
 def main(argv=None):
   ap = argparse.ArgumentParser()
-  ap.add_argument("--stages", default="bwd_dav,bwd_dh,bwd_wy,bwd_intra,bwd_gate,bwd_recompute")
+  ap.add_argument("--stages", default="bwd_recompute,bwd_dav,bwd_dh,bwd_wy,bwd_intra,bwd_gate,bwd_fused")
   ap.add_argument("--gen", default="v5e,v6e,v7x")
   ap.add_argument("--dtype", default="bf16,f32")
   a = ap.parse_args(argv)
   failed = 0
   for stage in a.stages.split(","):
-    mod = importlib.import_module(f"kda.stages.{stage}.mosaic_tpu")
+    mod = importlib.import_module("kda.fused.bwd_tpu" if stage == "bwd_fused" else f"kda.stages.{stage}.mosaic_tpu")
     for dname in a.dtype.split(","):
       dt = {"bf16": BF16, "f32": F32}[dname]
       args, kw = specs(stage, dt)

@@ -101,6 +101,7 @@ def dh_step(S, dSn, qg, kg, w, v_new, do, dv, dec, *, scale, low):
   """One chunk of one head: the vjp terms and the state cotangent entering the chunk.
   S, dSn [K, V] f32; qg, kg, w [BT, K]; v_new, do, dv [BT, V]; dec [K, 1] = exp(gc_last).
   Returns (du, dqg, dkg, dw, dgc_last [K, 1], dS [K, V])."""
+  S = S.astype(T.F32)
   du = dv.astype(T.F32) + T.mm(kg, dSn, T.NN, low)
   dqg = scale * T.mm(do, S, T.NT, low)
   dkg = T.mm(v_new, dSn, T.NT, low)
@@ -108,6 +109,39 @@ def dh_step(S, dSn, qg, kg, w, v_new, do, dv, dec, *, scale, low):
   dgl = dec * jnp.sum(S * dSn, axis=1, keepdims=True)
   dS = dec * dSn + scale * T.mm(qg, do, T.TN, low) - T.mm(w, du, T.TN, low)
   return du, dqg, dkg, dw, dgl, dS
+
+
+def walk_flags(flag_ref, NT):
+  """(first, last, owned) of the chunk this grid step visits: chunk NT - 1 - c (the reverse walk)."""
+  f = flag_ref[NT - 1 - pl.program_id(1)]
+  return (f & T.FIRST) != 0, (f & T.LAST) != 0, (f & T.TAIL) == 0
+
+
+def carried(dS_r, m, seed, last, owned):
+  """Head m's dS_next: `seed` (dht[n], or zeros) at a sequence's last chunk, 0 on the tail, else the
+  carry. Selects: whatever the scratch holds (a previous sequence's NaN, or nothing yet) is dropped."""
+  return jnp.where(last, seed, jnp.where(owned, dS_r[m], 0.0))
+
+
+def carry(dS_r, dh0_r, m, dS, first):
+  """Keep head m's dS for the previous chunk; store it as dh0 at the sequence's first chunk."""
+  dS_r[m] = dS
+  if dh0_r is not None:
+    @pl.when(first)
+    def _():
+      dh0_r[m] = dS
+
+
+def walk_specs(MB, BT, NTa):
+  """BlockSpec builders of the reverse walk, grid (HV / MB, NTa) with (seq, flags) prefetched:
+  token blocks (MB, BT, D), per-chunk rows (MB, D), h (MB, K, V) of [1, NTa, HV, K, V], and the
+  per-sequence state blocks (MB, K, V) of [N, HV, K, V] at seq[chunk]."""
+  rev = lambda c, *_: NTa - 1 - c
+  tok = lambda D: T.token_block(MB, BT, D, rev)
+  row = lambda D: T.group_block(MB, D, rev)
+  hblk = lambda K, V: pl.BlockSpec((None, None, MB, K, V), lambda hb, c, s, f: (0, rev(c), hb, 0, 0))
+  state = lambda K, V: pl.BlockSpec((None, MB, K, V), lambda hb, c, s, f: (s[rev(c)], hb, 0, 0))
+  return tok, row, hblk, state
 
 
 def _kernel(seq_ref, flag_ref, *refs, MB, NT, scale, low, has_dht, has_dh0):
@@ -118,22 +152,16 @@ def _kernel(seq_ref, flag_ref, *refs, MB, NT, scale, low, has_dht, has_dh0):
   outs = refs[8 + has_dht:]
   dh0_r = outs[0] if has_dh0 else None
   du_r, dqg_r, dkg_r, dw_r, dgl_r, dS_r = outs[has_dh0:]
-  c = NT - 1 - pl.program_id(1)
-  f = flag_ref[c]
-  first, last, owned = (f & T.FIRST) != 0, (f & T.LAST) != 0, (f & T.TAIL) == 0
+  first, last, owned = walk_flags(flag_ref, NT)
 
   def head(m):
     seed = dht_r[m] if has_dht else jnp.zeros(dS_r.shape[1:], T.F32)
-    dSn = jnp.where(last, seed, jnp.where(owned, dS_r[m], 0.0))
+    dSn = carried(dS_r, m, seed, last, owned)
     du, dqg, dkg, dw, dgl, dS = dh_step(h_r[m], dSn, qg_r[m], kg_r[m], w_r[m], vn_r[m], do_r[m], dv_r[m],
                                         T.to_col(T.head_row(dec_r, m)), scale=scale, low=low)
     du_r[m], dqg_r[m], dkg_r[m], dw_r[m] = du, dqg, dkg, dw
     dgl_r[pl.ds(m, 1), :] = T.to_row(dgl)
-    dS_r[m] = dS
-    if has_dh0:
-      @pl.when(first)
-      def _():
-        dh0_r[m] = dS
+    carry(dS_r, dh0_r, m, dS, first)
   T.head_loop(MB, head)
 
 
@@ -151,11 +179,8 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   has_dht, has_dh0 = not dht_zero and N > 0, need_dh0 and N > 0
   seq, flags = T.chunk_flags(aligned_cu, NTa, BT)
   dec = T.rows_in(chunk_decay(gc_int, gc_frac, BT)[None], MB)       # [HV / MB, NTa, MB, K]
-  rev = lambda c: NTa - 1 - c                                         # grid step -> chunk
-  tok = lambda D: pl.BlockSpec((MB, BT, D), lambda hb, c, s, f: (hb, rev(c), 0))
-  row = T.group_block(MB, K, lambda c, *_: rev(c))
-  state = pl.BlockSpec((None, MB, K, V), lambda hb, c, s, f: (s[rev(c)], hb, 0, 0))
-  hblk = pl.BlockSpec((None, None, MB, K, V), lambda hb, c, s, f: (0, rev(c), hb, 0, 0))
+  tok, rows, hspec, sspec = walk_specs(MB, BT, NTa)
+  row, hblk, state = rows(K), hspec(K, V), sspec(K, V)
   in_specs = [tok(K), tok(K), tok(K), hblk, tok(V), tok(V), tok(V), row] + [state] * has_dht
   args = [T.head_first(x) for x in (qg, kg, w)] + [h] + [T.head_first(x) for x in (v_new, do, dv)] + [dec]
   args += [dht.astype(T.F32)] * has_dht
