@@ -65,6 +65,12 @@ def budget_reason(kernel: str, need: int):
   return None
 
 
+def refuse(kernel: str, reason):
+  """apply's guard: its predicate's reason as a ValueError (shapes and dtypes are static: trace time)."""
+  if reason is not None:
+    raise ValueError(f"mosaic_tpu {kernel} kernel: {reason}")
+
+
 def compiler_params(semantics, need):
   """vmem_limit_bytes = min(0.9 x VMEM, max(the default scoped limit, 2 x need)), as the forward's
   kernels ask (room for Mosaic's spills and internal scratch)."""

@@ -162,6 +162,9 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, rc, dAqk, dv, do, dht, 
           interpret=False, config=None) -> Out:
   """rc: bwd_recompute.Out; dAqk, dv: bwd_dav's. dht_zero: dht is known to be zero (not read);
   need_dh0=False: dh0 is not stored (zeros)."""
+  T.refuse(NAME, supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, rc, dAqk, dv, do, dht, aligned_cu,
+                          chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                          config=config))
   BT = chunk_size
   _, Ta, HV, K = q.shape
   V, NTa, N = v.shape[-1], Ta // BT, aligned_cu.shape[0] - 1

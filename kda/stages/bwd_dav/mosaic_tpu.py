@@ -75,6 +75,7 @@ def _kernel(v_ref, a_ref, do_ref, dA_ref, dv_ref, *, MB, BT, low):
 
 
 def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, config=None) -> Out:
+  T.refuse("bwd_dav", supports(v_new, Aqk, do, aligned_cu, chunk_size=chunk_size, config=config))
   del aligned_cu   # the tail's chunks hold zeros: computed like the others
   BT = chunk_size
   _, Ta, HV, V = v_new.shape

@@ -168,6 +168,8 @@ def _kernel(seq_ref, flag_ref, *refs, MB, NT, scale, low, has_dht, has_dh0):
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
           dht_zero=False, need_dh0=True, interpret=False, config=None) -> Out:
   """dht_zero: dht is known to be zero (not read); need_dh0=False: dh0 is not stored (zeros)."""
+  T.refuse("bwd_dh", supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size,
+                              config=config))
   BT = chunk_size
   _, Ta, HV, K = qg.shape
   V = v_new.shape[-1]

@@ -141,6 +141,8 @@ def _kernel(*refs, MB, has_a, has_bias, want_dA, want_db, mode):
 
 def apply(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
           interpret=False, config=None) -> Out:
+  T.refuse("bwd_gate", supports(g, valid, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
+                                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=config))
   BT = chunk_size
   _, Ta, HV, K = g.shape
   NTa = Ta // BT

@@ -184,6 +184,8 @@ def _kernel(q_r, k_r, b_r, gi_r, gf_r, dAqk_r, dAkk_r, dq_r, dk_r, db_r, dgc_r,
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
           grad_dtype=None, interpret=False, config=None) -> Out:
   """aligned_cu is not used: the tail's chunks hold no token and are computed like the others."""
+  T.refuse("bwd_intra", supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, chunk_size=chunk_size,
+                                 grad_dtype=grad_dtype, config=config))
   del aligned_cu
   BT = chunk_size
   _, Ta, HV, K = q.shape

@@ -147,6 +147,9 @@ def wy_launch(q, k, v, beta, gi, gf, Ainv, *, chunk_size, heads, out_dtype, inte
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
           use_gate_in_kernel, lower_bound, zero_h0=False, interpret=False, config=None) -> Out:
   """zero_h0: initial_state is known to be zero (not read)."""
+  T.refuse("bwd_recompute", supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu,
+                                     chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
+                                     lower_bound=lower_bound, config=config))
   BT = chunk_size
   _, Ta, HV, K = q.shape
   V, N, NTa = v.shape[-1], aligned_cu.shape[0] - 1, Ta // BT

@@ -123,6 +123,8 @@ def _kernel(q_r, k_r, v_r, b_r, gi_r, gf_r, A_r, dqg_r, dkg_r, dw_r, du_r, dgl_r
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
           dv_dtype=None, interpret=False, config=None) -> Out:
   """aligned_cu is not used: the tail's chunks hold zeros and are computed like the others."""
+  T.refuse("bwd_wy", supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, chunk_size=chunk_size,
+                              dv_dtype=dv_dtype, config=config))
   del aligned_cu
   BT = chunk_size
   _, Ta, HV, K = q.shape
