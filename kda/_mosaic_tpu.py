@@ -137,8 +137,18 @@ def heads_per_program(HV: int, MB: int) -> int:
   return max(d for d in range(1, min(HV, MB) + 1) if HV % d == 0)
 
 
-def compiler_params(semantics: Sequence[str], b: Budget):
-  return pltpu.CompilerParams(dimension_semantics=tuple(semantics), vmem_limit_bytes=int(b.limit))
+def compiler_params(semantics: Sequence[str], b: Budget, vmem_limit: Optional[int] = None):
+  """dimension_semantics and vmem_limit_bytes (the budget's limit unless a Config overrides it)."""
+  return pltpu.CompilerParams(dimension_semantics=tuple(semantics),
+                              vmem_limit_bytes=int(b.limit if vmem_limit is None else vmem_limit))
+
+
+def check_config(cfg):
+  """The fields every TPU kernel Config has: heads (MB) and vmem_limit."""
+  if not isinstance(cfg.heads, int) or cfg.heads < 1:
+    raise ValueError(f"heads must be an int >= 1, got {cfg.heads!r}")
+  if cfg.vmem_limit is not None and (not isinstance(cfg.vmem_limit, int) or cfg.vmem_limit < MiB):
+    raise ValueError(f"vmem_limit must be None or an int >= 1 MiB (bytes), got {cfg.vmem_limit!r}")
 
 
 def interpret_params(interpret):

@@ -46,11 +46,11 @@ class Config:
   gc_frac leave the kernel (the unfused state stage reads them; the fused state + output kernel
   takes decay instead)."""
   heads: int = 8
+  vmem_limit: Optional[int] = None   # bytes; None: the budget's (kda._mosaic_tpu)
   store_gc: bool = True
 
   def __post_init__(self):
-    if not isinstance(self.heads, int) or self.heads < 1:
-      raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
+    tpu.check_config(self)
 
 
 class Out(NamedTuple):
@@ -126,15 +126,16 @@ def _kernel(*refs, has_a, has_bias, store_gc, use_gate_in_kernel, lower_bound, s
   dec_ref[...] = jnp.exp(exponent(gi[:, BT - 1:BT], gf[:, BT - 1:BT]))
 
 
-def launch(g, valid, a_log, bias, q, k, v, beta, *, scale, chunk_size, use_gate_in_kernel, lower_bound, heads,
-           store_gc=True, interpret=False):
+def launch(g, valid, a_log, bias, q, k, v, beta, *, scale, chunk_size, use_gate_in_kernel, lower_bound, config,
+           interpret=False):
   """The kernel on head-first arrays (gate_tpu.launch's g, valid, a_log, bias and intra_tpu.launch's
-  q, k, v, beta) -> [gc_int, gc_frac (if store_gc),] Aqk, Ainv, w, u, qg, kg, decay [HV, NTa, 1, Kp]."""
+  q, k, v, beta) -> [gc_int, gc_frac (if config.store_gc),] Aqk, Ainv, w, u, qg, kg, decay [HV, NTa, 1, Kp]."""
   HV, Ta, Kp = k.shape
   Vp = v.shape[-1]
   BT, gen = chunk_size, tpu.generation()
   NTa = Ta // BT
-  MB = tpu.heads_per_program(HV, heads)
+  MB = tpu.heads_per_program(HV, config.heads)
+  store_gc = config.store_gc
   has_a, has_bias = a_log is not None, bias is not None
   row = lambda D: pl.BlockSpec((MB, BT, D), lambda p, c: (p, c, 0))
   head = lambda D: pl.BlockSpec((MB, 1, D), lambda p, c: (p, 0, 0))
@@ -153,7 +154,7 @@ def launch(g, valid, a_log, bias, q, k, v, beta, *, scale, chunk_size, use_gate_
   n = HV * Ta * Kp
   return pl.pallas_call(
       kernel, grid=(HV // MB, NTa), in_specs=in_specs, out_specs=out_specs, out_shape=outs,
-      compiler_params=tpu.compiler_params(("parallel", "parallel"), b),
+      compiler_params=tpu.compiler_params(("parallel", "parallel"), b, config.vmem_limit),
       cost_estimate=tpu.cost(intra_tpu.flops(HV, Ta, BT, Kp, Vp) + 4 * n * BT,
                              HV * Ta * (tpu.SUB + BT // tpu.SUB + 3 + 3 * use_gate_in_kernel) * Kp,
                              tpu.nbytes(*args) + tpu.nbytes(*outs)),
@@ -175,7 +176,7 @@ def apply(q, k, v, beta, g, valid, A_log, dt_bias, aligned_cu=None, *, scale, ch
   res = list(launch(tpu.to_heads(g), valid[0].astype(F32)[:, None], a, bias, tpu.to_heads(q, dt),
                     tpu.to_heads(k, dt), tpu.to_heads(v, dt), tpu.column_to_heads(beta), scale=scale,
                     chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-                    heads=config.heads, store_gc=config.store_gc, interpret=interpret))
+                    config=config, interpret=interpret))
   gc = [tpu.from_heads(res.pop(0), K) for _ in range(2)] if config.store_gc else [None, None]
   Aqk, Ainv, w, u, qg, kg, decay = res
   sq = lambda x: jnp.swapaxes(x, 0, 1)[None]

@@ -46,11 +46,11 @@ NAME = "state_output"
 class Config:
   """MB value heads per program (rounded down to a divisor of HV); out_dtype: o as stored."""
   heads: int = 8
+  vmem_limit: Optional[int] = None   # bytes; None: the budget's (kda._mosaic_tpu)
   out_dtype: str = "float32"
 
   def __post_init__(self):
-    if not isinstance(self.heads, int) or self.heads < 1:
-      raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
+    tpu.check_config(self)
     if self.out_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"out_dtype must be 'float32' or 'bfloat16', got {self.out_dtype!r}")
 
@@ -116,14 +116,14 @@ def _kernel(blk_ref, flag_ref, kg_ref, w_ref, u_ref, dec_ref, qg_ref, a_ref, *re
     state_tpu.end_chunk(ft_ref, s_ref, flags)
 
 
-def launch(kg, w, u, decay, h0, blk, flags, qg, Aqk, *, N, scale, chunk_size, heads, out_dtype=F32,
+def launch(kg, w, u, decay, h0, blk, flags, qg, Aqk, *, N, scale, chunk_size, config, out_dtype=F32,
            store_final=True, interpret=False):
   """The kernel on head-first arrays (state_tpu.launch's, plus qg [HV, Ta, Kp] and Aqk [HV, Ta, BT])
   -> (o [HV, Ta, Vp], final [N, HV, Vp, Kp] f32 or None)."""
   HV, Ta, Kp = kg.shape
   Vp = u.shape[-1]
   BT, gen = chunk_size, tpu.generation()
-  MB = tpu.heads_per_program(HV, heads)
+  MB = tpu.heads_per_program(HV, config.heads)
   row, dec, seq = state_tpu.state_specs(MB, BT, Kp, Vp)
   in_specs = [row(Kp), row(Kp), row(Vp), dec, row(Kp), row(BT)] + [seq] * (h0 is not None)
   outs = [tpu.struct((HV, Ta, Vp), out_dtype, kg, w, u, qg, Aqk)]
@@ -141,7 +141,7 @@ def launch(kg, w, u, decay, h0, blk, flags, qg, Aqk, *, N, scale, chunk_size, he
           num_scalar_prefetch=2, grid=(HV // MB, Ta // BT), in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((MB, Vp, Kp), F32)]),
       out_shape=outs,
-      compiler_params=tpu.compiler_params(("parallel", "arbitrary"), b),
+      compiler_params=tpu.compiler_params(("parallel", "arbitrary"), b, config.vmem_limit),
       cost_estimate=tpu.cost(2 * HV * Ta * Vp * (3 * Kp + BT), 0, tpu.nbytes(*args) + tpu.nbytes(*outs)),
       interpret=tpu.interpret_params(interpret), name=f"kda_{NAME}_tpu")(blk, flags, *args)
   return res[0], (res[1] if store_final else None)
@@ -170,7 +170,7 @@ def apply(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scal
   args = state_tpu.prepare(kg.astype(dt), w.astype(dt), u.astype(dt), gc_int, gc_frac, initial_state, aligned_cu,
                            chunk_size, zero_h0, decay)
   o, ft = launch(*args, tpu.to_heads(qg, dt), tpu.square_to_heads(Aqk.astype(dt)), N=N, scale=scale,
-                 chunk_size=chunk_size, heads=config.heads, out_dtype=odt, store_final=store_final,
+                 chunk_size=chunk_size, config=config, out_dtype=odt, store_final=store_final,
                  interpret=interpret)
   final = (state_tpu.final_states(ft, initial_state, aligned_cu, K, V, zero_h0) if store_final
            else jnp.zeros((N, HV, K, V), F32))

@@ -36,10 +36,10 @@ F32 = tpu.F32
 class Config:
   """MB value heads per program (rounded down to a divisor of HV)."""
   heads: int = 8
+  vmem_limit: Optional[int] = None   # bytes; None: the budget's (kda._mosaic_tpu)
 
   def __post_init__(self):
-    if not isinstance(self.heads, int) or self.heads < 1:
-      raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
+    tpu.check_config(self)
 
 
 def tiles(MB, BT, Kp, dtype, has_a, has_bias):
@@ -112,12 +112,12 @@ def _kernel(*refs, has_a, has_bias, **kw):
   go_ref[...], gi_ref[...], gf_ref[...] = g_act, gi, gf
 
 
-def launch(g, valid, a_log, bias, *, chunk_size, use_gate_in_kernel, lower_bound, heads, interpret=False):
+def launch(g, valid, a_log, bias, *, chunk_size, use_gate_in_kernel, lower_bound, config, interpret=False):
   """The kernel on head-first arrays: g [HV, Ta, Kp], valid [Ta, 1] f32, a_log [HV, 1, 1] f32 or None,
   bias [HV, 1, Kp] f32 or None -> (g_act, gc_int, gc_frac) [HV, Ta, Kp] float32."""
   HV, Ta, Kp = g.shape
   BT, gen = chunk_size, tpu.generation()
-  MB = tpu.heads_per_program(HV, heads)
+  MB = tpu.heads_per_program(HV, config.heads)
   has_a, has_bias = a_log is not None, bias is not None
   tile = pl.BlockSpec((MB, BT, Kp), lambda p, c: (p, c, 0))
   in_specs = [tile, pl.BlockSpec((BT, 1), lambda p, c: (c, 0))]
@@ -131,7 +131,7 @@ def launch(g, valid, a_log, bias, *, chunk_size, use_gate_in_kernel, lower_bound
   out = tpu.struct((HV, Ta, Kp), F32, *args)
   return pl.pallas_call(
       kernel, grid=(HV // MB, Ta // BT), in_specs=in_specs, out_specs=[tile] * 3, out_shape=[out] * 3,
-      compiler_params=tpu.compiler_params(("parallel", "parallel"), b),
+      compiler_params=tpu.compiler_params(("parallel", "parallel"), b, config.vmem_limit),
       cost_estimate=tpu.cost(4 * n * BT + 10 * n, 3 * n * use_gate_in_kernel, tpu.nbytes(*args) + 3 * 4 * n),
       interpret=tpu.interpret_params(interpret), name=f"kda_{NAME}_tpu")(*args)
 
@@ -155,6 +155,6 @@ def apply(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   config = config or default_config(K, chunk_size, g.dtype)
   a, bias = head_params(A_log, dt_bias, HV, K, use_gate_in_kernel=use_gate_in_kernel)
   outs = launch(tpu.to_heads(g), valid[0].astype(F32)[:, None], a, bias, chunk_size=chunk_size,
-                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, heads=config.heads,
+                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=config,
                 interpret=interpret)
   return Out(*(tpu.from_heads(x, K) for x in outs))

@@ -51,10 +51,10 @@ SUB = tpu.SUB
 class Config:
   """MB value heads per program (rounded down to a divisor of HV)."""
   heads: int = 8
+  vmem_limit: Optional[int] = None   # bytes; None: the budget's (kda._mosaic_tpu)
 
   def __post_init__(self):
-    if not isinstance(self.heads, int) or self.heads < 1:
-      raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
+    tpu.check_config(self)
 
 
 class Chunk(NamedTuple):
@@ -191,13 +191,13 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, *out_refs, scale, mm_dty
     ref[...] = x.astype(ref.dtype)
 
 
-def launch(q, k, v, beta, gi, gf, *, scale, chunk_size, heads, interpret=False):
+def launch(q, k, v, beta, gi, gf, *, scale, chunk_size, config, interpret=False):
   """The kernel on head-first arrays: q, k [HV, Ta, Kp], v [HV, Ta, Vp], beta [HV, Ta, 1] f32,
   gi, gf [HV, Ta, Kp] f32 -> Chunk of head-first arrays in q's dtype (Akk, Aqk, Ainv [HV, Ta, BT])."""
   HV, Ta, Kp = k.shape
   Vp = v.shape[-1]
   BT, gen = chunk_size, tpu.generation()
-  MB = tpu.heads_per_program(HV, heads)
+  MB = tpu.heads_per_program(HV, config.heads)
   row = lambda D: pl.BlockSpec((MB, BT, D), lambda p, c: (p, c, 0))
   odt = q.dtype
   outs = [tpu.struct((HV, Ta, D), odt, q, k, v) for D in (BT, BT, BT, Kp, Vp, Kp, Kp)]
@@ -208,7 +208,7 @@ def launch(q, k, v, beta, gi, gf, *, scale, chunk_size, heads, interpret=False):
       kernel, grid=(HV // MB, Ta // BT),
       in_specs=[row(Kp), row(Kp), row(Vp), row(1), row(Kp), row(Kp)],
       out_specs=[row(o.shape[-1]) for o in outs], out_shape=outs,
-      compiler_params=tpu.compiler_params(("parallel", "parallel"), b),
+      compiler_params=tpu.compiler_params(("parallel", "parallel"), b, config.vmem_limit),
       cost_estimate=tpu.cost(flops(HV, Ta, BT, Kp, Vp), HV * Ta * (SUB + BT // SUB + 3) * Kp,
                              tpu.nbytes(*args) + tpu.nbytes(*outs)),
       interpret=tpu.interpret_params(interpret), name=f"kda_{NAME}_tpu")(*args)
@@ -225,7 +225,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size,
   dt = tpu.matmul_dtype(q.dtype, k.dtype, v.dtype)
   r = launch(tpu.to_heads(q, dt), tpu.to_heads(k, dt), tpu.to_heads(v, dt), tpu.column_to_heads(beta),
              tpu.to_heads(gc_int), tpu.to_heads(gc_frac), scale=scale, chunk_size=chunk_size,
-             heads=config.heads, interpret=interpret)
+             config=config, interpret=interpret)
   sq = lambda x: jnp.swapaxes(x, 0, 1)[None]
   return Out(sq(r.Akk), sq(r.Aqk), sq(r.Ainv), tpu.from_heads(r.w, K), tpu.from_heads(r.u, V),
              tpu.from_heads(r.qg, K), tpu.from_heads(r.kg, K))

@@ -30,11 +30,11 @@ F32 = tpu.F32
 class Config:
   """MB value heads per program (rounded down to a divisor of HV); out_dtype: o as stored."""
   heads: int = 8
+  vmem_limit: Optional[int] = None   # bytes; None: the budget's (kda._mosaic_tpu)
   out_dtype: str = "float32"
 
   def __post_init__(self):
-    if not isinstance(self.heads, int) or self.heads < 1:
-      raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
+    tpu.check_config(self)
     if self.out_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"out_dtype must be 'float32' or 'bfloat16', got {self.out_dtype!r}")
 
@@ -85,13 +85,14 @@ def _kernel(qg_ref, h_ref, a_ref, vn_ref, o_ref, *, scale, mm_dtype):
                             mm_dtype=mm_dtype).astype(o_ref.dtype)
 
 
-def launch(qg, h, Aqk, v_new, *, scale, chunk_size, heads, out_dtype=F32, interpret=False):
+def launch(qg, h, Aqk, v_new, *, scale, chunk_size, config, interpret=False):
   """The kernel on head-first arrays: qg [HV, Ta, Kp], h [HV, NTa, Vp, Kp], Aqk [HV, Ta, BT],
-  v_new [HV, Ta, Vp] -> o [HV, Ta, Vp] in out_dtype."""
+  v_new [HV, Ta, Vp] -> o [HV, Ta, Vp] in config.out_dtype."""
   HV, Ta, Kp = qg.shape
   Vp = v_new.shape[-1]
   BT, gen = chunk_size, tpu.generation()
-  MB = tpu.heads_per_program(HV, heads)
+  MB = tpu.heads_per_program(HV, config.heads)
+  out_dtype = jnp.dtype(config.out_dtype)
   row = lambda D: pl.BlockSpec((MB, BT, D), lambda p, c: (p, c, 0))
   hspec = pl.BlockSpec((MB, None, Vp, Kp), lambda p, c: (p, c, 0, 0))
   out = tpu.struct((HV, Ta, Vp), out_dtype, qg, h, Aqk, v_new)
@@ -99,7 +100,7 @@ def launch(qg, h, Aqk, v_new, *, scale, chunk_size, heads, out_dtype=F32, interp
   kernel = functools.partial(_kernel, scale=float(scale), mm_dtype=tpu.matmul_dtype(qg.dtype))
   return pl.pallas_call(
       kernel, grid=(HV // MB, Ta // BT), in_specs=[row(Kp), hspec, row(BT), row(Vp)], out_specs=row(Vp),
-      out_shape=out, compiler_params=tpu.compiler_params(("parallel", "parallel"), b),
+      out_shape=out, compiler_params=tpu.compiler_params(("parallel", "parallel"), b, config.vmem_limit),
       cost_estimate=tpu.cost(2 * HV * Ta * Vp * (Kp + BT), 0, tpu.nbytes(qg, h, Aqk, v_new, out)),
       interpret=tpu.interpret_params(interpret), name=f"kda_{NAME}_tpu")(qg, h, Aqk, v_new)
 
@@ -112,6 +113,6 @@ def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None)
   dt = tpu.matmul_dtype(qg.dtype, Aqk.dtype, v_new.dtype)
   config = config or default_config(K, V, chunk_size, dt)
   o = launch(tpu.to_heads(qg, dt), tpu.h_to_heads(h, dt), tpu.square_to_heads(Aqk.astype(dt)),
-             tpu.to_heads(v_new, dt), scale=scale, chunk_size=chunk_size, heads=config.heads,
-             out_dtype=jnp.dtype(config.out_dtype), interpret=interpret)
+             tpu.to_heads(v_new, dt), scale=scale, chunk_size=chunk_size, config=config,
+             interpret=interpret)
   return Out(tpu.from_heads(o, V))

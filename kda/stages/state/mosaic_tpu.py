@@ -51,11 +51,11 @@ F32 = tpu.F32
 class Config:
   """MB value heads per program (rounded down to a divisor of HV); h_dtype: h as stored (None: kg's)."""
   heads: int = 8
+  vmem_limit: Optional[int] = None   # bytes; None: the budget's (kda._mosaic_tpu)
   h_dtype: Optional[str] = None
 
   def __post_init__(self):
-    if not isinstance(self.heads, int) or self.heads < 1:
-      raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
+    tpu.check_config(self)
     if self.h_dtype not in (None, "float32", "bfloat16"):
       raise ValueError(f"h_dtype must be None, 'float32' or 'bfloat16', got {self.h_dtype!r}")
 
@@ -171,17 +171,17 @@ def state_specs(MB, BT, Kp, Vp):
   return row, dec, seq
 
 
-def launch(kg, w, u, decay, h0, blk, flags, *, N, chunk_size, heads, emit_h=True, emit_v=True,
-           store_final=True, h_dtype=None, interpret=False) -> Heads:
+def launch(kg, w, u, decay, h0, blk, flags, *, N, chunk_size, config, emit_h=True, emit_v=True,
+           store_final=True, interpret=False) -> Heads:
   """The kernel on head-first arrays: kg, w [HV, Ta, Kp], u [HV, Ta, Vp], decay [HV, NTa, 1, Kp] f32,
   h0 [N, HV, Vp, Kp] f32 or None (zero initial states), blk, flags [NTa] int32 (chunk_flags), N >= 1."""
   HV, Ta, Kp = kg.shape
   Vp = u.shape[-1]
   BT, gen = chunk_size, tpu.generation()
   NTa = Ta // BT
-  MB = tpu.heads_per_program(HV, heads)
+  MB = tpu.heads_per_program(HV, config.heads)
   row, dec, seq = state_specs(MB, BT, Kp, Vp)
-  hdt = jnp.dtype(h_dtype or kg.dtype)
+  hdt = jnp.dtype(config.h_dtype or kg.dtype)
   in_specs = [row(Kp), row(Kp), row(Vp), dec] + [seq] * (h0 is not None)
   outs, out_specs = [], []
   if emit_h:
@@ -203,7 +203,7 @@ def launch(kg, w, u, decay, h0, blk, flags, *, N, chunk_size, heads, emit_h=True
           num_scalar_prefetch=2, grid=(HV // MB, NTa), in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((MB, Vp, Kp), F32)]),
       out_shape=outs,
-      compiler_params=tpu.compiler_params(("parallel", "arbitrary"), b),
+      compiler_params=tpu.compiler_params(("parallel", "arbitrary"), b, config.vmem_limit),
       cost_estimate=tpu.cost(4 * HV * Ta * Kp * Vp + 2 * HV * NTa * Kp * Vp, 0,
                              tpu.nbytes(*args) + tpu.nbytes(*outs)),
       interpret=tpu.interpret_params(interpret), name=f"kda_{NAME}_tpu")(blk, flags, *args)
@@ -247,7 +247,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     return Out(jnp.zeros((1, NTa, HV, K, V), hdt), jnp.zeros((1, Ta, HV, V), dt), jnp.zeros((0, HV, K, V), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
   args = prepare(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size, zero_h0)
-  r = launch(*args, N=N, chunk_size=chunk_size, heads=config.heads, store_final=store_final, h_dtype=hdt,
+  r = launch(*args, N=N, chunk_size=chunk_size, config=config, store_final=store_final,
              interpret=interpret)
   final = (final_states(r.final, initial_state, aligned_cu, K, V, zero_h0) if store_final
            else jnp.zeros((N, HV, K, V), F32))
