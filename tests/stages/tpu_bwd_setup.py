@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kda import padding
 from kda.stages import bwd_dav, bwd_dh, bwd_intra, bwd_recompute, bwd_wy, gate, intra
+from tests.lowering import lower_tpu  # noqa: F401  (the lowering tests: TPU.md section 4, no libtpu)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 LENS = (1, 70, 0, 37)        # a 1-token sequence, a partial second chunk, an empty one, a partial chunk
@@ -159,15 +160,6 @@ def close(name, got, want, tol):
   err = rel_err(got, want)
   assert err <= tol, f"{name}: max|d| / max|ref| = {err:.2e} > {tol}"
   return err
-
-
-# Mosaic lowering for a TPU without libtpu (TPU.md section 4): the count of Mosaic kernels
-def lower_tpu(fn, *args, device_kind="TPU v6 lite"):
-  dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-  specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
-    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
-  return text.count("stablehlo.custom_call @tpu_custom_call")
 
 
 # ---- each stage's arguments from a Case, and its kernel run in the TPU interpreter ---------------

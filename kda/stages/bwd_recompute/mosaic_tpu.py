@@ -159,8 +159,8 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   scfg = cfg.state or state_tpu.default_config(K, V, BT, dt)
   a, bias = gate_tpu.head_params(A_log, dt_bias, HV, K, use_gate_in_kernel=use_gate_in_kernel)
   _, gi, gf = gate_tpu.launch(tpu.to_heads(g), valid[0].astype(T.F32)[:, None], a, bias, chunk_size=BT,
-                              use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-                              heads=gcfg.heads, interpret=interpret)
+                              use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=gcfg,
+                              interpret=interpret)
   w, u, qg, kg = wy_launch(tpu.to_heads(q), tpu.to_heads(k), tpu.to_heads(v), beta, gi, gf,
                            tpu.square_to_heads(Ainv.astype(T.F32)), chunk_size=BT,
                            heads=cfg.heads_per_program, out_dtype=dt, interpret=interpret)
@@ -171,8 +171,8 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
     decay = jnp.exp(exponent(gi[:, BT - 1::BT], gf[:, BT - 1::BT]))[:, :, None, :]   # [HV, NTa, 1, Kp]
     blk, flags = tpu.chunk_flags(aligned_cu.astype(jnp.int32), NTa, BT)
     h0 = None if zero_h0 else tpu.states_to_heads(initial_state)
-    st = state_tpu.launch(kg, w, u, decay, h0, blk, flags, N=N, chunk_size=BT, heads=scfg.heads,
-                          store_final=False, h_dtype=scfg.h_dtype, interpret=interpret)
+    st = state_tpu.launch(kg, w, u, decay, h0, blk, flags, N=N, chunk_size=BT, config=scfg, store_final=False,
+                          interpret=interpret)
     h, v_new = st.h, st.v_new
   fh = lambda x, D: tpu.from_heads(x, D)
   return Out(fh(gi, K), fh(gf, K), fh(w, K), fh(u, V), fh(qg, K), fh(kg, K), tpu.h_from_heads(h, K, V),
