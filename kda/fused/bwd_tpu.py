@@ -24,7 +24,8 @@ Blocks (head-first, MB heads, reversed index maps): q, k, g, gc_int, gc_frac, qg
 [1, NTa, HV, K, V]; dht, dh0 (MB, K, V) at seq[chunk]; beta, dbeta (MB, BT) head groups; valid
 (1, BT); exp(A_log) (MB, 1), dt_bias (MB, K), dA_log and ddt_bias row sums (MB, K) per head group.
 Precision as the per-stage kernels: bf16 q -> bf16 MXU operands, float32 accumulation; float32 ->
-HIGHEST; cumsums at HIGHEST.
+HIGHEST; cumsums at HIGHEST. VMEM at K = V = 128, BT = 64, MB = 16: 22.6 MiB (bf16) / 26.6 MiB, so
+it asks for 45 / 53 MiB (2 x need) and fits v7x's 57.6 MiB budget.
 """
 from __future__ import annotations
 

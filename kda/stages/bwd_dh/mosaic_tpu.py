@@ -17,14 +17,15 @@ VMEM scratch from one step to the next, and per head of the program
 Scalar prefetch (SMEM): the chunk -> sequence map (the tail mapped to the last sequence, so its dht /
 dh0 blocks follow that sequence's and every block is revisited on consecutive steps only) and
 per-chunk FIRST / LAST / TAIL bits (kda._mosaic_tpu_bwd.chunk_flags). dht and dh0 are (MB, K, V)
-blocks of [N, HV, K, V] picked by that map. Empty sequences own no chunk: their dh0 is dht, set by a
-select outside the kernel (as are the rows of a sequence whose block the kernel never wrote).
+blocks of [N, HV, K, V] picked by that map. Empty sequences own no chunk, so the kernel never writes
+their dh0 block: it is set to dht by a select outside the kernel.
 
 Blocks (head-first, MB heads): qg, kg, w, dqg, dkg, dw (MB, BT, K); v_new, do, dv, du (MB, BT, V);
 h (MB, K, V) straight from S0's [1, NTa, HV, K, V]; exp(gc_last) in and dgc_last out as head-group
 rows (MB, K) (kda._mosaic_tpu_bwd.rows_in), turned into columns and back in VMEM.
 Precision: bf16 do -> bf16 MXU operands with float32 accumulation (dS stays float32 in VMEM);
-float32 do -> HIGHEST.
+float32 do -> HIGHEST. VMEM at K = V = 128, BT = 64, MB = 16: 17 MiB (h, dht, dh0 and the scratch
+are 64 KiB per head each).
 """
 from __future__ import annotations
 

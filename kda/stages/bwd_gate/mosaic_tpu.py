@@ -13,7 +13,7 @@ axis is "arbitrary" when they are asked for ("parallel" otherwise); XLA sums dA_
 
 Blocks: g, dgc, dg_state, dg (MB, BT, K) head-first; valid (1, BT) per chunk (a 0/1 row, turned
 into a column in VMEM); exp(A_log) (MB, 1) and dt_bias (MB, K) per head group. Every operation but
-the cumsum dot is elementwise float32.
+the cumsum dot is elementwise float32. VMEM at K = 128, BT = 64, MB = 16: 3.9 MiB (bf16 g) / 4.4 MiB.
 """
 from __future__ import annotations
 

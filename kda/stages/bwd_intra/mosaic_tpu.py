@@ -29,7 +29,7 @@ dgc += q dqA' - k dkA' + k beta G - k dkK2 (the diagonal E = 1 has no gate term)
 Blocks: q, k, gc_int, gc_frac, dq, dk, dgc in and out (MB, BT, K); dAqk, dAkk (MB, BT, BT); beta,
 dbeta in and out (MB, BT) head groups. Precision: bf16 q -> the cross-sub-block dots take bf16
 operands with float32 accumulation; float32 q -> HIGHEST. The diagonal sub-blocks and every
-elementwise term are float32.
+elementwise term are float32. VMEM at K = 128, BT = 64, MB = 16: 10.7 MiB (bf16) / 12.7 MiB.
 """
 from __future__ import annotations
 
