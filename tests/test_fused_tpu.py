@@ -4,12 +4,15 @@ reference stages run in sequence, a NaN kept in its sequence, their refusals and
 lowering for a TPU (no TPU, no libtpu needed)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from kda.fused import gate_intra_tpu, state_output_tpu
 from kda.stages import state
@@ -114,3 +117,36 @@ def test_fused_kernels_lower_for_tpu(dtype, BT):
   so = functools.partial(state_output_tpu.apply, scale=K ** -0.5, chunk_size=BT)
   assert lower_tpu(so, tok(K), tok(K), tok(V), tok(K), tok(BT), tok(K, jnp.float32), tok(K, jnp.float32),
                    s((N, HV, K, V), jnp.float32), s((N + 1,), jnp.int32)) == 1
+
+
+def _mosaic_text(fn, *args):
+  """The Mosaic MLIR of fn's kernels (pallas_call(debug=True) prints it while lowering)."""
+  buf, orig = io.StringIO(), pl.pallas_call
+  pl.pallas_call = functools.partial(orig, debug=True)
+  try:
+    with contextlib.redirect_stdout(buf):
+      lower_tpu(fn, *args)
+  finally:
+    pl.pallas_call = orig
+  return buf.getvalue()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_dot_precisions_and_semantics(dtype):
+  """float32 inputs: every dot of both fused kernels at HIGHEST (contract_precision<fp32>); bf16: only
+  the gate's two cumsum dots (one bf16 pass elsewhere). The state's chunk axis is "arbitrary".
+  BT = 32: gate_intra has 2 cumsums, 2 off-diagonal score dots, w and u; state_output 4 dots."""
+  Ta, HV, K, V, BT, N = 128, 2, 128, 128, 32, 2
+  s = jax.ShapeDtypeStruct
+  tok = lambda D, d=dtype: s((1, Ta, HV, D), d)
+  gi = _mosaic_text(functools.partial(gate_intra_tpu.apply, scale=K ** -0.5, chunk_size=BT, **GATE),
+                    tok(K), tok(K), tok(V), s((1, Ta, HV), dtype), tok(K), s((1, Ta), jnp.bool_),
+                    s((HV,), jnp.float32), s((HV * K,), jnp.float32))
+  so = _mosaic_text(functools.partial(state_output_tpu.apply, scale=K ** -0.5, chunk_size=BT),
+                    tok(K), tok(K), tok(V), tok(K), tok(BT), tok(K, jnp.float32), tok(K, jnp.float32),
+                    s((N, HV, K, V), jnp.float32), s((N + 1,), jnp.int32))
+  for text, n, n_f32 in ((gi, 6, 6 if dtype == jnp.float32 else 2), (so, 4, 4 if dtype == jnp.float32 else 0)):
+    dots = [line for line in text.splitlines() if "tpu.matmul" in line]
+    assert len(dots) == n and sum("contract_precision<fp32>" in line for line in dots) == n_f32
+  sem = "dimension_semantics = [#tpu.dimension_semantics<parallel>, #tpu.dimension_semantics<{}>]"
+  assert sem.format("arbitrary") in so and sem.format("parallel") in gi
