@@ -16,8 +16,9 @@ HIGHEST with bf16 operands does not compile, "Bad lhs type"); f32 accumulation a
 VMEM. Every pipelined block is double-buffered; a kernel needs 2 x blocks + scratch + the values its
 body keeps live (`temps`), each buffer tiled (sublanes 8 for 32-bit, 16 for 16-bit; lanes 128). A
 kernel refuses a call whose need exceeds 0.9 x VMEM and otherwise asks for
-vmem_limit_bytes = min(0.9 x VMEM, max(default scoped limit, 2 x need)): the factor 2 leaves Mosaic
-room for spills and its internal scratch.
+vmem_limit_bytes = min(0.9 x VMEM, max(default scoped limit, 1.25 x need)). Each kernel's `temps` are
+fitted to what Mosaic allocates (tools.tpu_aot --min-vmem), so the 1.25 is a margin, not a guess;
+default tiles (heads per program) are the most that fit the default scoped limit.
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def budget(blocks, scratch, temps, gen: Generation) -> Budget:
   """blocks, scratch, temps: (shape, dtype) pairs -> the kernel's VMEM need and the limit to set."""
   size = lambda items: sum(buffer_bytes(s, d, gen) for s, d in items)
   need = 2 * size(blocks) + size(scratch) + size(temps)
-  return Budget(need, min(gen.vmem_cap, max(gen.scoped_vmem_bytes, 2 * need)))
+  return Budget(need, min(gen.vmem_cap, max(gen.scoped_vmem_bytes, need + need // 4)))
 
 
 def budget_reason(kernel: str, b: Budget, gen: Generation) -> Optional[str]:

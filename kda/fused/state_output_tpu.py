@@ -68,10 +68,10 @@ def tiles(MB, BT, Kp, Vp, dtype, out_dtype=F32):
 
 
 def default_config(K, V, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles need at most half the default scoped VMEM."""
+  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
   gen = gen or tpu.generation()
   fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen).need \
-      <= gen.scoped_vmem_bytes // 2
+      <= gen.scoped_vmem_bytes
   return Config(heads=tpu.pick_heads(fits))
 
 

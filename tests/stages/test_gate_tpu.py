@@ -7,13 +7,13 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from kda.stages import gate
 from kda.stages.gate import mosaic_tpu
 from tests import cases
 from tests.lowering import lower_tpu
+from tests.stages import tpu_setup as setup
 from tests.stages.test_gate import check_padding, check_parts, extreme_gates, form_args, pooled_inputs
 
 # Kernel vs reference. g: the reference's own float32 formula on the same values (the interpreter
@@ -24,19 +24,11 @@ TOL = {"g": dict(atol=1e-6, rtol=1e-6), "gc_int": dict(atol=1e-30, rtol=0), "gc_
 
 CASES = [
     # id, lens, K, BT, dtype, form, extreme: an empty sequence, a 1-token one and partial chunks in each
-    ("softplus-K64-BT32-bf16", [30, 0, 1, 50], 64, 32, jnp.bfloat16, "softplus", False),
+    ("B-softplus-K128-BT32-bf16", list(setup.CASES["B"].lens), 128, 32, jnp.bfloat16, "softplus", False),
     ("sigmoid-noA-K128-BT16-f32", [17, 1, 0, 40], 128, 16, jnp.float32, "sigmoid-noA", False),
     # gates -inf, -1e30, -1e5, -1e4 ... (test_gate.EXTREMES) given in log space: floored at -128
-    ("identity-extreme-K64-BT16-f32", [30, 0, 1, 50], 64, 16, jnp.float32, "identity", True),
+    ("A-identity-extreme-K64-BT16-f32", list(setup.CASES["A"].lens), 64, 16, jnp.float32, "identity", True),
 ]
-
-
-@functools.lru_cache(maxsize=None)
-def _fns(BT, form):
-  _, kw = form_args(form, None, None, None, None)
-  ref = jax.jit(functools.partial(gate.reference.apply, chunk_size=BT, **kw))
-  ker = jax.jit(functools.partial(mosaic_tpu.apply, chunk_size=BT, interpret=True, **kw))
-  return ref, ker
 
 
 @pytest.mark.parametrize("lens,K,BT,dtype,form,extreme", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -46,9 +38,9 @@ def test_kernel_matches_reference(lens, K, BT, dtype, form, extreme):
   if extreme:
     g = extreme_gates(g, 3, frac=0.1).astype(dtype)
   g = jnp.where(valid[:, :, None, None], g, jnp.nan)          # padding values must never be read
-  args, _ = form_args(form, g, valid, A_log, dt_bias)
-  ref, ker = _fns(BT, form)
-  want, got = ref(*args), ker(*args)
+  args, kw = form_args(form, g, valid, A_log, dt_bias)
+  want = setup.jitted(gate.reference.apply, chunk_size=BT, **kw)(*args)
+  got = setup.kernel(mosaic_tpu.apply, chunk_size=BT, **kw)(*args)
   for name in gate.Out._fields:
     chex.assert_shape(getattr(got, name), getattr(want, name).shape)
     assert getattr(got, name).dtype == jnp.float32

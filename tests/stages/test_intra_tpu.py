@@ -7,12 +7,14 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from kda.stages import intra
+from kda.stages import gate, intra
 from kda.stages.intra import mosaic_tpu
 from tests import cases
 from tests.lowering import lower_tpu
+from tests.stages import tpu_setup as setup
 from tests.stages.test_intra import TOL, check_padding, stage_inputs
 
 # Tolerances: test_intra.TOL, keyed by (output, input dtype), whose reasons hold here as written:
@@ -22,52 +24,51 @@ from tests.stages.test_intra import TOL, check_padding, stage_inputs
 # relative on every output; bf16 (max|d| / max|ref|) Akk 2.2e-3, Aqk 2.7e-3, Ainv 2.1e-4,
 # w 2.2e-3, u 4.4e-3 (1.3e-2 absolute on |u| <= ~3), qg 2.1e-3, kg 1.8e-3.
 
-CASES = [
-    # id, lens or T, K, V, BT, dtype, gate kind: an empty sequence, a 1-token one and partial chunks
-    ("varlen-K64-V64-BT32-f32", [30, 0, 1, 50], 64, 64, 32, jnp.float32, "plain"),
-    ("varlen-K128-V64-BT16-bf16-raw", [17, 1, 0, 40], 128, 64, 16, jnp.bfloat16, "raw"),
-    # some gates -inf, -1e30, -1e5, -1e4 ... (test_gate.EXTREMES): resets, the floor, huge exponents
-    ("extreme-K64-V128-BT16-f32", [45, 0, 1, 20], 64, 128, 16, jnp.float32, "extreme"),
-]
-LARGE = [
-    # BT = 64 (four sub-blocks), -5 per token: gc reaches -320 in a chunk, exp(-gc) would overflow
-    ("T128-K128-V128-BT64-f32-strong", 128, 128, 128, 64, jnp.float32, "strong"),
-    ("varlen-K128-V128-BT64-bf16", [100, 0, 1, 60], 128, 128, 64, jnp.bfloat16, "plain"),
-]
 
-
-@functools.lru_cache(maxsize=None)
-def _fns(BT, scale):
-  ref = jax.jit(functools.partial(intra.reference.apply, scale=scale, chunk_size=BT))
-  ker = jax.jit(functools.partial(mosaic_tpu.apply, scale=scale, chunk_size=BT, interpret=True))
-  return ref, ker
-
-
-def _check(lens, K, V, BT, dtype, gate_kind):
-  varlen = isinstance(lens, list)
-  args, valid = stage_inputs(lens=lens if varlen else None, T=None if varlen else lens, HV=2, K=K, V=V, BT=BT,
-                             dtype=dtype, gate_kind=gate_kind)
-  ref, ker = _fns(BT, K ** -0.5)
-  want, got = ref(*args), ker(*args)
-  dt = jnp.dtype(dtype).name
+def _check(args, valid, case):
+  got = setup.kernel(mosaic_tpu.apply, scale=case.scale, chunk_size=case.BT)(*args)
+  want = setup.jitted(intra.reference.apply, scale=case.scale, chunk_size=case.BT)(*args)
+  dt = jnp.dtype(case.dtype).name
   for name in intra.Out._fields:
     g, w = getattr(got, name), getattr(want, name)
     chex.assert_shape(g, w.shape)
-    assert g.dtype == dtype, f"{name}: dtype {g.dtype}, want {dt} (dtype policy)"
+    assert g.dtype == case.dtype, f"{name}: dtype {g.dtype}, want {dt} (dtype policy)"
     assert bool(jnp.all(jnp.isfinite(g))), f"{name}: not finite"
     cases.report_close(name, g, w, **TOL[name, dt])
-  check_padding(got, valid, BT)
+  check_padding(got, valid, case.BT)
 
 
-@pytest.mark.parametrize("lens,K,V,BT,dtype,gate_kind", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_kernel_matches_reference(lens, K, V, BT, dtype, gate_kind):
-  _check(lens, K, V, BT, dtype, gate_kind)
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_kernel_matches_reference(name):
+  """tpu_setup's cases: float32 K = V = 64 (lane padding) BT 16, bf16 K = V = 128 BT 32; varlen with
+  an empty sequence, a 1-token one and partial chunks."""
+  f, case = setup.forward(name), setup.CASES[name]
+  q, k, v, beta = f.ins[:4]
+  gt = f.ref["gate"]
+  _check((q, k, v, beta, gt.gc_int, gt.gc_frac), np.asarray(f.ins[5][0]), case)
+
+
+def test_kernel_extreme_gates():
+  """Some gates -inf, -1e30, -1e5, -1e4 ... (test_gate.EXTREMES): resets, the floor, huge exponents;
+  case A's shapes."""
+  case = setup.CASES["A"]
+  args, valid = stage_inputs(lens=list(case.lens), HV=2, K=case.K, V=case.V, BT=case.BT, dtype=case.dtype,
+                             gate_kind="extreme")
+  assert float(jnp.min(args[4])) <= gate.GATE_FLOOR     # a floored gate (-inf, -1e30, ... -128) in gc_int
+  _check(args, valid, case)
 
 
 @pytest.mark.large
-@pytest.mark.parametrize("lens,K,V,BT,dtype,gate_kind", [c[1:] for c in LARGE], ids=[c[0] for c in LARGE])
-def test_kernel_matches_reference_bt64(lens, K, V, BT, dtype, gate_kind):
-  _check(lens, K, V, BT, dtype, gate_kind)
+@pytest.mark.parametrize("lens,K,V,dtype,gate_kind", [(128, 128, 128, jnp.float32, "strong"),
+                                                      ([100, 0, 1, 60], 128, 128, jnp.bfloat16, "plain")],
+                         ids=["T128-f32-strong", "varlen-bf16"])
+def test_kernel_matches_reference_bt64(lens, K, V, dtype, gate_kind):
+  """BT = 64 (four sub-blocks); "strong": -5 per token, gc reaches -320 in a chunk (exp(-gc) would
+  overflow float32)."""
+  varlen = isinstance(lens, list)
+  args, valid = stage_inputs(lens=lens if varlen else None, T=None if varlen else lens, HV=2, K=K, V=V, BT=64,
+                             dtype=dtype, gate_kind=gate_kind)
+  _check(args, valid, setup.Case(tuple(lens) if varlen else (lens,), K, V, 64, dtype))
 
 
 def test_supports_refuses_in_words():
@@ -84,9 +85,9 @@ def test_supports_refuses_in_words():
                                        chunk_size=64)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_kernel_lowers_for_tpu(dtype):
-  Ta, HV, K, V, BT = 256, 4, 128, 128, 64
+@pytest.mark.parametrize("dtype,BT", [(jnp.float32, 32), (jnp.bfloat16, 64)], ids=["f32-BT32", "bf16-BT64"])
+def test_kernel_lowers_for_tpu(dtype, BT):
+  Ta, HV, K, V = 256, 4, 128, 128
   s = jax.ShapeDtypeStruct
   fn = functools.partial(mosaic_tpu.apply, scale=K ** -0.5, chunk_size=BT)
   assert lower_tpu(fn, s((1, Ta, HV, K), dtype), s((1, Ta, HV, K), dtype), s((1, Ta, HV, V), dtype),
