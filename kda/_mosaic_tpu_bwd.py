@@ -9,8 +9,10 @@ over them with a fori_loop, so the live values are one head's.
 VMEM. Every pipelined block is double-buffered; `block_bytes` pads a block's last two dims to the
 dtype's (sublane, 128-lane) tile. A kernel's need is 2 * blocks + scratch + an allowance for one
 head's intermediates; `heads_per_program` takes the largest divisor of HV whose need fits the
-budget (0.9 x VMEM per TensorCore of the generation, kda._mosaic_tpu's table), and the kernels set
-vmem_limit_bytes from the need as the forward's do.
+budget (0.9 x VMEM per TensorCore of the generation, kda._mosaic_tpu's table), and the kernels ask
+for vmem_limit_bytes = min(0.9 x VMEM, max(the default scoped limit, 2 x need)): the values a head's
+body keeps live are an allowance here, not fitted to Mosaic's allocation, so the factor 2 leaves it
+room for spills and internal scratch (tools/tpu_bwd_aot.py compiles at production shapes).
 
 Not padded: K, V stay as given in the lane dim (a full-dim block of 64 lanes lowers; HBM tiles pad
 it to 128 lanes either way, so the bytes moved are the same).
@@ -72,8 +74,7 @@ def refuse(kernel: str, reason):
 
 
 def compiler_params(semantics, need):
-  """vmem_limit_bytes = min(0.9 x VMEM, max(the default scoped limit, 2 x need)), as the forward's
-  kernels ask (room for Mosaic's spills and internal scratch)."""
+  """vmem_limit_bytes = min(0.9 x VMEM, max(the default scoped limit, 2 x need)) (module docstring)."""
   gen = _mt.generation()
   return _mt.compiler_params(semantics, _mt.Budget(need, min(gen.vmem_cap, max(gen.scoped_vmem_bytes, 2 * need))))
 
