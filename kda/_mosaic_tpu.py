@@ -26,7 +26,6 @@ import dataclasses
 import math
 from typing import NamedTuple, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -18,8 +18,9 @@ body is the gate kernel's `gate_chunk` then the intra kernel's `intra_chunk` on 
 float32 substitution, bf16 dot operands for bf16 q/k/v), and exp of gc's last row for decay:
 the same operations as the two stage kernels, so the same bits.
 
-VMEM (BT = 64, K = V = 128, per head): the intra kernel's blocks and values plus g in and gc out
-(32 + 64 KiB f32); MB = 8 needs ~10 MiB (bf16) / ~12 MiB (f32) by this budget.
+VMEM (BT = 64, K = V = 128; kda._mosaic_tpu.budget): the intra kernel's blocks and values plus g in,
+gc and decay out, the gate's values: MB = 4 on v5e (8.5 MiB bf16, 9.8 MiB f32), MB = 8 on v6e / v7x
+(17.0 / 19.5 MiB), under the default scoped limits.
 """
 from __future__ import annotations
 

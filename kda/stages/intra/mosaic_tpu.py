@@ -26,9 +26,10 @@ Padding (q = k = v = beta = 0 there): padding rows and columns of Akk, Aqk are e
 padding rows one-hot (substitution subtracts only zero multiples), w = u = qg = kg = 0. Chunks past
 aligned_cu[-1] are computed like any other (zeros in, zeros and one-hot rows out).
 
-VMEM (BT = 64, K = V = 128, per head): bf16 blocks 56 KiB in + 72 KiB out, f32 128 + 144 KiB,
-double-buffered, plus ~0.6 MiB of f32 values. MB = 8 needs ~7 MiB (bf16) / ~9 MiB (f32): within half
-the default scoped limit on v6e and v7x; on v5e (16 MiB) MB = 4 (bf16) and 2 (f32).
+VMEM (BT = 64, K = V = 128; kda._mosaic_tpu.budget, `temps` fitted to Mosaic's allocation): per
+head 0.5 MiB of double-buffered blocks (bf16) and ~1.5 MiB of values. bf16: MB = 8 on every
+generation, 16 MiB (limit asked 20 MiB on v5e, the default 32 MiB on v6e / v7x); f32: MB = 4 on v5e
+(9.2 MiB), MB = 8 on v6e / v7x (18.5 MiB).
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ calls too): an NT dot [BT, Kp] x [Vp, Kp] and an NN dot [BT, BT] x [BT, Vp], bf1
 pass, f32 accumulation) where qg is bf16, f32 at HIGHEST otherwise. o is stored float32
 (Config.out_dtype overrides). No scratch.
 
-VMEM (BT = 64, K = V = 128, per head): bf16 blocks 16 + 32 (h) + 8 + 16 KiB in, 32 KiB out (f32),
-double-buffered, plus ~0.1 MiB of f32 values: MB = 8 needs ~3 MiB.
+VMEM (BT = 64, K = V = 128; kda._mosaic_tpu.budget): MB = 8 on every generation, 2.5 MiB (bf16) /
+3.8 MiB (f32), under the default scoped limits.
 """
 from __future__ import annotations
 
