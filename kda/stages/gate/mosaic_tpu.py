@@ -51,11 +51,9 @@ def tiles(MB, BT, Kp, dtype, has_a, has_bias):
 
 
 def default_config(K, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), dtype, True, True), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), dtype, True, True), gen))
 
 
 def gate_chunk(g, valid, a_log, bias, *, use_gate_in_kernel, lower_bound):

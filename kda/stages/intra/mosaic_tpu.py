@@ -27,9 +27,9 @@ padding rows one-hot (substitution subtracts only zero multiples), w = u = qg = 
 aligned_cu[-1] are computed like any other (zeros in, zeros and one-hot rows out).
 
 VMEM (BT = 64, K = V = 128; kda._mosaic_tpu.budget, `temps` fitted to Mosaic's allocation): per
-head 0.5 MiB of double-buffered blocks (bf16) and ~1.5 MiB of values. bf16: MB = 8 on every
-generation, 16 MiB (limit asked 20 MiB on v5e, the default 32 MiB on v6e / v7x); f32: MB = 4 on v5e
-(9.2 MiB), MB = 8 on v6e / v7x (18.5 MiB).
+head 0.5 MiB of double-buffered blocks (bf16) and ~1.5 MiB of values. MB = 8 on every generation:
+16.0 MiB (bf16) / 18.5 MiB (f32), limits asked 20 / 23 MiB on v5e and the default 32 MiB on v6e and
+v7x; the smallest limits that compile are 15.7 / 18.3 MiB (tools.tpu_aot --min-vmem, v7x).
 """
 from __future__ import annotations
 
@@ -87,11 +87,9 @@ def tiles(MB, BT, Kp, Vp, dtype):
 
 
 def default_config(K, V, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen))
 
 
 def _diagonal(q, k, gi, gf):
