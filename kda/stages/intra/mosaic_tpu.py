@@ -12,11 +12,12 @@ is batched over the MB heads (a leading dim), so each VPU step works on MB heads
   [16, Kp] x [BT, Kp] -> [16, BT] per sub-block and matrix (x = k for Akk, q for Aqk), the rows
   j >= r0 of the right factor zeroed. Both factors are <= 1 (gates <= 0), so nothing overflows, and
   where one underflows the true product does too.
-- the diagonal 16 x 16 block: for each column j, the exact pairwise exponent gc_i - gc_j [16, Kp],
-  masked to i >= j BEFORE exp (as intra.pair_decay), times k_j, reduced over lanes against k_i and
-  q_i (f32 on the VPU/XLU, for both input dtypes).
-- Ainv = (I + Akk)^-1 by forward substitution in float32: X = I, then for each column j,
-  X -= Akk[:, j] X[j, :] (rank-1 updates on [MB, BT, BT], exact substitution order).
+- the diagonal 16 x 16 blocks, all sub-blocks at once (rows grouped [MB, BT / 16, 16, Kp]): for
+  each column j < 16 of a block, the exact pairwise exponent gc_i - gc_j, masked to i >= j BEFORE
+  exp (as intra.pair_decay), times k_j, reduced over lanes against k_i and q_i (f32 on the VPU and
+  XLU, for both input dtypes): 16 steps whatever BT.
+- Ainv = (I + Akk)^-1 by forward substitution in float32: X = I, then for each column j < BT - 1,
+  X -= Akk[:, j] X[j, :] (rank-1 updates on [MB, BT, BT]; row j is final when its turn comes).
 - w = Ainv (beta k e^gc), u = Ainv (beta v): NN dots [BT, BT] x [BT, D]; qg = q e^gc,
   kg = k e^(gc_last - gc) elementwise in f32.
 Dots take bf16 operands (one MXU pass, f32 accumulation) for bf16 inputs, f32 at HIGHEST otherwise;
