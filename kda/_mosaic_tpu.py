@@ -16,9 +16,10 @@ HIGHEST with bf16 operands does not compile, "Bad lhs type"); f32 accumulation a
 VMEM. Every pipelined block is double-buffered; a kernel needs 2 x blocks + scratch + the values its
 body keeps live (`temps`), each buffer tiled (sublanes 8 for 32-bit, 16 for 16-bit; lanes 128). A
 kernel refuses a call whose need exceeds 0.9 x VMEM and otherwise asks for
-vmem_limit_bytes = min(0.9 x VMEM, max(default scoped limit, 1.25 x need)). Each kernel's `temps` are
-fitted to what Mosaic allocates (tools.tpu_aot --min-vmem), so the 1.25 is a margin, not a guess;
-default tiles (heads per program) are the most that fit the default scoped limit.
+vmem_limit_bytes = min(0.9 x VMEM, max(default scoped limit, 1.25 x need)). intra's `temps` (the
+largest) are fitted to what Mosaic allocates (tools.tpu_aot --min-vmem), the other kernels' budgets
+exceed it, so the 1.25 is a margin; default tiles (heads per program, `default_heads`) fill at most
+half the usable VMEM.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import dataclasses
 import math
 from typing import NamedTuple, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -125,10 +125,13 @@ def budget_reason(kernel: str, b: Budget, gen: Generation) -> Optional[str]:
   return None
 
 
-def pick_heads(fits, most: int = 8) -> int:
-  """The largest MB in (most, most/2, ..., 1) with fits(MB)."""
+def default_heads(tiles_of, gen: Generation, most: int = 8) -> int:
+  """The largest MB in (most, most/2, ..., 1) whose tiles (tiles_of(MB): blocks, scratch, temps)
+  need at most half the usable VMEM (VMEM_FRACTION x VMEM / 2: 57.6 MiB on v5e / v6e, 28.8 MiB on
+  v7x), leaving the other half to what XLA keeps in VMEM around the kernel. MB <= 8: a grid step
+  costs ~0.35 us (Pallas TPU docs), which 8 heads of a chunk's work already amortise."""
   mb = most
-  while mb > 1 and not fits(mb):
+  while mb > 1 and budget(*tiles_of(mb), gen).need > gen.vmem_cap // 2:
     mb //= 2
   return mb
 
@@ -253,10 +256,9 @@ def iota(shape, axis):
   return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def tril(BT: int, strict: bool = False):
-  """[BT, BT] float32 lower-triangular ones."""
-  r, c = iota((BT, BT), 0), iota((BT, BT), 1)
-  return ((r > c) if strict else (r >= c)).astype(F32)
+def tril(BT: int):
+  """[BT, BT] float32 lower-triangular ones (with the diagonal): tril @ x is the inclusive cumsum."""
+  return (iota((BT, BT), 0) >= iota((BT, BT), 1)).astype(F32)
 
 
 def float_reason(name, x, allowed=(F32, BF16)) -> Optional[str]:

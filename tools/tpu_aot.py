@@ -3,6 +3,8 @@ a TPU (needs libtpu: jax[tpu] of the installed jax's version; not part of CI).
 
   JAX_PLATFORMS=cpu PYTHONPATH=$PWD /work/tpu-venv/bin/python -m tools.tpu_aot
   ... -m tools.tpu_aot --gen v7x --dtype bf16 --kernels intra,state_output --min-vmem
+  ... -m tools.tpu_aot --K 256 --V 256 --BT 16
+(ALLOW_MULTIPLE_LIBTPU_LOAD=1 where another process holds libtpu.)
 
 Per kernel x generation x dtype, at the production shape (default T = 8192 aligned, HV = 16,
 K = V = 128, BT = 64, N = 5 sequences): compiled or the error, the heads per program MB of the

@@ -18,8 +18,10 @@ body is the gate kernel's `gate_chunk` then the intra kernel's `intra_chunk` on 
 float32 substitution, bf16 dot operands for bf16 q/k/v), and exp of gc's last row for decay:
 the same operations as the two stage kernels, so the same bits.
 
-VMEM (BT = 64, K = V = 128, per head): the intra kernel's blocks and values plus g in and gc out
-(32 + 64 KiB f32); MB = 8 needs ~10 MiB (bf16) / ~12 MiB (f32) by this budget.
+VMEM (BT = 64, K = V = 128; kda._mosaic_tpu.budget): the intra kernel's blocks and values plus g in,
+gc and decay out, the gate's values: MB = 8 on every generation, 17.0 MiB (bf16) / 19.5 MiB (f32),
+limits asked 21 / 24 MiB on v5e and the default 32 MiB on v6e and v7x; the smallest limit that
+compiles is 13.7 MiB (bf16, v7x; tools.tpu_aot --min-vmem).
 """
 from __future__ import annotations
 
@@ -75,11 +77,9 @@ def tiles(MB, BT, Kp, Vp, dtype, g_dtype, store_gc=True):
 
 
 def default_config(K, V, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype, F32), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype, F32), gen))
 
 
 def supports(q, k, v, beta, g, valid, A_log, dt_bias, aligned_cu=None, *, scale, chunk_size, use_gate_in_kernel,

@@ -20,8 +20,9 @@ output_chunk:
 
 so o equals the unfused state + output kernels' (h and v_new stored in the dot dtype) bit for bit.
 
-VMEM (K = V = 128, BT = 64, per head): the state kernel's without h and v_new, plus qg, Aqk in and
-o out: ~1 MiB (bf16) / ~1.3 MiB (f32) per head with the values; MB = 8 needs ~8-10 MiB.
+VMEM (K = V = 128, BT = 64; kda._mosaic_tpu.budget): the state kernel's blocks without h and v_new,
+plus qg, Aqk in and o out: MB = 8 on every generation, 6.8 MiB (bf16) / 8.1 MiB (f32), under the
+default scoped limits.
 """
 from __future__ import annotations
 
@@ -68,11 +69,9 @@ def tiles(MB, BT, Kp, Vp, dtype, out_dtype=F32):
 
 
 def default_config(K, V, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen))
 
 
 def supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, config=None,

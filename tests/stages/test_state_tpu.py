@@ -68,11 +68,16 @@ def test_nan_in_one_sequence_stays_there():
   cases.report_close("final_state", got.final_state[1:], want.final_state[1:], **KERNEL_TOL)
 
 
-def test_two_cores_any_head_order():
+def test_two_cores_any_head_order_and_a_tail():
   """The interpreter on two cores splits the "parallel" head axis (one head per program) and checks
-  that the carried chunk axis is visited in order: same results."""
-  args = setup.state_inputs("A")
+  that the carried chunk axis is visited in order: same results. Case A with two chunks past
+  aligned_cu[-1] (random kg, w; u = 0): h and v_new are 0 there, so the state is reset on the tail
+  rather than carried on from the last sequence."""
+  kg, w, u, gi, gf, h0, acu = setup.state_inputs("A")
   BT = setup.CASES["A"].BT
+  tail = lambda x, fill: jnp.concatenate([x, fill(jax.random.PRNGKey(7), (1, 2 * BT) + x.shape[2:])], axis=1)
+  rand, zeros = jax.random.normal, lambda key, shape: jnp.zeros(shape)
+  args = (tail(kg, rand), tail(w, rand), tail(u, zeros), tail(gi, zeros), tail(gf, zeros), h0, acu)
   two = pltpu.InterpretParams(num_cores_or_threads=2)
   got = jax.jit(functools.partial(mosaic_tpu.apply, chunk_size=BT, interpret=two,
                                   config=mosaic_tpu.Config(heads=1)))(*args)

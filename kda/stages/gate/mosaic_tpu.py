@@ -12,9 +12,9 @@ at HIGHEST (no cumsum lowers on TPU). The integer part stays exact on the MXU: c
 A NaN gate poisons its whole chunk here (0 * NaN in the tril dot), not only the rows after it as
 the reference's cumsum does; the chunk belongs to one sequence, so nothing leaks past it.
 
-VMEM (BT = 64, K = 128, f32 g, per head): blocks 32 KiB in + 96 KiB out, double-buffered, plus
-~176 KiB of values: MB = 8 (the default on every generation) needs ~3.6 MiB, under every default
-scoped limit (16 MiB v5e, 32 MiB v6e / v7x).
+VMEM (BT = 64, K = 128; kda._mosaic_tpu.budget): MB = 8 heads per program on v5e, v6e and v7x,
+3.4 MiB (bf16 g) / 3.7 MiB (f32) by the budget, under every default scoped limit (16 MiB v5e,
+32 MiB v6e / v7x), which it keeps.
 """
 from __future__ import annotations
 
@@ -51,11 +51,9 @@ def tiles(MB, BT, Kp, dtype, has_a, has_bias):
 
 
 def default_config(K, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), dtype, True, True), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), dtype, True, True), gen))
 
 
 def gate_chunk(g, valid, a_log, bias, *, use_gate_in_kernel, lower_bound):

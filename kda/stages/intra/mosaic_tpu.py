@@ -12,11 +12,12 @@ is batched over the MB heads (a leading dim), so each VPU step works on MB heads
   [16, Kp] x [BT, Kp] -> [16, BT] per sub-block and matrix (x = k for Akk, q for Aqk), the rows
   j >= r0 of the right factor zeroed. Both factors are <= 1 (gates <= 0), so nothing overflows, and
   where one underflows the true product does too.
-- the diagonal 16 x 16 block: for each column j, the exact pairwise exponent gc_i - gc_j [16, Kp],
-  masked to i >= j BEFORE exp (as intra.pair_decay), times k_j, reduced over lanes against k_i and
-  q_i (f32 on the VPU/XLU, for both input dtypes).
-- Ainv = (I + Akk)^-1 by forward substitution in float32: X = I, then for each column j,
-  X -= Akk[:, j] X[j, :] (rank-1 updates on [MB, BT, BT], exact substitution order).
+- the diagonal 16 x 16 blocks, all sub-blocks at once (rows grouped [MB, BT / 16, 16, Kp]): for
+  each column j < 16 of a block, the exact pairwise exponent gc_i - gc_j, masked to i >= j BEFORE
+  exp (as intra.pair_decay), times k_j, reduced over lanes against k_i and q_i (f32 on the VPU and
+  XLU, for both input dtypes): 16 steps whatever BT.
+- Ainv = (I + Akk)^-1 by forward substitution in float32: X = I, then for each column j < BT - 1,
+  X -= Akk[:, j] X[j, :] (rank-1 updates on [MB, BT, BT]; row j is final when its turn comes).
 - w = Ainv (beta k e^gc), u = Ainv (beta v): NN dots [BT, BT] x [BT, D]; qg = q e^gc,
   kg = k e^(gc_last - gc) elementwise in f32.
 Dots take bf16 operands (one MXU pass, f32 accumulation) for bf16 inputs, f32 at HIGHEST otherwise;
@@ -26,9 +27,10 @@ Padding (q = k = v = beta = 0 there): padding rows and columns of Akk, Aqk are e
 padding rows one-hot (substitution subtracts only zero multiples), w = u = qg = kg = 0. Chunks past
 aligned_cu[-1] are computed like any other (zeros in, zeros and one-hot rows out).
 
-VMEM (BT = 64, K = V = 128, per head): bf16 blocks 56 KiB in + 72 KiB out, f32 128 + 144 KiB,
-double-buffered, plus ~0.6 MiB of f32 values. MB = 8 needs ~7 MiB (bf16) / ~9 MiB (f32): within half
-the default scoped limit on v6e and v7x; on v5e (16 MiB) MB = 4 (bf16) and 2 (f32).
+VMEM (BT = 64, K = V = 128; kda._mosaic_tpu.budget, `temps` fitted to Mosaic's allocation): per
+head 0.5 MiB of double-buffered blocks (bf16) and ~1.5 MiB of values. MB = 8 on every generation:
+16.0 MiB (bf16) / 18.5 MiB (f32), limits asked 20 / 23 MiB on v5e and the default 32 MiB on v6e and
+v7x; the smallest limits that compile are 15.7 / 18.3 MiB (tools.tpu_aot --min-vmem, v7x).
 """
 from __future__ import annotations
 
@@ -86,11 +88,9 @@ def tiles(MB, BT, Kp, Vp, dtype):
 
 
 def default_config(K, V, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen))
 
 
 def _diagonal(q, k, gi, gf):

@@ -8,8 +8,8 @@ calls too): an NT dot [BT, Kp] x [Vp, Kp] and an NN dot [BT, BT] x [BT, Vp], bf1
 pass, f32 accumulation) where qg is bf16, f32 at HIGHEST otherwise. o is stored float32
 (Config.out_dtype overrides). No scratch.
 
-VMEM (BT = 64, K = V = 128, per head): bf16 blocks 16 + 32 (h) + 8 + 16 KiB in, 32 KiB out (f32),
-double-buffered, plus ~0.1 MiB of f32 values: MB = 8 needs ~3 MiB.
+VMEM (BT = 64, K = V = 128; kda._mosaic_tpu.budget): MB = 8 on every generation, 2.5 MiB (bf16) /
+3.8 MiB (f32), under the default scoped limits.
 """
 from __future__ import annotations
 
@@ -46,11 +46,9 @@ def tiles(MB, BT, Kp, Vp, dtype, h_dtype, out_dtype=F32):
 
 
 def default_config(K, V, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype, F32), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype, F32), gen))
 
 
 def output_chunk(qg, St, Aqk, v_new, *, scale, mm_dtype):

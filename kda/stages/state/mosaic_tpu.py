@@ -27,9 +27,10 @@ Dots take bf16 operands, bf16(S) and bf16(v_new), for bf16 kg, w, u (one MXU pas
 and f32 at HIGHEST otherwise; S and final stay float32. h and v_new are stored in kg's dtype
 (Config.h_dtype overrides h's): as bf16 they are the very operands the output kernel's dots round to.
 
-VMEM (K = V = 128, BT = 64, per head): scratch 64 KiB; blocks kg, w, u 48 KiB (bf16) / 96 KiB (f32),
-h0, final 128 KiB, h 32 / 64 KiB, v_new 16 / 32 KiB, double-buffered; plus ~0.3 MiB of f32 values.
-MB = 8 needs ~7-9 MiB.
+VMEM (K = V = 128, BT = 64, per head; kda._mosaic_tpu.budget): scratch 64 KiB; blocks kg, w, u
+48 KiB (bf16) / 96 KiB (f32), h0, final 128 KiB, h 32 / 64 KiB, v_new 16 / 32 KiB, double-buffered;
+values ~0.3 MiB. MB = 8 on every generation: 6.1 MiB (bf16) / 7.6 MiB (f32), under the default
+scoped limits.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from kda import _mosaic_tpu as tpu
 from kda.stages.state import NAME, Out, chunk_decay
 
 F32 = tpu.F32
+MAX_CHUNKS = 1 << 16   # blk and flags: 2 x 4 bytes per chunk of SMEM's 1 MiB, half of it at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +82,9 @@ def tiles(MB, BT, Kp, Vp, dtype, h_dtype=None):
 
 
 def default_config(K, V, chunk_size, dtype, gen: Optional[tpu.Generation] = None) -> Config:
-  """The most heads per program (<= 8) whose tiles fit the generation's default scoped VMEM limit."""
+  """Heads per program for this generation (kda._mosaic_tpu.default_heads)."""
   gen = gen or tpu.generation()
-  fits = lambda mb: tpu.budget(*tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen).need \
-      <= gen.scoped_vmem_bytes
-  return Config(heads=tpu.pick_heads(fits))
+  return Config(heads=tpu.default_heads(lambda mb: tiles(mb, chunk_size, tpu.lanes(K), tpu.lanes(V), dtype), gen))
 
 
 def begin_chunk(s_ref, h0_ref, flags):
@@ -132,6 +132,8 @@ def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size
   if aligned_cu is None or aligned_cu.ndim != 1 or aligned_cu.shape[0] < 1:
     return "aligned_cu must be an int32 array [N+1]"
   N = aligned_cu.shape[0] - 1
+  if Ta // chunk_size > MAX_CHUNKS:
+    return f"at most {MAX_CHUNKS} chunks (the chunk table lives in SMEM), got {Ta // chunk_size}"
   if initial_state.shape != (N, HV, K, V):
     return f"initial_state must have shape {(N, HV, K, V)}, got {initial_state.shape}"
   gen = tpu.generation()
