@@ -70,14 +70,20 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
     with scope(name):
       return run(plan, name, *args, **plan.stage_kwargs(name))
 
-  gt = stage("gate", g, valid, A_log, dt_bias)
-  it = stage("intra", q, k, v, beta, gt.gc_int, gt.gc_frac, layout.aligned_cu)
-  state_args = (it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, initial_state, layout.aligned_cu)
+  gi = None if record else _group(plan, "gate_intra", q, k, v, beta, g, valid, A_log, dt_bias, layout.aligned_cu,
+                                  scale=plan.scale, **plan.stage_kwargs("gate"))
+  if gi is not None:           # the activated gate never leaves the kernel; decay: exp of gc's last rows
+    it, gc, decay = gi, (gi.gc_int, gi.gc_frac), dict(decay=gi.decay)
+  else:
+    gt = stage("gate", g, valid, A_log, dt_bias)
+    it = stage("intra", q, k, v, beta, gt.gc_int, gt.gc_frac, layout.aligned_cu)
+    gc, decay = (gt.gc_int, gt.gc_frac), {}
+  state_args = (it.kg, it.w, it.u, *gc, initial_state, layout.aligned_cu)
   fused_out = None
   if not record:               # h and v_new never leave the kernel
     fused_out = _group(plan, "state_output", it.kg, it.w, it.u, it.qg, it.Aqk, *state_args[3:],
                        scale=plan.scale, chunk_size=plan.chunk_size, out_dtype=o_dtype(v),
-                       **plan.state_kwargs())
+                       **plan.state_kwargs(), **decay)
   if fused_out is not None:
     o, final_state = fused_out
   else:
@@ -126,22 +132,32 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
              layout.aligned_cu)
   av = stage("bwd_dav", rc.v_new, saved.Aqk, do, layout.aligned_cu)
   gc = (rc.gc_int, rc.gc_frac)
-  ds = stage("bwd_dh", rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
   # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes
   # (prepare_vjp rounds them there anyway). Record mode keeps float32 stage outputs (what
   # tools.stages and the checks compare).
   dv_dtype = {} if record else dict(dv_dtype=va.dtype)
   grad_dtype = {} if record or qa.dtype != ka.dtype else dict(grad_dtype=qa.dtype)
-  wy = stage("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last,
-             layout.aligned_cu, **dv_dtype)
-  it = stage("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu,
-             **grad_dtype)
-  gt = stage("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
+  walk = None if record else _group(
+      plan, "bwd_walk", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, rc, av.dAqk, av.dv, do, dht,
+      layout.aligned_cu, **{**plan.stage_kwargs("bwd_gate"), **plan.stage_kwargs("bwd_dh")}, **dv_dtype,
+      **grad_dtype)
+  if walk is not None:         # the state cotangent and S2-S4's terms never leave the kernel
+    dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (walk.dq, walk.dk, walk.dv, walk.dbeta, walk.dg, walk.dh0,
+                                                    walk.dA_log, walk.ddt_bias)
+  else:
+    ds = stage("bwd_dh", rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
+    wy = stage("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last,
+               layout.aligned_cu, **dv_dtype)
+    it = stage("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu,
+               **grad_dtype)
+    gt = stage("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
+    dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (it.dq, it.dk, wy.dv, it.dbeta, gt.dg, ds.dh0, gt.dA_log,
+                                                    gt.ddt_bias)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   with scope("prepare_vjp"):
-    dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip(
-        (it.dq, it.dk, wy.dv, gt.dg, it.dbeta), (qa, ka, va, ga, ba))))
-  grads = Grads(dq, dk, dv, dg, dbeta, ds.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
+    dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip((dq, dk, dv, dg, dbeta),
+                                                                         (qa, ka, va, ga, ba))))
+  grads = Grads(dq, dk, dv, dg, dbeta, dh0, like(dA_log, A_log), like(ddt_bias, dt_bias))
   records: dict[str, Any] = {}
   if record:
     records = {"valid": valid, "bwd_recompute": rc, "bwd_dav": av, "bwd_dh": ds, "bwd_wy": wy,

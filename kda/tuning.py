@@ -4,7 +4,9 @@ One table keyed by (stage or group, backend, device generation, dtype, K, V, chu
 key fields may be None (any). Rows apply in order, later rows refining earlier ones, on top of the
 Config class's own defaults. A user's `config={name: Config}` replaces the table's choice.
 
-Generations: "sm90" (H100, H200), "gpu" (other CUDA GPUs), "v5e", "v6e", "v7x" (TPU), "cpu".
+Generations: "sm90" (H100, H200), "gpu" (other CUDA GPUs), "v5e", "v6e", "v7x" (TPU), "cpu". The
+TPU kernels size their tiles from the generation's VMEM (kda._mosaic_tpu's table) per call, where
+no row here names them.
 """
 from __future__ import annotations
 
@@ -32,11 +34,16 @@ def _fields(name, backend, generation, dtype, K, V, chunk_size) -> dict:
 
 
 def default_config(op, backend: str, *, generation, dtype, K, V, chunk_size):
-  """The table's Config for backend `backend` of stage or group `op` (None: it has no Config)."""
+  """The table's Config for backend `backend` of stage or group `op`. None where it has no Config,
+  and where the backend computes its default per call (mosaic_tpu: the heads per program that fit
+  the generation's VMEM, from the call's head count and dtypes: its module's `default_config`) and
+  no row of the table names it."""
   cls = op.config_type(backend)
   if cls is None:
     return None
   fields = _fields(op.name, backend, generation, dtype, K, V, chunk_size)
+  if not fields and hasattr(getattr(op, backend), "default_config"):
+    return None
   known = {f.name for f in dataclasses.fields(cls)}
   return cls(**{k: v for k, v in fields.items() if k in known})
 

@@ -35,6 +35,6 @@ class Out(NamedTuple):
   ddt_bias: jax.Array | None  # [HV * K] float32
 
 
-from kda.stages.bwd_gate import mosaic_gpu, reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_gate import mosaic_gpu, mosaic_tpu, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu)
+STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)

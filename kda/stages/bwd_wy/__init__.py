@@ -56,6 +56,6 @@ class Out(NamedTuple):
   dAkk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower (row i of chunk c at token c*BT + i)
 
 
-from kda.stages.bwd_wy import mosaic_gpu, reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_wy import mosaic_gpu, mosaic_tpu, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu)
+STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
