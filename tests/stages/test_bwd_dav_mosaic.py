@@ -23,11 +23,11 @@ from kda import pipeline
 from kda.stages import bwd_dav
 from kda.stages.bwd_dav import mosaic_gpu as mgv
 from tests.stages import bwd_setup
-from tests.stages.test_bwd_intra_mosaic import errors as _errors, fmt
 from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
 from tests.stages.test_output import stage_inputs
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
+fmt = bwd_setup.fmt
 BT = 64
 F32, BF16 = jnp.float32, jnp.bfloat16
 FIELDS = bwd_dav.Out._fields
@@ -82,7 +82,7 @@ def run_case(case, dtype):
 
 
 def errors(got, want):
-  return _errors(got, want, FIELDS)
+  return bwd_setup.block_errors(got, want, FIELDS)
 
 
 def failures(errs, dtype):

@@ -30,7 +30,6 @@ from kda import pipeline
 from kda.stages import bwd_gate, gate
 from kda.stages.bwd_gate import mosaic_gpu as mgb
 from tests.stages import bwd_setup
-from tests.stages.test_bwd_intra_mosaic import errors as block_errors
 from tests.stages.test_gate import extreme_gates, pooled_inputs
 from tests.stages.test_gate_mosaic import FORMS, form_args
 from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
@@ -81,7 +80,7 @@ def reference(args, kw):
 
 def errors(got, want):
   """Per field TOL's metrics; a None field must be None in both."""
-  out = {"dg": block_errors(got, want, fields=("dg",))["dg"]}
+  out = {"dg": bwd_setup.block_errors(got, want, ("dg",))["dg"]}
   for name in ("dA_log", "ddt_bias"):
     a, b = getattr(got, name), getattr(want, name)
     assert (a is None) == (b is None), name

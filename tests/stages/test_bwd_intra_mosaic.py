@@ -87,34 +87,15 @@ def run_case(case, gates, unit=True, accumulate=False, bounded="auto"):
   return args, valid, got, _reference(scale)(*args), secs
 
 
-def _blocks(x):
-  """[1, Ta, HV(, K)] -> [NTa, HV, BT(*K)]: one row per (chunk, head)."""
-  x = x[0]
-  x = x.reshape((x.shape[0] // BT, BT) + x.shape[1:])
-  x = np.moveaxis(x, 2, 1)
-  return x.reshape(x.shape[0], x.shape[1], -1)
-
-
 def errors(got, want, fields=FIELDS):
-  """Per field (TOL's metrics): the worst (chunk, head) block's max|d| / max|ref| (a block whose
-  reference is all 0 must be exactly 0: ratio 0 or inf), and ||d|| / ||ref||."""
-  out = {}
-  for name in fields:
-    a = np.asarray(getattr(got, name), np.float64)
-    b = np.asarray(getattr(want, name), np.float64)
-    d = np.abs(a - b)
-    dm, bm = _blocks(d).max(-1), _blocks(np.abs(b)).max(-1)
-    ratio = np.where(bm > 0, dm / np.where(bm > 0, bm, 1.0), np.where(dm > 0, np.inf, 0.0))
-    out[name] = (float(ratio.max()), float(np.linalg.norm(d) / max(np.linalg.norm(b), 1e-30)))
-  return out
+  return bwd_setup.block_errors(got, want, fields)
 
 
 def failures(errs):
   return [n for n, e in errs.items() if not (e[0] <= TOL[n][0] and e[1] <= TOL[n][1])]   # NaN fails
 
 
-def fmt(errs):
-  return ", ".join(f"{n} {e[0]:.2e}/{e[1]:.2e}" for n, e in errs.items())
+fmt = bwd_setup.fmt
 
 
 # the default run: both K, both gate kinds, unit and non-unit q, k, both paths (bounded="auto": the
@@ -174,7 +155,7 @@ def test_bounded_levels_run_where_flagged():
   for out in (auto, never):
     assert not failures(errors(out, want)), fmt(errors(out, want))
   for name in ("dq", "dk", "dgc"):
-    a, b = (_blocks(np.asarray(getattr(o, name))) for o in (auto, never))      # [NTa, HV, ...]
+    a, b = (bwd_setup.blocks(np.asarray(getattr(o, name))) for o in (auto, never))      # [NTa, HV, ...]
     for h in range(2):
       for c in range(2):                                  # chunk 2 is all padding: zeros either way
         assert np.array_equal(a[c, h], b[c, h]) == (lb[h, c] == 0), (name, h, c, lb[h, c])

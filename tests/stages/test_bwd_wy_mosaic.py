@@ -23,10 +23,10 @@ from kda.stages import bwd_wy, intra
 from kda.stages.bwd_wy import mosaic_gpu as mgw
 from kda.stages.intra import chunk_decays, from_chunks, to_chunks
 from tests.stages import bwd_setup
-from tests.stages.test_bwd_intra_mosaic import errors as _errors, fmt
 from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS, make_case
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
+fmt = bwd_setup.fmt
 BT = 64
 F32, BF16 = jnp.float32, jnp.bfloat16
 FIELDS = bwd_wy.Out._fields
@@ -82,7 +82,7 @@ def run_case(case, gates):
 
 
 def errors(got, want):
-  return _errors(got, want, FIELDS)
+  return bwd_setup.block_errors(got, want, FIELDS)
 
 
 def failures(errs):
