@@ -358,24 +358,25 @@ def test_kernel_smem(K):
 @pytest.mark.large
 def test_chunk_kda_grad_with_the_kernel():
   """kda.chunk_kda's gradient with impl={"bwd_intra": "mosaic_gpu"} (simulator) against the all-
-  reference one: the pipeline's wiring (argument order, the accumulators, dbeta); float32 inputs
-  with bf16-exact q, k (the launcher's cast is exact), so the two differ by the kernel's rounding."""
+  reference one: the pipeline's wiring (argument order, the accumulators, dbeta); bf16 q, k, v (the
+  predicate takes bf16 q, k only), so the two differ by the kernel's rounding and the bf16
+  gradients' roundings it flips now and then."""
   import kda
   from tests import cases
   inp = cases.make_inputs(3, lens=[45, 80, 0, 20], H=2, HV=2, K=64, V=64, gate="plain")
-  q, k = (x.astype(BF16).astype(F32) for x in (inp.q, inp.k))
+  q, k, v = (x.astype(BF16) for x in (inp.q, inp.k, inp.v))
   wo = jax.random.normal(jax.random.PRNGKey(9), inp.v.shape)
 
   def grads(impl):
     def loss(q, k, v, g, beta):
       o, _ = kda.chunk_kda(q, k, v, g, beta, initial_state=inp.initial_state, cu_seqlens=inp.cu_seqlens,
                            chunk_size=BT, impl=impl)
-      return jnp.sum(o * wo)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, inp.v, inp.g, inp.beta)
+      return jnp.sum(o.astype(F32) * wo)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, inp.g, inp.beta)
 
   got, want = grads({"bwd_intra": "mosaic_gpu"}), grads("reference")
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
-    bwd_setup.close(name, a, b, tol=1e-4)
+    bwd_setup.close(name, a.astype(F32), b.astype(F32), tol=4e-3)
 
 
 def test_skip_tail_reads_nothing_there():

@@ -21,8 +21,8 @@ from tests import cases
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
 BT = 64
-# max|d| / max|ref| per field, about 2.3x the maxima measured over both cases (K=V=64 raw gates,
-# K=V=128 plain): gc_frac 3.5e-7, w 2.6e-3, u 4.7e-3, qg 2.7e-3, kg 1.7e-3, h 2.1e-3, v_new 5.2e-3
+# max|d| / max|ref| per field, over 2x the maxima measured over the four cases (default and large):
+# gc_frac 3.5e-7, w 2.6e-3, u 2.7e-3, qg 2.7e-3, kg 1.7e-3, h 2.1e-3, v_new 4.4e-3
 TOL = {"gc_int": 0.0, "gc_frac": 1e-6,
        "w": 6e-3, "u": 1.1e-2, "qg": 6e-3, "kg": 4e-3, "h": 5e-3, "v_new": 1.2e-2}
 
