@@ -92,3 +92,31 @@ def close(name, got, want, tol=TOL):
     chex.assert_trees_all_close(np.asarray(got, np.float32), want, atol=tol * scale, rtol=tol)
   except AssertionError as e:
     raise AssertionError(f"{name}: rel err {cases.rel_err(got, want):.2e} > {tol}\n{e}") from None
+
+
+def blocks(x):
+  """[1, Ta, HV(, K)] -> [NTa, HV, BT(*K)] with BT = 64: one row per (chunk, head)."""
+  x = x[0]
+  x = x.reshape((x.shape[0] // 64, 64) + x.shape[1:])
+  x = np.moveaxis(x, 2, 1)
+  return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def block_errors(got, want, fields):
+  """Per field of two NamedTuples, the kernel tests' metrics: the worst (chunk, head) block's
+  max|d| / max|ref| (a block whose reference is all 0 must be exactly 0: ratio 0 or inf), and
+  ||d|| / ||ref||."""
+  out = {}
+  for name in fields:
+    a = np.asarray(getattr(got, name), np.float64)
+    b = np.asarray(getattr(want, name), np.float64)
+    d = np.abs(a - b)
+    dm, bm = blocks(d).max(-1), blocks(np.abs(b)).max(-1)
+    ratio = np.where(bm > 0, dm / np.where(bm > 0, bm, 1.0), np.where(dm > 0, np.inf, 0.0))
+    out[name] = (float(ratio.max()), float(np.linalg.norm(d) / max(np.linalg.norm(b), 1e-30)))
+  return out
+
+
+def fmt(errs):
+  """block_errors' result in one line."""
+  return ", ".join(f"{n} {e[0]:.2e}/{e[1]:.2e}" for n, e in errs.items())

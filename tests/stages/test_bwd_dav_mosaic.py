@@ -24,11 +24,11 @@ from kda import plan as planning
 from kda.stages import bwd_dav
 from kda.stages.bwd_dav import mosaic_gpu as mgv
 from tests.stages import bwd_setup
-from tests.stages.test_bwd_intra_mosaic import errors as _errors, fmt
 from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
 from tests.stages.test_output import stage_inputs
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
+fmt = bwd_setup.fmt
 BT = 64
 F32, BF16 = jnp.float32, jnp.bfloat16
 FIELDS = bwd_dav.Out._fields
@@ -83,7 +83,7 @@ def run_case(case, dtype):
 
 
 def errors(got, want):
-  return _errors(got, want, FIELDS)
+  return bwd_setup.block_errors(got, want, FIELDS)
 
 
 def failures(errs, dtype):
@@ -154,20 +154,21 @@ def _abstract(Ta, HV, V, dtype=BF16):
   return S((1, Ta, HV, V), dtype), S((1, Ta, HV, BT), dtype), S((1, Ta, HV, V), F32)
 
 
-def test_takes_and_supports():
+def test_supports():
+  """`supports`, the stage's predicate: what the kernel can run, and bf16 v_new, Aqk (`apply` itself
+  takes float32 ones); the pipeline's choice follows it."""
   kw = dict(chunk_size=BT)
   zeros = lambda *a, **k: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*a, **k)]
   good = zeros(128, 2, 64)
-  assert mgv.takes(*good, **kw) is None and mgv.supports(*good, **kw) is None
-  assert bwd_dav.STAGE.supports["mosaic_gpu"] is mgv.takes and bwd_dav.STAGE.mosaic_gpu is mgv.apply
+  assert mgv.supports(*good, **kw) is None and mgv.supports(*good, config=mgv.Config(), **kw) is None
+  assert bwd_dav.STAGE.supports["mosaic_gpu"] is mgv.supports and bwd_dav.STAGE.mosaic_gpu is mgv.apply
   f32 = zeros(128, 2, 64, dtype=F32)
-  assert "takes bfloat16 v_new, Aqk (float32 keeps the reference), got v_new float32, Aqk float32" in mgv.takes(*f32, **kw)
-  assert "got Aqk float32" in mgv.takes(good[0], f32[1], good[2], **kw)
-  assert mgv.supports(*f32, **kw) is None                        # apply itself takes float32
+  assert "takes bfloat16 v_new, Aqk (float32 keeps the reference), got v_new float32, Aqk float32" in mgv.supports(*f32, **kw)
+  assert "got Aqk float32" in mgv.supports(good[0], f32[1], good[2], **kw)
   with_ = lambda i, x: good[:i] + [x] + good[i + 1:]
   refused = {
       "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
-      "V must be one of (64, 128), got 96": (zeros(128, 2, 96), kw),
+      "V must be one of (64, 128), got 256": (zeros(128, 2, 256), kw),    # the stage's jnp reference runs
       "V must be one of (64, 128), got 32": (zeros(64, 1, 32), kw),
       "Ta must be a multiple of 64, got 100": ([x[:, :100] for x in good], kw),
       "v_new must be [1, Ta, HV, V]": ([jnp.concatenate([x, x]) for x in good], kw),
@@ -178,7 +179,6 @@ def test_takes_and_supports():
   }
   for reason, (args, kwargs) in refused.items():
     assert reason in (mgv.supports(*args, **kwargs) or ""), (reason, mgv.supports(*args, **kwargs))
-    assert reason in (mgv.takes(*args, **kwargs) or ""), reason
     with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu bwd_dav kernel: {reason}")):
       mgv.apply(*args, interpret=True, **kwargs)
   big = _abstract(128, mgv.MAX_GRID_YZ + 1, 64)
@@ -211,14 +211,19 @@ def test_kernel_lowers_for_cuda(V, dtype):
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
 
 
-@pytest.mark.parametrize("V,want", [(64, 49152), (128, 81920)])
-def test_kernel_smem(V, want):
-  """Two CTAs per SM: the hi and lo parts of do, v_new [64, V] and Aqk [64, 64], six swizzled bf16
-  tiles: 48 KiB at V = 64, 80 KiB at V = 128 as lowered (no barrier: nothing comes by TMA)."""
-  smem = lowered_smem_bytes(functools.partial(mgv.apply, chunk_size=BT), *_abstract(4096, 16, V))
-  print(f"\n  bwd_dav V={V}: SMEM {smem} bytes as lowered")
+@pytest.mark.parametrize("V,all_bf16,want", [(64, False, 49152), (128, False, 81920), (128, True, 40968)])
+def test_kernel_smem(V, all_bf16, want):
+  """Two CTAs per SM, as lowered for CUDA and as `smem_bytes` (the predicate's figure) computes it
+  from the launcher's scratch: the split body's hi and lo parts of do, v_new [64, V] and Aqk
+  [64, 64] (six swizzled bf16 tiles, nothing by TMA: no barrier); the bf16 body's three tiles and a
+  barrier."""
+  args = _abstract(4096, 16, V)
+  if all_bf16:
+    args = args[:2] + (jax.ShapeDtypeStruct(args[2].shape, BF16),)
+  smem = lowered_smem_bytes(functools.partial(mgv.apply, chunk_size=BT), *args)
+  print(f"\n  bwd_dav V={V} all_bf16={all_bf16}: SMEM {smem} bytes as lowered")
   assert smem <= SMEM_TWO_CTAS
-  assert smem == want
+  assert smem == want == mgv.smem_bytes(V, all_bf16)
 
 
 @pytest.mark.large
@@ -232,6 +237,7 @@ def test_pipeline_hands_the_kernel_bf16_and_it_takes_them():
   T = inp.q.shape[1]
   plan = planning.make_plan(scale=0.125, chunk_size=BT, impl="mosaic_gpu", interpret=True)
   (do,) = bwd_setup.randn(4, inp.v.shape)
+  do = do.astype(BF16)                       # o's dtype, as jax.grad hands it over
   dht = jnp.zeros(inp.initial_state.shape, F32)
   x = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state, inp.A_log, inp.dt_bias)
 
@@ -243,7 +249,7 @@ def test_pipeline_hands_the_kernel_bf16_and_it_takes_them():
 
   rec = jax.block_until_ready(recorded(x, inp.cu_seqlens, do, dht))
   args = rec["inputs"]["bwd_dav"]
-  assert [jnp.dtype(a.dtype) for a in args] == [jnp.dtype(BF16)] * 3     # do aligned in o's dtype
+  assert [jnp.dtype(a.dtype) for a in args[:3]] == [jnp.dtype(BF16)] * 3     # do aligned in o's dtype
   assert planning.choose(plan, "bwd_dav", *args, chunk_size=BT) == "mosaic_gpu"
   errs = errors(rec["bwd_dav"], _reference(*args))
   print(f"\n  pipeline bwd_dav record vs reference: {fmt(errs)}")
@@ -254,7 +260,7 @@ def test_pipeline_hands_the_kernel_bf16_and_it_takes_them():
 def test_skip_tail_reads_nothing_there(dtype):
   """Config(skip_tail=True) with aligned_cu: the chunk past aligned_cu[-1] (the case's whole padding
   chunk) gets zeros without being read (NaN there changes nothing), every other chunk the same bits
-  as without the switch; without aligned_cu the switch does nothing."""
+  as with the switch off."""
   args, valid, got, _, _ = run_case("V64-HV2-30_20", DTYPES[dtype])
   acu = jnp.asarray([0, 64, 128], jnp.int32)             # lens 30, 20: the third chunk is tail
   assert args[0].shape[1] == 3 * BT
@@ -264,7 +270,9 @@ def test_skip_tail_reads_nothing_there(dtype):
   out = jax.block_until_ready(skip(*poisoned, acu))
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(got, name)), name)
-  same = jax.block_until_ready(skip(*args))
+  # Config(skip_tail=False): every chunk computed (the program without aligned_cu), the same bits
+  noskip = jax.jit(functools.partial(mgv.apply, chunk_size=BT, interpret=True, config=mgv.Config(skip_tail=False)))
+  same = jax.block_until_ready(noskip(*args, acu))
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(same, name)), np.asarray(getattr(got, name)), name)
   # the reference takes aligned_cu too (unused)
@@ -273,7 +281,11 @@ def test_skip_tail_reads_nothing_there(dtype):
 
 
 def test_skip_tail_lowers_for_cuda():
-  f = functools.partial(mgv.apply, chunk_size=BT, config=mgv.Config(skip_tail=True))
+  """Config.skip_tail changes the lowered program (with aligned_cu); both lower for CUDA."""
   args = _abstract(4096, 2, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
-  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  txt = {}
+  for skip in (True, False):
+    f = functools.partial(mgv.apply, chunk_size=BT, config=mgv.Config(skip_tail=skip))
+    txt[skip] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt[skip].splitlines()) == 1
+  assert txt[True] != txt[False]

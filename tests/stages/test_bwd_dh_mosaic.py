@@ -198,12 +198,26 @@ def test_bwd_dh_never_reads_the_tail():
     np.testing.assert_array_equal(np.asarray(getattr(poisoned, name)), np.asarray(getattr(clean, name)), name)
 
 
-@pytest.mark.parametrize("config", [mgd.Config(seq_major=False),
-                                    pytest.param(mgd.Config(lane_semantics=False), marks=pytest.mark.large),
+FLIPPED = {"seq_major": False, "longest_first": False}    # every Config field off its default
+
+
+@pytest.mark.parametrize("config", [mgd.Config(**FLIPPED),
+                                    pytest.param(mgd.Config(seq_major=False), marks=pytest.mark.large),
                                     pytest.param(mgd.Config(longest_first=False), marks=pytest.mark.large)],
-                         ids=["seq-minor-grid", "warpgroup", "input-order"])
+                         ids=["seq-minor-grid-input-order", "seq-minor-grid", "input-order"])
 def test_bwd_dh_matches_reference_configs(config):
+  """Config fields off their defaults (the walk's grid and sequence order): the outputs still match
+  the reference (simulator)."""
   check(LENS, 64, 64, config=config, emulation=False)
+
+
+@pytest.mark.parametrize("field", sorted(FLIPPED))
+def test_bwd_dh_config_fields_change_the_program(field):
+  """Each Config field flipped from its default gives another lowered program (CUDA)."""
+  args = _abstract(4096, 2, 64, 64, 9)
+  lower = lambda config: jax.jit(lambda *a: mgd.apply(*a, scale=0.125, chunk_size=BT, config=config)).trace(
+      *args).lower(lowering_platforms=("cuda",)).as_text()
+  assert lower(mgd.Config(**{field: FLIPPED[field]})) != lower(mgd.Config())
 
 
 def test_bwd_dh_bf16_inputs():
@@ -215,8 +229,8 @@ def test_bwd_dh_bf16_inputs():
   for name in FIELDS:
     assert getattr(bf16_out, name).dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(getattr(bf16_out, name)), np.asarray(getattr(f32_out, name)), name)
-  assert mgd.takes(*bf, chunk_size=BT, scale=0.125) is None
-  assert "float32" in mgd.takes(*args, chunk_size=BT, scale=0.125)
+  assert mgd.supports(*bf, chunk_size=BT, scale=0.125) is None
+  assert "takes bfloat16 qg, kg, w, h, v_new" in mgd.supports(*args, chunk_size=BT, scale=0.125)
 
 
 @pytest.mark.large
@@ -236,10 +250,14 @@ def test_bwd_dh_no_sequences():
 
 def test_supports_reasons():
   args, _, _ = make_case(LENS, 64, 64)
+  args = tuple(x.astype(jnp.bfloat16) if n in ("qg", "kg", "w", "h", "v_new") else x for n, x in zip(ARGS, args))
   S = lambda *a, **k: mgd.supports(*a, chunk_size=k.pop("chunk_size", BT), scale=0.125)
-  assert S(*args) is None
+  assert S(*args) is None and mgd.supports(*args, chunk_size=BT, config=mgd.Config()) is None
   assert "chunk_size" in S(*args, chunk_size=32)
   qg, kg, w, gi, gf, h, vn, do, dv, dht, cu = args
+  K256 = lambda x: jnp.concatenate([x] * 4, axis=-1)                   # the stage's jnp reference runs there
+  assert "K must be one of (64, 128), got 256" in S(*map(K256, (qg, kg, w, gi, gf)), jnp.concatenate([h] * 4, axis=3),
+                                                    vn, do, dv, jnp.concatenate([dht] * 4, axis=2), cu)
   assert "K must" in S(qg[..., :32], kg[..., :32], w[..., :32], gi[..., :32], gf[..., :32], h[:, :, :, :32],
                        vn, do, dv, dht[:, :, :32], cu)
   assert "V must" in S(qg, kg, w, gi, gf, h[..., :48], vn[..., :48], do[..., :48], dv[..., :48], dht[..., :48], cu)
@@ -254,7 +272,7 @@ def test_supports_reasons():
 
 def test_stage_registration():
   st = bwd_dh.STAGE
-  assert st.mosaic_gpu is mgd.apply and st.supports["mosaic_gpu"] is mgd.takes
+  assert st.mosaic_gpu is mgd.apply and st.supports["mosaic_gpu"] is mgd.supports
 
 
 def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
@@ -269,6 +287,7 @@ def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
 
 # SMEM of the walk kernel as lowered (bytes, barriers and alignment included), per K; V does not change it
 SMEM_AS_LOWERED = {64: 115728, 128: 173072}   # the walk kernel (the terms kernel needs less)
+SMEM_TWO_CTAS = 233472 // 2 - 1024             # 228 KiB per H200 SM, 1 KiB reserved per CTA
 
 
 def lower_check(K, V, config):
@@ -280,19 +299,13 @@ def lower_check(K, V, config):
   smem = lowered_smem_bytes(f, *args)
   print(f"\n  lowered K={K} V={V} {config} in {secs:.2f}s, SMEM {smem} bytes")
   assert "mosaic_gpu" in lowered.as_text() and smem <= 232448
-  assert smem == SMEM_AS_LOWERED[K]
+  assert smem == SMEM_AS_LOWERED[K] == mgd.walk_smem_bytes(K)   # the predicate's figure
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (64, 128), (128, 64), (128, 128)],
                          ids=["K64-V64", "K64-V128", "K128-V64", "K128-V128"])
 def test_bwd_dh_lowers_for_cuda(K, V):
   lower_check(K, V, mgd.Config())
-
-
-@pytest.mark.parametrize("K,V", [(128, 128), pytest.param(64, 64, marks=pytest.mark.large)],
-                         ids=["K128-V128", "K64-V64"])
-def test_bwd_dh_lowers_for_cuda_warpgroup(K, V):
-  lower_check(K, V, mgd.Config(lane_semantics=False))
 
 
 def test_bwd_dh_lowers_for_cuda_many_sequences_and_f32_inputs():
@@ -347,69 +360,25 @@ def test_bwd_dh_packed_do_equals_aligned(K, V):
   args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
   f = lambda *a, **kw: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw)
   want = jax.jit(f)(*args)
-  for config in (mgd.Config(terms_two_ctas=False), None):   # do's landing in bf16(-du)'s or v_new's bytes
-    got = jax.jit(lambda *a: f(*a, do_packed=do_p, rows=padding.chunk_rows(layout), config=config))(*args)
-    for name in FIELDS:
-      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), (config, name))
+  got = jax.jit(lambda *a: f(*a, do_packed=do_p, rows=padding.chunk_rows(layout)))(*args)
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
 
 
-def test_bwd_dh_packed_do_terms_kernel_lowers_with_the_same_smem():
-  """The terms kernel reading do packed lowers for CUDA at K = V = 128 with the aligned kernel's
-  SMEM (do's plain landing shares bf16(-du)'s bytes; 116744 bytes as lowered, one CTA per SM)."""
+def test_bwd_dh_terms_kernel_smem():
+  """The terms kernel lowers for CUDA at K = V = 128 in two CTAs per SM, aligned and reading do
+  packed (do's plain landing shares v_new's bytes; one barrier more), with the SMEM `terms_smem_bytes`
+  (the predicate's figure) computes from the launcher's scratch."""
   S, Ta, T, HV, K, V = jax.ShapeDtypeStruct, 4096, 4000, 16, 128, 128
   NTa = Ta // BT
   bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
   common = (S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf))
   tail = (S((Ta, HV, V), f32), S((NTa, HV, K), f32))
-  aligned = lowered_smem_bytes(lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None)(*a),
+  aligned = lowered_smem_bytes(lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, interp=None)(*a),
                                S((5,), i32), *common, S((Ta, HV, V), bf), *tail)
   packed = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None, packed=True)(*a),
+      lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, interp=None, packed=True)(*a),
       S((5,), i32), S((NTa,), i32), S((NTa,), i32), *common, S((T, HV, V), bf), *tail)
   print(f"\n  bwd_dh terms SMEM: aligned {aligned}, packed do {packed} bytes")
-  assert packed == aligned == 116744
-
-
-def test_bwd_dh_terms_two_ctas_equals_one_cta():
-  """Config(terms_two_ctas=True) (the default): bf16(-du) formed in v_new's tile after dkg's product
-  gives every output bit for bit the own-tile kernel's (simulator); as lowered at K = V = 128 the
-  terms kernel fits two CTAs per SM."""
-  from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
-  args, _, _ = make_case(LENS, 64, 64)
-  want, _ = run_kernel(args, mgd.Config(terms_two_ctas=False))
-  got, _ = run_kernel(args, mgd.Config(terms_two_ctas=True))
-  for name in FIELDS:
-    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
-  S, Ta, HV, K, V = jax.ShapeDtypeStruct, 4096, 16, 128, 128
-  NTa = Ta // BT
-  bf, f32 = jnp.bfloat16, jnp.float32
-  smem = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None, share_vn=True)(*a),
-      S((5,), jnp.int32), S((NTa, HV, K, V), bf), S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((Ta, HV, V), bf),
-      S((Ta, HV, V), f32), S((NTa, HV, K), f32))
-  print(f"\n  bwd_dh terms SMEM, two CTAs: {smem} bytes")
-  assert smem <= SMEM_TWO_CTAS
-  packed = lowered_smem_bytes(
-      lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, lane=True, interp=None, share_vn=True,
-                                   packed=True)(*a),
-      S((5,), jnp.int32), S((NTa,), jnp.int32), S((NTa,), jnp.int32), S((NTa, HV, K, V), bf),
-      S((NTa, HV, K, V), bf), S((Ta, HV, V), bf), S((4000, HV, V), bf), S((Ta, HV, V), f32), S((NTa, HV, K), f32))
-  assert packed <= SMEM_TWO_CTAS, packed
-
-
-def test_bwd_dh_grouped_walk_same_bits():
-  """Config(group_chunks=2): a walk program takes the consecutive sequences starting in one window
-  of 2 chunks (the last first, dS from each dht, dh0 at each start, the prefetch running on across
-  them), P = cdiv(NTa, 2) < N programs: every output bit for bit one program per sequence's, with
-  empty sequences inside groups and the tail's du = dv."""
-  lens = [1, 63, 64, 0, 65, 130, 3, 0, 70, 1]
-  args, _, _ = make_case(lens, 64, 64, HV=1, seed=9)
-  assert -(-args[0].shape[1] // BT // 2) < len(lens)               # grouped mode applies
-  got, _ = run_kernel(args, mgd.Config(group_chunks=2))
-  want, _ = run_kernel(args, mgd.Config(group_chunks=0))
-  for name in FIELDS:
-    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
-
-
-def test_bwd_dh_grouped_walk_lowers_for_cuda():
-  lower_check(128, 128, mgd.Config(group_chunks=8))
+  assert aligned == mgd.terms_smem_bytes(K, V) == 100360 and packed == mgd.terms_smem_bytes(K, V, True) == 100368
+  assert packed <= SMEM_TWO_CTAS

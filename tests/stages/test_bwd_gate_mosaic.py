@@ -31,7 +31,6 @@ from kda import plan as planning
 from kda.stages import bwd_gate, gate
 from kda.stages.bwd_gate import mosaic_gpu as mgb
 from tests.stages import bwd_setup
-from tests.stages.test_bwd_intra_mosaic import errors as block_errors
 from tests.stages.test_gate import extreme_gates, pooled_inputs
 from tests.stages.test_gate_mosaic import FORMS, form_args
 from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS
@@ -82,7 +81,7 @@ def reference(args, kw):
 
 def errors(got, want):
   """Per field TOL's metrics; a None field must be None in both."""
-  out = {"dg": block_errors(got, want, fields=("dg",))["dg"]}
+  out = {"dg": bwd_setup.block_errors(got, want, ("dg",))["dg"]}
   for name in ("dA_log", "ddt_bias"):
     a, b = getattr(got, name), getattr(want, name)
     assert (a is None) == (b is None), name
@@ -172,11 +171,10 @@ def test_kernel_matches_reference(lens, HV, K, dtype, form):
     check_scan_exact(got, args)
 
 
-@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=False),
-                                    pytest.param(mgb.Config(unroll=1), marks=pytest.mark.large),
-                                    pytest.param(mgb.Config(unroll=8), marks=pytest.mark.large)],
-                         ids=["warpgroup", "no-unroll", "unroll8"])
+@pytest.mark.parametrize("config", [mgb.Config(unroll=8), pytest.param(mgb.Config(unroll=1), marks=pytest.mark.large)],
+                         ids=["unroll8", "no-unroll"])
 def test_kernel_configs(config):
+  """Config.unroll off its default: the outputs still match the reference (simulator)."""
   args, kw = make_case([50], 2, 64, F32, "softplus")
   got, secs = run_kernel(args, kw, config)
   compare(got, reference(args, kw), f"{config}", secs)
@@ -235,13 +233,12 @@ def test_extreme_raw_gates_and_huge_A(form):
 
 
 def test_columns_not_a_multiple_of_128():
-  """HV * K = 96: `apply` pads the columns, the stage's predicate refuses (the padding costs copies)."""
+  """HV * K = 96: `apply` pads the columns; the stage's predicate refuses (the padding costs copies)."""
   args, kw = make_case([30], 2, 48, F32, "sigmoid")
   got, secs = run_kernel(args, kw)
   compare(got, reference(args, kw), "HV2 K48", secs)
   check_zeros(got, args, kw)
-  assert mgb.supports(*args, **kw) is None
-  assert "multiple of 128" in mgb.takes(*args, **kw)
+  assert "multiple of 128" in mgb.supports(*args, **kw)
 
 
 def test_tolerances_catch_wrong_formulas(monkeypatch):
@@ -277,12 +274,15 @@ def _abstract(Ta, HV, K, dtype=BF16, dgc=F32):
           S((1, Ta, HV, K), dgc), S((1, Ta, HV, K), F32))
 
 
-def test_takes_and_supports():
+def test_supports():
+  """`supports`, the stage's predicate: what the kernel can run, and HV * K a multiple of 128
+  (`apply` itself pads other widths); float32 gates and any K (the kernel sees columns) are taken."""
   good = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 64)]
   kw = dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None)
-  assert mgb.takes(*good, **kw) is None and mgb.supports(*good, **kw) is None
-  assert mgb.takes(good[0].astype(F32), *good[1:], **kw) is None      # float32 gates too (module docstring)
-  assert bwd_gate.STAGE.supports["mosaic_gpu"] is mgb.takes and bwd_gate.STAGE.mosaic_gpu is mgb.apply
+  assert mgb.supports(*good, **kw) is None and mgb.supports(*good, config=mgb.Config(), **kw) is None
+  assert mgb.supports(good[0].astype(F32), *good[1:], **kw) is None     # float32 gates too (module docstring)
+  assert mgb.supports(*_abstract(128, 1, 256), **kw) is None            # K = 256: two column groups per head
+  assert bwd_gate.STAGE.supports["mosaic_gpu"] is mgb.supports and bwd_gate.STAGE.mosaic_gpu is mgb.apply
   with_ = lambda i, x: good[:i] + [x] + good[i + 1:]
   refused = {
       "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
@@ -299,14 +299,13 @@ def test_takes_and_supports():
   }
   for reason, (args, kwargs) in refused.items():
     assert reason in (mgb.supports(*args, **kwargs) or ""), (reason, mgb.supports(*args, **kwargs))
-    assert reason in (mgb.takes(*args, **kwargs) or ""), reason
     with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu bwd_gate kernel: {reason}")):
       mgb.apply(*args, interpret=True, **kwargs)
   # without the activation A_log and dt_bias are not looked at; sigmoid needs no A_log
-  assert mgb.takes(*with_(2, None), chunk_size=BT, use_gate_in_kernel=False, lower_bound=None) is None
-  assert mgb.takes(*with_(2, None), chunk_size=BT, use_gate_in_kernel=True, lower_bound=-5.0) is None
+  assert mgb.supports(*with_(2, None), chunk_size=BT, use_gate_in_kernel=False, lower_bound=None) is None
+  assert mgb.supports(*with_(2, None), chunk_size=BT, use_gate_in_kernel=True, lower_bound=-5.0) is None
   narrow = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 48)]
-  assert "mosaic_gpu bwd_gate takes HV * K a multiple of 128" in mgb.takes(*narrow, **kw)
+  assert "mosaic_gpu bwd_gate takes HV * K a multiple of 128" in mgb.supports(*narrow, **kw)
   with pytest.raises(ValueError, match="unroll"):
     mgb.Config(unroll=3)
   # the pipeline: an impl dict naming bwd_gate runs the kernel or raises the predicate's reason;
@@ -335,31 +334,31 @@ def test_kernel_lowers_for_cuda(form, dtype, HV, K):
   _lower(form, dtype, HV, K, None)
 
 
-@pytest.mark.large
-@pytest.mark.parametrize("config", [mgb.Config(lane_semantics=False), mgb.Config(unroll=8)], ids=["warpgroup", "unroll8"])
-@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_kernel_configs_lower_for_cuda(config, dtype):
-  _lower("softplus", dtype, 16, 128, config)
+def test_unroll_changes_the_program():
+  """Config.unroll off its default gives another lowered program (CUDA); test_kernel_configs runs it."""
+  assert _lower("softplus", BF16, 16, 128, mgb.Config(unroll=8)) != _lower("softplus", BF16, 16, 128, None)
 
 
 def _lower(form, dtype, HV, K, config):
-  """One Mosaic GPU kernel, lowered for CUDA from the CPU with 70000 chunks (on grid x)."""
+  """One Mosaic GPU kernel, lowered for CUDA from the CPU with 70000 chunks (on grid x) -> its text."""
   g, valid, A_log, dt_bias, dgc, dgs = _abstract(70000 * BT, HV, K, dtype)
   args, kw = form_args(form, g, valid, A_log, dt_bias)
   f = functools.partial(mgb.apply, config=config, **kw)
   txt = jax.jit(f).trace(*args, dgc, dgs).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  return txt
 
 
 @pytest.mark.parametrize("dtype,want", [(BF16, 82952), (F32, 99336)], ids=["bf16", "f32"])
 def test_kernel_smem(dtype, want):
   """Two CTAs per SM: the g tile (bf16 16 KiB, f32 32 KiB), dgc and dg_state (2 x 32 KiB), the flags
-  and a barrier, as lowered; the same for every form and K."""
+  and a barrier, as lowered for CUDA and as `smem_bytes` computes it from the launcher's scratch;
+  the same for every form and K."""
   kw = dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None)
   smem = lowered_smem_bytes(functools.partial(mgb.apply, **kw), *_abstract(4096, 16, 128, dtype))
   print(f"\n  bwd_gate {jnp.dtype(dtype).name} g: SMEM {smem} bytes as lowered")
   assert smem <= SMEM_TWO_CTAS
-  assert smem == want
+  assert smem == want == mgb.smem_bytes(dtype)                  # the predicate's figure
 
 
 @pytest.mark.large
@@ -457,3 +456,4 @@ def test_packed_lowers_for_cuda():
   f = functools.partial(mgb.packed, chunk_size=BT, use_gate_in_kernel=True, lower_bound=-5.0)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  assert lowered_smem_bytes(f, *args) == mgb.smem_bytes(F32, packed=True) == 98312   # no flags tile

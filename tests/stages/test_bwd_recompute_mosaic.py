@@ -1,5 +1,6 @@
-"""bwd_recompute (S0) on Mosaic GPU: the forward's gate, intra and state kernels run again (simulator
-on CPU, CUDA lowering), against the reference S0 on the same bf16 inputs.
+"""bwd_recompute (S0) on Mosaic GPU: the forward's gate and state kernels run again around the wy
+kernel, which forms w, u, qg, kg from the saved bf16 Ainv (simulator on CPU, CUDA lowering), against
+the reference S0 on the same bf16 inputs and Ainv.
 
 The kernels store w, u, qg, kg, h, v_new in bf16 (the dtype policy), so the comparison has the
 forward kernels' tolerances: their bf16 stores (up to 2^-8 of each value) and operand roundings;
@@ -19,10 +20,11 @@ from kda import steps
 from kda.stages import bwd_recompute, gate, intra
 from kda.stages.bwd_recompute import mosaic_gpu as mgr
 from tests import cases
+from tests.stages.test_output_mosaic import lowered_smem_bytes
 
 BT = 64
-# max|d| / max|ref| per field, about 2.3x the maxima measured over both cases (K=V=64 raw gates,
-# K=V=128 plain): gc_frac 3.5e-7, w 2.6e-3, u 4.7e-3, qg 2.7e-3, kg 1.7e-3, h 2.1e-3, v_new 5.2e-3
+# max|d| / max|ref| per field, over 2x the maxima measured over the four cases (default and large):
+# gc_frac 3.5e-7, w 2.6e-3, u 2.7e-3, qg 2.7e-3, kg 1.7e-3, h 2.1e-3, v_new 4.4e-3
 TOL = {"gc_int": 0.0, "gc_frac": 1e-6,
        "w": 6e-3, "u": 1.1e-2, "qg": 6e-3, "kg": 4e-3, "h": 5e-3, "v_new": 1.2e-2}
 
@@ -37,23 +39,34 @@ def _inputs(K, V, gate_kind):
   return plan, layout, (q, k, v, g, beta, valid, inp.A_log, inp.dt_bias, inp.initial_state)
 
 
-@pytest.mark.parametrize("K,V,gate_kind", [(64, 64, "raw"), pytest.param(128, 128, "plain", marks=pytest.mark.large)])
+def _saved_inverse(q, k, v, g, beta, valid, A_log, dt_bias, kw):
+  """Ainv as the forward's intra kernel saves it (bf16), from the references' gc."""
+  f32 = lambda x: x.astype(jnp.float32)
+  gt = gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=kw["use_gate_in_kernel"],
+                            lower_bound=kw["lower_bound"])
+  return intra.reference.apply(f32(q), f32(k), f32(v), beta, gt.gc_int, gt.gc_frac, scale=1.0,
+                               chunk_size=BT).Ainv.astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("K,V,gate_kind", [(64, 64, "raw"), pytest.param(128, 128, "plain", marks=pytest.mark.large),
+                                           pytest.param(128, 64, "plain", marks=pytest.mark.large),
+                                           pytest.param(64, 128, "raw", marks=pytest.mark.large)])
 def test_recompute_kernels_match_reference(K, V, gate_kind):
+  """The stage on its kernels against the reference S0 on the same bf16 inputs and bf16-exact Ainv
+  (what it computes from); a wrong Ainv (each chunk's transpose) fails the WY fields' tolerance."""
   plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(K, V, gate_kind)
   kw = plan.stage_kwargs("bwd_recompute")
   f32 = lambda x: x.astype(jnp.float32)
-
-  @jax.jit
-  def reference(q, k, v, g, beta, valid, A_log, dt_bias, h0, acu):
-    gt = gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=kw["use_gate_in_kernel"],
-                              lower_bound=kw["lower_bound"])
-    Ainv = intra.reference.apply(f32(q), f32(k), f32(v), beta, gt.gc_int, gt.gc_frac, scale=1.0, chunk_size=BT).Ainv
-    return bwd_recompute.reference.apply(f32(q), f32(k), f32(v), g, beta, valid, A_log, dt_bias, Ainv, h0, acu, **kw)
-
-  args = (q, k, v, g, beta, valid, A_log, dt_bias)
-  want = reference(*args, h0, layout.aligned_cu)
-  got = jax.jit(functools.partial(mgr.apply, interpret=True, **kw))(*args, None, h0, layout.aligned_cu)
+  Ainv = _saved_inverse(q, k, v, g, beta, valid, A_log, dt_bias, kw)
+  args = (q, k, v, g, beta, valid, A_log, dt_bias, Ainv, h0, layout.aligned_cu)
+  want = jax.jit(functools.partial(bwd_recompute.reference.apply, **kw))(
+      f32(q), f32(k), f32(v), *args[3:8], f32(Ainv), *args[9:])
+  got = jax.jit(functools.partial(mgr.apply, interpret=True, **kw))(*args)
   _compare(got, want, valid, TOL)
+  assert all(getattr(got, n).dtype == jnp.bfloat16 for n in ("w", "u", "qg", "kg", "v_new"))
+  bad = jax.jit(functools.partial(mgr.wy_from_saved, interpret=True))(
+      q, k, v, beta, got.gc_int, got.gc_frac, bwd_setup_transpose(Ainv))
+  assert float(jnp.max(jnp.abs(f32(bad[0]) - f32(got.w)))) > 3 * TOL["w"] * float(jnp.max(jnp.abs(f32(got.w))))
 
 
 def _compare(got, want, valid, tol):
@@ -69,54 +82,43 @@ def _compare(got, want, valid, tol):
       assert np.all(a[0, pad] == 0), f"{name} is not 0 at padding tokens"
 
 
-def test_takes_refuses_float32_and_other_chunks():
+def test_supports():
+  """`supports`, the stage's predicate: the gate, wy and state kernels' conjunction (bf16 q, k, v,
+  chunk_size 64, K and V in {64, 128}); Ainv may be None (the pipeline asks before the forward ran)."""
   plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(64, 64, "raw")
   kw = plan.stage_kwargs("bwd_recompute")
   f32 = lambda x: x.astype(jnp.float32)
-  assert mgr.takes(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw) is None
-  why = mgr.takes(f32(q), f32(k), f32(v), g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw)
-  assert why is not None and "bfloat16" in why
-  why = mgr.takes(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **dict(kw, chunk_size=32))
+  assert bwd_recompute.STAGE.supports["mosaic_gpu"] is mgr.supports
+  assert mgr.supports(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw) is None
+  assert mgr.supports(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, config=mgr.Config(),
+                      **kw) is None
+  why = mgr.supports(f32(q), f32(k), f32(v), g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw)
+  assert "takes bfloat16 q, k, v, got q float32" in why
+  why = mgr.supports(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **dict(kw, chunk_size=32))
   assert why is not None and "chunk_size" in why
+  S = jax.ShapeDtypeStruct
+  Ta = q.shape[1]
+  wide = lambda x: S(x.shape[:3] + (256,), x.dtype)                   # K = 256: the stage's jnp reference runs
+  why = mgr.supports(wide(q), wide(k), v, wide(g), beta, valid, A_log, S((2 * 256,), jnp.float32), None,
+                     S((h0.shape[0], 2, 256, 64), jnp.float32), layout.aligned_cu, **kw)
+  assert "K must be one of (64, 128), got 256" in why
+  assert "Ainv must have shape" in mgr.supports(q, k, v, g, beta, valid, A_log, dt_bias, S((1, Ta, 2, 32), jnp.bfloat16),
+                                                h0, layout.aligned_cu, **kw)
+  with pytest.raises(ValueError, match="Ainv .* is required"):
+    mgr.apply(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw)
 
 
 def test_recompute_lowers_for_cuda():
+  """The stage lowers for CUDA: three Mosaic GPU kernels (gate, wy, state)."""
   S = jax.ShapeDtypeStruct
   Ta, HV, K, V, N = 4096, 2, 128, 128, 3
   bf = jnp.bfloat16
   args = (S((1, Ta, HV, K), bf), S((1, Ta, HV, K), bf), S((1, Ta, HV, V), bf), S((1, Ta, HV, K), jnp.float32),
-          S((1, Ta, HV), bf), S((1, Ta), jnp.bool_), None, None, None, S((N, HV, K, V), jnp.float32),
-          S((N + 1,), jnp.int32))
+          S((1, Ta, HV), bf), S((1, Ta), jnp.bool_), None, None, S((1, Ta, HV, BT), bf),
+          S((N, HV, K, V), jnp.float32), S((N + 1,), jnp.int32))
   f = lambda *a: mgr.apply(*a, chunk_size=BT, use_gate_in_kernel=False, lower_bound=None)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) >= 4
-
-
-@pytest.mark.large         # a variant, not the default (CI budget); its CUDA lowering runs by default
-@pytest.mark.parametrize("K,V,gate_kind", [(128, 64, "plain"), (64, 128, "raw")])
-def test_wy_from_saved_matches_the_reference(K, V, gate_kind):
-  """Config(wy_from_saved=True): w, u, qg, kg from the saved bf16 Ainv (one kernel) against the
-  reference S0 on the same bf16-exact Ainv (what it computes from): bf16 output rounding only; h,
-  v_new through the same state kernel; then the whole stage against the default composition."""
-  plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(K, V, gate_kind)
-  kw = plan.stage_kwargs("bwd_recompute")
-  f32 = lambda x: x.astype(jnp.float32)
-  gt = gate.reference.apply(g, valid, A_log, dt_bias, chunk_size=BT, use_gate_in_kernel=kw["use_gate_in_kernel"],
-                            lower_bound=kw["lower_bound"])
-  Ainv = intra.reference.apply(f32(q), f32(k), f32(v), beta, gt.gc_int, gt.gc_frac, scale=1.0,
-                               chunk_size=BT).Ainv.astype(jnp.bfloat16)
-  args = (q, k, v, g, beta, valid, A_log, dt_bias, Ainv, h0, layout.aligned_cu)
-  want = jax.jit(functools.partial(bwd_recompute.reference.apply, **kw))(
-      f32(q), f32(k), f32(v), *args[3:8], f32(Ainv), *args[9:])
-  got = jax.jit(functools.partial(mgr.apply, interpret=True, config=mgr.Config(wy_from_saved=True), **kw))(*args)
-  # the WY fields: bf16 stores (2^-9 of a value) and the split operands (~2^-16); measured <= 2.7e-3
-  tol = dict(TOL, w=8e-3, u=8e-3, qg=8e-3, kg=8e-3)
-  _compare(got, want, valid, tol)
-  assert all(getattr(got, n).dtype == jnp.bfloat16 for n in ("w", "u", "qg", "kg", "v_new"))
-  # a wrong Ainv (its transpose) must fail the WY fields' tolerance
-  bad = jax.jit(functools.partial(mgr.wy_from_saved, interpret=True))(
-      q, k, v, beta, got.gc_int, got.gc_frac, bwd_setup_transpose(Ainv))
-  assert float(jnp.max(jnp.abs(f32(bad[0]) - f32(got.w)))) > 3 * tol["w"] * float(jnp.max(jnp.abs(f32(got.w))))
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 3
 
 
 def bwd_setup_transpose(A):
@@ -125,16 +127,39 @@ def bwd_setup_transpose(A):
   return bwd_setup.row_layout(jnp.swapaxes(bwd_setup.chunk_mats(A, BT), -1, -2))
 
 
-def test_wy_from_saved_lowers_for_cuda():
+def _wy_abstract(Ta, HV=2, K=128, V=128):
   S = jax.ShapeDtypeStruct
-  Ta, HV, K, V = 70000 * BT, 2, 128, 128
   bf, f = jnp.bfloat16, jnp.float32
-  args = (S((1, Ta, HV, K), bf), S((1, Ta, HV, K), bf), S((1, Ta, HV, V), bf), S((1, Ta, HV), bf),
+  return (S((1, Ta, HV, K), bf), S((1, Ta, HV, K), bf), S((1, Ta, HV, V), bf), S((1, Ta, HV), bf),
           S((1, Ta, HV, K), f), S((1, Ta, HV, K), f), S((1, Ta, HV, BT), bf))
-  txt = jax.jit(mgr.wy_from_saved).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _wy_lowered(config, Ta=70000 * BT, cu=True):
+  args = _wy_abstract(Ta) + ((jax.ShapeDtypeStruct((9,), jnp.int32),) if cu else ())
+  txt = jax.jit(functools.partial(mgr.wy_from_saved, config=config)).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
-  txt = jax.jit(mgr.wy_from_saved).trace(*args, S((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  return txt
+
+
+def test_wy_from_saved_lowers_for_cuda():
+  """The wy kernel lowers for CUDA with 70000 chunks (on grid x), with and without aligned_cu; its
+  SMEM as lowered is `smem_bytes` (the predicate's figure) of the launcher's scratch."""
+  _wy_lowered(None, cu=False)
+  _wy_lowered(None)
+  for K, V, want in ((128, 128, 106504), (64, 64, 65544)):
+    smem = lowered_smem_bytes(mgr.wy_from_saved, *_wy_abstract(4096, 16, K, V))
+    assert smem == want == mgr.smem_bytes(K, V), (K, V, smem)
+
+
+FLIPPED = {"approx_math": False, "skip_tail": False}    # every Config field off its default
+
+
+@pytest.mark.parametrize("field", sorted(FLIPPED))
+def test_wy_config_fields_change_the_program(field):
+  """Each Config field flipped from its default gives another lowered wy kernel (CUDA, with aligned_cu)."""
+  assert _wy_lowered(mgr.Config(**{field: FLIPPED[field]})) != _wy_lowered(mgr.Config())
 
 
 def test_wy_skip_tail_reads_nothing_there():
@@ -160,3 +185,10 @@ def test_wy_skip_tail_reads_nothing_there():
     np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), name)
   assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)))) > 0
   assert not np.asarray(plain[0].astype(jnp.float32))[:, 128:].any()
+  # every Config field off its default (the tail computed from its zeros, exp without ex2.approx):
+  # the reference's formulas, to the bf16 stores
+  flipped = jax.jit(functools.partial(mgr.wy_from_saved, interpret=True, config=mgr.Config(**FLIPPED)))(*args, acu)
+  want = bwd_recompute.reference.wy_from_inverse(*args, chunk_size=BT)
+  for name, x, y in zip(("w", "u", "qg", "kg"), flipped, want):
+    x, y = np.asarray(x.astype(jnp.float32)), np.asarray(y)
+    assert np.abs(x - y).max() <= 8e-3 * np.abs(y).max(), name

@@ -24,10 +24,10 @@ from kda.stages import bwd_wy, intra
 from kda.stages.bwd_wy import mosaic_gpu as mgw
 from kda.stages.intra import chunk_decays, from_chunks, to_chunks
 from tests.stages import bwd_setup
-from tests.stages.test_bwd_intra_mosaic import errors as _errors, fmt
 from tests.stages.test_intra_mosaic import SMEM_TWO_CTAS, make_case
 from tests.stages.test_output_mosaic import lowered_smem_bytes
 
+fmt = bwd_setup.fmt
 BT = 64
 F32, BF16 = jnp.float32, jnp.bfloat16
 FIELDS = bwd_wy.Out._fields
@@ -83,7 +83,7 @@ def run_case(case, gates):
 
 
 def errors(got, want):
-  return _errors(got, want, FIELDS)
+  return bwd_setup.block_errors(got, want, FIELDS)
 
 
 def failures(errs):
@@ -183,18 +183,20 @@ def _abstract(Ta, HV, K, V, dt=BF16):
           xk, xk, S((1, Ta, HV, BT), dt), xk, xk, xk, xv, S((1, Ta // BT, HV, K), F32))
 
 
-def test_takes_and_supports():
+def test_supports():
+  """`supports`, the stage's predicate: what the kernel can run, and bf16 q, k, v, Ainv (`apply`
+  itself rounds float32 ones); the pipeline's choice follows it."""
   kw = dict(chunk_size=BT)
   good = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 64, 128)]
-  assert mgw.takes(*good, **kw) is None and mgw.supports(*good, **kw) is None
-  assert bwd_wy.STAGE.supports["mosaic_gpu"] is mgw.takes and bwd_wy.STAGE.mosaic_gpu is mgw.apply
+  assert mgw.supports(*good, **kw) is None and mgw.supports(*good, config=mgw.Config(), **kw) is None
+  assert bwd_wy.STAGE.supports["mosaic_gpu"] is mgw.supports and bwd_wy.STAGE.mosaic_gpu is mgw.apply
   f32 = [x.astype(F32) for x in good]
-  assert "takes bfloat16 q, k, v, Ainv" in mgw.takes(*f32, **kw)   # float32 keeps the reference
-  assert mgw.supports(*f32, **kw) is None                            # apply itself would round
+  assert "takes bfloat16 q, k, v, Ainv" in mgw.supports(*f32, **kw)   # float32 keeps the reference
   zeros = lambda *a: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*a)]
   with_ = lambda i, x: good[:i] + [x] + good[i + 1:]
   refused = {
       "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
+      "K must be one of (64, 128), got 256": (zeros(128, 2, 256, 64), kw),    # the stage's jnp reference runs
       "K must be one of (64, 128), got 96": (zeros(128, 2, 96, 64), kw),
       "V must be one of (64, 128), got 32": (zeros(128, 2, 64, 32), kw),
       "Ta must be a multiple of 64, got 100": ([x[:, :100] if x.ndim < 4 or x.shape[1] == 128 else x
@@ -227,13 +229,14 @@ def test_kernel_lowers_for_cuda():
 
 @pytest.mark.parametrize("K,V,want", [(128, 128, 100360), (64, 64, 75784)])
 def test_kernel_smem(K, V, want):
-  """Two CTAs per SM: q, k, v slabs, Ainv, four work tiles and L, [64, 64] bf16 each (8 KiB), and
-  the barrier and alignment."""
+  """Two CTAs per SM: q, k, v slabs, Ainv, four work tiles and L, [64, 64] bf16 each (8 KiB), the
+  reduction scratch and the barrier; as lowered for CUDA and as `smem_bytes` (the predicate's
+  figure) computes it from the launcher's scratch."""
   smem = lowered_smem_bytes(functools.partial(mgw.apply, chunk_size=BT), *_abstract(4096, 16, K, V))
   print(f"\n  bwd_wy K={K} V={V}: SMEM {smem} bytes as lowered")
   tiles = 2 * K // 64 + V // 64 + 6
   assert tiles * 8192 < smem <= tiles * 8192 + 4096
-  assert smem <= SMEM_TWO_CTAS and smem == want
+  assert smem <= SMEM_TWO_CTAS and smem == want == mgw.smem_bytes(K, V)
 
 
 @pytest.mark.large
@@ -282,11 +285,33 @@ def test_skip_tail_reads_nothing_there():
   assert not failures(errors(out, ref))
 
 
-def test_skip_tail_lowers_for_cuda():
-  f = functools.partial(mgw.apply, chunk_size=BT, config=mgw.Config(skip_tail=True))
-  args = _abstract(4096, 2, 128, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
-  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+@functools.lru_cache(maxsize=None)
+def _lowered(config, K=128, V=128):
+  args = _abstract(4096, 2, K, V) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
+  txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, config=config)).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  return txt
+
+
+FLIPPED = {"approx_math": False, "skip_tail": False}    # every Config field off its default
+
+
+@pytest.mark.parametrize("field", sorted(FLIPPED))
+def test_config_fields_change_the_program(field):
+  """Each Config field flipped from its default gives another lowered program (CUDA, with aligned_cu)."""
+  assert _lowered(mgw.Config(**{field: FLIPPED[field]})) != _lowered(mgw.Config())
+
+
+def test_flipped_config_matches_the_reference():
+  """Every Config field off its default (exp without ex2.approx, the tail chunk computed from its
+  zero inputs): the outputs still match the reference (simulator)."""
+  args, _ = make_inputs("K64-V64-HV2-40_64", "strong")
+  acu = jnp.asarray([0, 64, 128], jnp.int32)
+  args = args[:11] + (args[11].at[:, 2].set(0.0),)         # dgc_last 0 past aligned_cu[-1], as bwd_dh hands it
+  got = jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=mgw.Config(**FLIPPED)))(*args, acu)
+  errs = errors(got, bwd_wy.reference.apply(*args, acu, chunk_size=BT))
+  assert not failures(errs), fmt(errs)
 
 
 def test_dv_dtype_rounds_dv_alone():
@@ -349,32 +374,9 @@ def test_packed_dv_lowers_for_cuda_in_two_ctas():
   args = (*_abstract(Ta, 16, 128, 128), i32(5), i32(NTa), i32(NTa), i32(2, T // BT + 6))
   smem = lowered_smem_bytes(f, *args)
   print(f"\n  bwd_wy packed dv: SMEM {smem} bytes as lowered")
-  assert smem <= SMEM_TWO_CTAS
-
-
-@pytest.mark.parametrize("case", ["K64-V64-HV2-40_64",
-                                  pytest.param("K64-V128-HV2-64_50", marks=pytest.mark.large)])
-def test_inplace_equals_fresh_outputs(monkeypatch, case):
-  """INPLACE (the default): dq, dk, dgc (dg_state where K == V) written into S2's terms' buffers
-  are bit for bit the fresh outputs' (INPLACE = False), aligned with the tail skipped and packed."""
-  from kda import padding
-  from tests.stages.test_gate_mosaic import packed_layout
-  lens, Ta, HV, K, V = CASES[case]
-  args, _ = make_inputs(case, "ordinary")
-  layout, _ = packed_layout(lens, None, extra_T=5, tail_chunks=(Ta - 128) // BT)
-  rows = padding.chunk_rows(layout)
-  pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT)
-  calls = {"aligned": lambda *a: mgw.apply(*a, layout.aligned_cu, chunk_size=BT, interpret=True),
-           "packed": lambda *a: mgw.apply(*a, layout.aligned_cu, chunk_size=BT, dv_dtype=BF16, interpret=True,
-                                          rows=rows, pieces=pieces, T=layout.T)}
-  for mode, f in calls.items():
-    got = jax.jit(f)(*args)
-    monkeypatch.setattr(mgw, "INPLACE", False)
-    want = jax.jit(f)(*args)
-    monkeypatch.setattr(mgw, "INPLACE", True)
-    for name in FIELDS:
-      np.testing.assert_array_equal(np.asarray(getattr(got, name).astype(F32)),
-                                    np.asarray(getattr(want, name).astype(F32)), (mode, name))
+  assert smem <= SMEM_TWO_CTAS and smem == mgw.smem_bytes(128, 128, BF16)
+  kw = dict(chunk_size=BT, dv_dtype=BF16, rows=padding.ChunkRows(*args[13:15]))
+  assert mgw.supports(*args[:13], **kw) is None
 
 
 @pytest.mark.parametrize("K,V,aliased", [(128, 128, 4), pytest.param(128, 64, 3, marks=pytest.mark.large)])

@@ -2,7 +2,8 @@
 
 Two kernels: a serial walk that carries the state cotangent through each sequence's chunks and
 stores it per chunk in bf16, then a parallel one that forms every term needing h or that cotangent,
-one program per (head, chunk). Only the two dependent wgmmas of the dS chain stay in the serial loop.
+one program per (head, chunk). Only the two dependent wgmmas of the dS chain stay in the serial
+loop; the cost is dh, one [NTa, HV, K, V] bf16 buffer (as large as S0's h).
 
 Walk: one program per (sequence rank r, value head h, V tile vt of BV = 64 columns) walks its
 sequence's chunks in REVERSE in a fori_loop whose trip count it reads from aligned_cu at run time
@@ -15,22 +16,18 @@ slots, one barrier per slot, TMA) and dS = dS_next:
     dS            = decay[:, None] * dS + scale * (qg^T @ do + w^T @ bf16(-du / scale))
                                                  two wgmmas into one [K, BV] accumulator (.T views, M = K)
 
-with do in bf16 as given (the scale applied to the float32 product: a bf16(scale * do) operand would
-round every element of do, which measured as a fifth of dg's bf16 error); dh0[n]'s tile = dS after
-the sequence's first chunk (dht[n]'s tile for an empty sequence). V tiles are independent (du and
-dS are per V column).
+with do in bf16 as given and the scale applied to the float32 product (a bf16(scale * do) operand
+would round every element of do once more); dh0[n]'s tile = dS after the sequence's first chunk
+(dht[n]'s tile for an empty sequence). V tiles are independent (du and dS are per V column).
 
 Terms: one program per (head, chunk), all of V, grid (HV, NTa) with the chunks on CUDA's grid x (no
-65535 limit): h[c] and dh[c] [K, V] (64-column slabs), v_new and do [64, V] by TMA, bf16(-du) from
-du in registers, then
+65535 limit): h[c] and dh[c] [K, V] (64-column slabs), v_new and do [64, V] by TMA, then
 
     dqg = scale * do @ h^T,  dkg = v_new @ dh^T,  dw = bf16(-du) @ h^T    wgmma chains over V
     dgc_last = decay * sum_V(h * dh)                                  registers
 
-Chosen over keeping dS in registers and forming these terms inside the walk (the previous kernel:
-six wgmmas and three [64, K] float32 stores per serial step, per-V-tile partial sums added by XLA):
-on the H200 (shape A) that took 2.05 ms, these two 1.40 ms (Lane semantics; Warpgroup 1.51). The
-cost is dh, one [NTa, HV, K, V] bf16 buffer (as large as S0's h).
+bf16(-du) is formed from du in registers into v_new's tile once dkg's product has read it (reading
+dkg's accumulator waits for that wgmma), so the kernel fits two CTAs per SM.
 
 Tail: the chunks at or past aligned_cu[-1] (no sequence; h = 0 there, as the state stage stores
 it) get du = dv from the walk (the N programs of each (head, V tile) take them round-robin) and
@@ -39,32 +36,29 @@ there. aligned_cu[0] must be 0 (align's output). Padding rows inside a sequence'
 the same formulas as real rows (as the reference does). Nothing of qg, kg, w, h, v_new, do or the
 gates is read at the tail.
 
-Grid of the walk: (N, HV, V // BV) with names ("r", "h", "v"), longest sequence first (rank r takes
-the r-th longest, kda._mosaic_gpu.sequence_order): Mosaic GPU launches (g0, g1, g2) as CUDA
-(z, y, x), x fastest, so every (head, V tile) of the longest sequence starts first. CUDA caps z and
-y at 65535; for N > 65535 the launcher puts the sequences on x instead, as the state kernel does.
+Grid of the walk: (N, HV, V // BV) with names ("r", "h", "v"); with Config.longest_first rank r
+takes the r-th longest sequence (kda._mosaic_gpu.sequence_order): Mosaic GPU launches (g0, g1, g2)
+as CUDA (z, y, x), x fastest, so every (head, V tile) of the longest sequence starts first. CUDA
+caps z and y at 65535; for N > 65535, or with Config(seq_major=False), the sequences go on x.
 
 What is bf16 (wgmma operands; float32 operands would run as tf32): qg, kg, w, h, v_new (the dtype
-policy's bf16 intermediates: `takes` refuses float32 ones, `apply` casts them), do (cast if it comes
-in float32), the stored bf16(dS) and the in-kernel bf16(-du) (the walk's as bf16(-du / scale)). dS,
-dv, du, the decay exp(gc_last) (formed in the launcher from each chunk's last gate row,
-kda.stages.state.chunk_decay) and all accumulators and outputs are float32.
+policy's bf16 intermediates: the predicate refuses float32 ones, `apply` casts them), do (cast if it
+comes in float32), the stored bf16(dS) and the in-kernel bf16(-du) (the walk's as bf16(-du / scale)).
+dS, dv, du, the decay exp(gc_last) (formed in the launcher from each chunk's last gate row,
+kda.stages.state.chunk_decay) and all accumulators and outputs are float32. Both kernels lower with
+Lane semantics (no layout inference).
 
-SMEM (bytes as lowered for CUDA, barriers and alignment included; limit 232448): the walk 173072 at
-K = 128 (two slots of qg, kg, w [64, K], do [64, 64] bf16, dv [64, 64] f32, decay; bf16(dS),
-bf16(-du)), 115728 at K = 64, either V: one program per SM. The terms kernel: h, dh, v_new, do,
-bf16(-du) tiles, 116744 bytes at K = V = 128 (1 KiB past two CTAs per SM).
+SMEM (`walk_smem_bytes`, `terms_smem_bytes`, from the scratch the launcher allocates; limit 232448):
+the walk's two slots of qg, kg, w [64, K], do [64, 64] bf16, dv [64, 64] f32 and the decay row,
+bf16(dS) and bf16(-du) and two barriers: 173072 bytes at K = 128, 115728 at K = 64, either V (one
+program per SM). The terms kernel's h, dh, v_new and do tiles, the reduction scratch and a barrier:
+100360 bytes at K = V = 128 (two CTAs per SM).
 
 Packed do (`apply(..., do_packed=, rows=)`): the terms kernel reads do packed [1, T, HV, V] bf16
 (chunk c's rows r < count[c] at packed row src[c] + r) by TMA into a plain landing that shares
-bf16(-du)'s bytes, and keeps do with the other rows zero (a select: they may
-hold other sequences' tokens or NaN); the walk still takes the aligned do. The same bits. With
-Config.terms_two_ctas (no bf16(-du) tile) do lands in v_new's bytes instead, and v_new's TMA
-follows once the landing is read, on a second barrier.
-
-Precision (simulator, against the float32 reference given the same bf16-exact qg, kg, w, h, v_new;
-tests/stages/test_bwd_dh_mosaic.py): max|d| / max|ref| <= 2.8e-3 over all fields (dgc_last
-through bf16(dS): ~1.7e-3). Against a float32 emulation of these roundings <= 4.5e-4.
+v_new's bytes, keeps do with the other rows zero (a select: they may hold other sequences' tokens
+or NaN), and only then brings v_new by TMA, on a second barrier; the walk still takes the aligned
+do. The same bits.
 """
 from __future__ import annotations
 
@@ -78,62 +72,74 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, copy_chunk_slabs, tile_shapes, tail_share
-from kda._mosaic_gpu import walk_order, walk_range
-from kda._mosaic_gpu import params as _params
-from kda._mosaic_gpu import aligned_cu_reason, live_chunk, with_absent, zeros
-from kda._mosaic_gpu import acc as _acc, iota as _iota
-from kda._mosaic_gpu import load as _load
-from kda._mosaic_gpu import mm as _mm
-from kda._mosaic_gpu import swz as _swz
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, live_chunk
+from kda._mosaic_gpu import sequence_order, tail_share, tile_shapes, with_absent, zeros
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, mm as _mm, params as _params, swz as _swz
+from kda._smem import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dh import Out
 from kda.stages.state import chunk_decay
 
-
-# Config.terms_two_ctas's default: on the H200 the same bits as one CTA per SM (shapes A, B).
-TERMS_TWO_CTAS = True
-# Config.group_chunks' default (0: one program per sequence). H200, shape B, 8 with the fused
-# kernel's 8: forward+backward 13.37 ms either way, the same bits
-GROUP_CHUNKS = 0
+BT = 64
+BV = 64                   # state-cotangent columns per walk program: one wgmma N tile
+SLAB = 64                 # columns of a terms tile
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tiles and switches of the bwd_dh kernel; they depend on K, V, BT and dtype only."""
-  block_v: int = 64             # BV: state-cotangent columns per program (one wgmma N tile)
-  longest_first: bool = True    # rank r of the grid takes the r-th longest sequence
+  """Switches of the walk's grid; they change neither the arithmetic nor the bits."""
+  longest_first: bool = True    # rank r of the grid takes the r-th longest sequence (else input order)
   seq_major: bool = True        # sequences on the slowest-dispatched grid axis (if N <= 65535)
-  lane_semantics: bool = True   # Mosaic GPU LoweringSemantics.Lane (H200: 1.40 ms on A, Warpgroup 1.51)
-  # the terms kernel forms bf16(-du) in v_new's tile once dkg's wgmma is done (no tile of its own:
-  # 100360 bytes, two CTAs per SM, against 116744 and one; with do packed, do lands in v_new's
-  # bytes first). None: TERMS_TWO_CTAS
-  terms_two_ctas: Optional[bool] = None
-  # > 0: the walk takes groups of consecutive sequences (those starting in the same window of this
-  # many chunks) per program where that makes fewer programs than sequences; None: GROUP_CHUNKS
-  group_chunks: Optional[int] = None
-
-  def __post_init__(self):
-    if self.block_v != 64:
-      raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
-    if self.group_chunks is not None and (not isinstance(self.group_chunks, int) or self.group_chunks < 0):
-      raise ValueError(f"group_chunks must be None or an int >= 0, got {self.group_chunks!r}")
 
 
 _DTYPES = (jnp.dtype(BF16), jnp.dtype(F32))
-SLAB = 64
-_POLICY_BF16 = ("qg", "kg", "w", "h", "v_new")   # rounded to bf16 as wgmma operands
 
 
-def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size,
-             **_) -> Optional[str]:
-  """None if `apply` takes this call, else the reason in words."""
-  reason, dims = tile_shapes(chunk_size, "qg", qg, "v_new", v_new)
+def _walk_scratch(K):
+  """The walk kernel's scratch types."""
+  return [
+      _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, K)),    # qg, kg, w: two slots each
+      _swz((2, BT, BV)),                                        # do
+      _swz((2, BT, BV), F32),                                   # dv
+      plgpu.SMEM((2, K), F32),                                  # decay rows
+      _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
+      plgpu.Barrier(num_arrivals=6, num_barriers=2),
+  ]
+
+
+def walk_smem_bytes(K):
+  """Shared memory per walk program (kda._smem.smem_bytes of the scratch the launcher allocates)."""
+  return _smem_bytes(_walk_scratch(K))
+
+
+def _terms_scratch(K, V, packed=False):
+  """The terms kernel's scratch types; packed: do's plain landing shares v_new's bytes, and v_new
+  arrives on a barrier of its own."""
+  nv = V // SLAB
+  vn = _swz((nv, BT, SLAB))                                     # v_new, then bf16(-du)
+  bars = [plgpu.Barrier(num_arrivals=4 * nv)]
+  if packed:
+    vn = plgpu.RefUnion(vn, plgpu.SMEM((nv, BT, SLAB), BF16))
+    bars = [plgpu.Barrier(num_arrivals=3 * nv), plgpu.Barrier(num_arrivals=nv)]
+  return [_swz((nv, K, SLAB)), _swz((nv, K, SLAB)),             # h, dh (64-column slabs)
+          vn, _swz((nv, BT, SLAB)),                             # v_new, do
+          *bars]
+
+
+def terms_smem_bytes(K, V, packed=False):
+  """Shared memory per terms program (kda._smem.smem_bytes of the scratch the launcher allocates;
+  dgc_last's row sums reserve the reduction scratch)."""
+  return _smem_bytes(_terms_scratch(K, V, packed), reduces=True)
+
+
+def _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packed=False) -> Optional[str]:
+  """What the kernels can run (bf16 or float32 operands); `apply` raises with it."""
+  reason, dims = tile_shapes(BT, "qg", qg, "v_new", v_new)
   if reason is not None:
     return reason
   Ta, HV, K, V = dims
-  if Ta % chunk_size:
-    return f"Ta must be a multiple of chunk_size {chunk_size}, got {Ta}"
-  NTa = Ta // chunk_size
+  if Ta % BT:
+    return f"Ta must be a multiple of chunk_size {BT}, got {Ta}"
+  NTa = Ta // BT
   for name, x, shape in (("kg", kg, qg.shape), ("w", w, qg.shape), ("gc_int", gc_int, qg.shape),
                          ("gc_frac", gc_frac, qg.shape), ("h", h, (1, NTa, HV, K, V)),
                          ("do", do, v_new.shape), ("dv", dv, v_new.shape)):
@@ -151,15 +157,20 @@ def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, c
     return f"dht must have shape {(N, HV, K, V)}, got {dht.shape}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
-  return None
+  return (smem_reason("bwd_dh walk", walk_smem_bytes(K))
+          or smem_reason("bwd_dh terms", terms_smem_bytes(K, V, packed)))
 
 
-def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size,
-          **_) -> Optional[str]:
-  """The stage's predicate: `supports`, and bf16 qg, kg, w, h, v_new (the dtype policy's bf16
-  intermediates); float32 ones would be rounded to bf16, below the float32 accuracy promised for
-  float32 inputs. do and dv may be float32 (they always arrive so)."""
-  reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
+def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size, config=None,
+             do_packed=None, **_) -> Optional[str]:
+  """The stage's predicate: None if the kernels take this call, else the reason in words. Beyond
+  what they can run (do_packed given: the terms kernel's packed landing counted), qg, kg, w, h,
+  v_new must be bfloat16 (the dtype policy's bf16 intermediates; float32 ones would be rounded to
+  bf16, below the float32 accuracy promised for float32 inputs). do and dv may be float32."""
+  del config                      # no switch changes what the kernels take
+  if chunk_size != BT:
+    return f"chunk_size must be {BT}, got {chunk_size}"
+  reason = _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, do_packed is not None)
   if reason is None:
     named = dict(qg=qg, kg=kg, w=w, h=h, v_new=v_new)
     if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for x in named.values()):
@@ -168,20 +179,20 @@ def takes(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chun
   return reason
 
 
-def _walk_body(order_g, cu_g, *refs, BT, BV, scale, tail_zeros=True, grouped=False):
-  # GMEM: order [N] (grouped: [P], the groups' ranks), cu [N+1] int32; (grouped) grp [P+1] int32
-  # the groups' sequence ranges (_mosaic_gpu.sequence_groups); qg, kg, w [Ta, HV, K], do [Ta, HV, V]
-  # bf16 (do unscaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32; du [Ta, HV, V]
-  # f32; dh [NTa, HV, K, V] bf16 (dS_next of every chunk; unwritten at the tail).
-  grp_g = refs[0] if grouped else None
-  (qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, du_g, dh_g,
-   qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars) = refs[grouped:]
+takes = supports                  # the name kda.stages.bwd_dh registers
+
+
+def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, du_g, dh_g,
+               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, scale, tail_zeros=True):
+  # GMEM: order [N] (the sequence of each rank), cu [N+1] int32; qg, kg, w [Ta, HV, K], do [Ta, HV, V]
+  # bf16 (do unscaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32 (None: not
+  # read / not stored); du [Ta, HV, V] f32; dh [NTa, HV, K, V] bf16 (dS_next of every chunk;
+  # unwritten at the tail).
   N = cu_g.shape[0] - 1
-  programs = order_g.shape[0]
   NTa, K = dec_g.shape[0], dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
-  n_lo, n_hi, bos, eos = walk_range(order_g, grp_g, cu_g, r)   # grouped: consecutive sequences
-  i_n = n_lo
+  i_n = order_g[r]
+  bos, eos = cu_g[i_n], cu_g[i_n + 1]
   nch = (eos - bos) // BT
   c_last = bos // BT + nch - 1          # chunk of loop step 0 (the walk is in reverse)
   cols = pl.ds(i_v * BV, BV)
@@ -224,29 +235,18 @@ def _walk_body(order_g, cu_g, *refs, BT, BV, scale, tail_zeros=True, grouped=Fal
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return dS
 
-  def walk(n, j0, j1):           # sequence n's steps [j0, j1) from its dht (None: zero), dh0 at the end
-    dS = zeros((K, BV)) if dht_g is None else _load(dht_g.at[n, i_h, :, cols])
-    dS = lax.fori_loop(j0, j1, step, dS)
-    if dh0_g is not None:                                                        # None: not stored
-      dh0_g[n, i_h, :, cols] = dS
-
-  if grouped:                    # the last sequence first; the prefetch runs on across sequences
-    def sequence(m, carry):
-      n = n_hi - 1 - m
-      walk(n, (eos - cu_g[n + 1]) // BT, (eos - cu_g[n]) // BT)
-      return carry
-
-    lax.fori_loop(0, n_hi - n_lo, sequence, 0)
-  else:
-    walk(i_n, 0, nch)
+  dS = zeros((K, BV)) if dht_g is None else _load(dht_g.at[i_n, i_h, :, cols])
+  dS = lax.fori_loop(0, nch, step, dS)
+  if dh0_g is not None:
+    dh0_g[i_n, i_h, :, cols] = dS
 
   # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
   # the shortest sequence's program first: du = dv (the terms kernel writes their zeros).
   # tail_zeros=False: left unwritten (callers that never read them).
-  first, count = tail_share(cu_g, N, NTa, r, BT, programs)
+  first, count = tail_share(cu_g, N, NTa, r, BT)
 
   def tail(j, carry):
-    rows = pl.ds(pl.multiple_of((first + j * programs) * BT, BT), BT)
+    rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
     du_g[rows, i_h, cols] = _load(dv_g.at[rows, i_h, cols])
     return carry
 
@@ -255,24 +255,17 @@ def _walk_body(order_g, cu_g, *refs, BT, BV, scale, tail_zeros=True, grouped=Fal
   plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
 
 
-def _terms_body(cu_g, *refs, BT, nv, scale, tail_zeros=True, packed=False, share_vn=False):
+def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False):
   # GMEM: cu [N+1] int32; (packed: src, count [NTa] int32); h, dh [NTa, HV, K, V], vn [Ta, HV, V],
-  # do [Ta, HV, V] bf16 (packed: [T, HV, V]); du [Ta, HV, V], dec [NTa, HV, K]
-  # f32; out dqg, dkg, dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs.
+  # do [Ta, HV, V] bf16 (packed: [T, HV, V]); du [Ta, HV, V], dec [NTa, HV, K] f32; out dqg, dkg,
+  # dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs; v_new's tile takes bf16(-du) after
+  # dkg's product has read it.
   if packed:
     src_g, cnt_g, *refs = refs
-  bar_vn = None
-  if share_vn:    # bf16(-du) goes into v_new's tile after dkg's product has read it
-    h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, bar, *bar_vn = refs
-    bar_vn = bar_vn[0] if bar_vn else None
-    if packed:    # do lands in plain SMEM sharing v_new's bytes (v_new's TMA after the landing is read)
-      vn_s, land_s = vn_s
-    dub_s = vn_s
+    (h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g,
+     h_s, dh_s, (vn_s, land_s), do_s, bar, bar_vn) = refs
   else:
-    h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, dub_s, bar = refs
-    if packed:    # do lands in plain SMEM sharing bf16(-du)'s bytes (filled after the landing is read)
-      dub_s, land_s = dub_s
-  N = cu_g.shape[0] - 1
+    (h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g, h_s, dh_s, vn_s, do_s, bar) = refs
   K = h_g.shape[2]
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
@@ -284,37 +277,27 @@ def _terms_body(cu_g, *refs, BT, nv, scale, tail_zeros=True, packed=False, share
     for j in range(nv):
       plgpu.copy_gmem_to_smem(h_g.at[c, i_h, :, slab(j)], h_s.at[j], bar)
       plgpu.copy_gmem_to_smem(dh_g.at[c, i_h, :, slab(j)], dh_s.at[j], bar)
-    if packed:    # any packed row: plain SMEM takes TMA there; whole [64, 64] tiles loaded
+    if packed:    # do lands in plain SMEM (TMA takes any packed row there), whole [64, 64] tiles
       src, cnt = src_g[c], cnt_g[c]
-      if bar_vn is None:
-        copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar)
       for j in range(nv):
         plgpu.copy_gmem_to_smem(do_g.at[pl.ds(src, BT), i_h, slab(j)], land_s.at[j], bar)
       plgpu.barrier_wait(bar)
       real = _iota(0, (BT, SLAB)) < cnt   # other sequences' rows (maybe NaN) out, by a select
       for j in range(nv):
         do_s.at[j][...] = jnp.where(real, _load(land_s.at[j]), jnp.zeros((), BF16))
-      plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before its bytes are reused
-      if bar_vn is not None:
-        copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar_vn)
+      plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before v_new's TMA reuses its bytes
+      copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar_vn)
     else:
       copy_chunk_slabs(((vn_g, vn_s), (do_g, do_s)), rows, i_h, bar)
-
-    def minus_du():
-      for j in range(nv):
-        dub_s.at[j][...] = (-_load(du_g.at[rows, i_h, slab(j)])).astype(BF16)
-      plgpu.commit_smem()
-    if not share_vn:
-      minus_du()
-    if not packed:
       plgpu.barrier_wait(bar)
     dqg_g[rows, i_h, :] = scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
-    if bar_vn is not None:
+    if packed:
       plgpu.barrier_wait(bar_vn)
     dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
-    if share_vn:    # dkg's store above waited for its wgmma: v_new's tile is free
-      minus_du()
-    dw_g[rows, i_h, :] = _acc([(dub_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
+    for j in range(nv):            # dkg's store above waited for its wgmma: v_new's tile is free
+      vn_s.at[j][...] = (-_load(du_g.at[rows, i_h, slab(j)])).astype(BF16)
+    plgpu.commit_smem()
+    dw_g[rows, i_h, :] = _acc([(vn_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
     prod = sum(jnp.sum(_load(h_s.at[j]).astype(F32) * _load(dh_s.at[j]).astype(F32), axis=1)
                for j in range(nv))
     dgc_g[c, i_h, :] = _load(dec_g.at[c, i_h, :], ROW) * prod
@@ -330,57 +313,62 @@ def _terms_body(cu_g, *refs, BT, nv, scale, tail_zeros=True, packed=False, share
     pl.when(jnp.logical_not(live))(tail)
 
 
-def _terms_kernel(Ta, HV, K, V, *, scale, lane, interp, tail_zeros=True, packed=False, share_vn=False):
-  """The terms kernel; packed: it reads do packed; share_vn: bf16(-du) in v_new's tile
-  (_terms_body)."""
-  BT, NTa, nv = 64, Ta // 64, V // SLAB
-  landing = lambda tile: plgpu.RefUnion(tile, plgpu.SMEM((nv, BT, SLAB), BF16))   # do's, packed
-  vn = _swz((nv, BT, SLAB))
-  dub = [] if share_vn else [_swz((nv, BT, SLAB))]                  # bf16(-du)
-  bars = [plgpu.Barrier(num_arrivals=4 * nv)]
-  if packed and share_vn:           # do lands in v_new's bytes; v_new's TMA then on its own barrier
-    vn, bars = landing(vn), [plgpu.Barrier(num_arrivals=3 * nv), plgpu.Barrier(num_arrivals=nv)]
-  elif packed:
-    dub = [landing(dub[0])]
-  terms_kw = {} if tail_zeros else dict(tail_zeros=False)
+def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False):
+  """The terms kernel; packed: it reads do packed (_terms_body)."""
+  NTa = Ta // BT
+  kw = {} if tail_zeros else dict(tail_zeros=False)
   if packed:
-    terms_kw["packed"] = True
-  if share_vn:
-    terms_kw["share_vn"] = True
+    kw["packed"] = True
   return plgpu.kernel(
-      functools.partial(_terms_body, BT=BT, nv=nv, scale=scale, **terms_kw),
+      functools.partial(_terms_body, nv=V // SLAB, scale=scale, **kw),
       out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),
                 jax.ShapeDtypeStruct((Ta, HV, K), F32),
                 jax.ShapeDtypeStruct((NTa, HV, K), F32)),          # dgc_last
       grid=(HV, NTa), grid_names=("h", "c"),
-      scratch_types=[
-          _swz((nv, K, SLAB)), _swz((nv, K, SLAB)),                 # h, dh tiles (64-column slabs)
-          vn, _swz((nv, BT, SLAB)),                                 # v_new, do
-          *dub,
-          *bars,
-      ],
-      compiler_params=_params(lane),
+      scratch_types=_terms_scratch(K, V, packed),
+      compiler_params=_params(lane=True),
       kernel_name="kda_bwd_dh_terms", interpret=interp,
+  )
+
+
+def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, tail_zeros=True, dht_zero=False,
+                 need_dh0=True):
+  """The walk kernel; dht_zero: dht not read; need_dh0=False: dh0 not stored (_walk_body)."""
+  body = functools.partial(_walk_body, scale=scale, **({} if tail_zeros else dict(tail_zeros=False)))
+  absent = [8] * dht_zero + [9] * (not need_dh0)     # dht_g, dh0_g in _walk_body's refs
+  if absent:
+    body = with_absent(body, absent)
+  return plgpu.kernel(
+      body,
+      out_type=(*[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * need_dh0,   # dh0
+                jax.ShapeDtypeStruct((Ta, HV, V), F32),            # du
+                jax.ShapeDtypeStruct((Ta // BT, HV, K, V), BF16)),  # dh: dS_next per chunk
+      grid=grid, grid_names=names,
+      scratch_types=_walk_scratch(K),
+      compiler_params=_params(lane=True),
+      kernel_name="kda_bwd_dh_walk", interpret=interp,
   )
 
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
           interpret=False, config=None, dht_zero=False, need_dh0=True, tail_zeros=True, do_packed=None,
           rows=None):
-  """dht_zero: dht is known to be zero (not read: XLA drops a zeros array nobody reads);
-  need_dh0=False: dh0 is not stored (zeros returned, for callers that drop it). The pipeline sets
-  them for a final state nobody uses and an initial state made of zeros inside chunk_kda.
-  tail_zeros=False: du, dqg, dkg, dw, dgc_last are left unwritten at the chunks at or past
-  aligned_cu[-1] (for callers that never read them: the packed backward).
+  """The stage on the kernels; bf16 or float32 operands (qg, kg, w, h, v_new, do rounded to bf16;
+  the predicate `supports` adds the dtype policy). dht_zero: dht is known to be zero (not read: XLA
+  drops a zeros array nobody reads); need_dh0=False: dh0 is not stored (zeros returned, for callers
+  that drop it). The pipeline sets them for a final state nobody uses and an initial state made of
+  zeros inside chunk_kda. tail_zeros=False: du, dqg, dkg, dw, dgc_last are left unwritten at the
+  chunks at or past aligned_cu[-1] (for callers that never read them: the packed backward).
   do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): the terms kernel reads do packed
   (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r), so the
   aligned do need not outlive the walk; do (aligned) still feeds the walk. The same bits."""
   config = config or Config()
-  reason = supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, chunk_size=chunk_size)
+  packed = do_packed is not None
+  reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
+            _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packed))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_dh kernel: {reason}")
-  BT, BV = chunk_size, config.block_v
   _, Ta, HV, K = qg.shape
   V = v_new.shape[-1]
   N = aligned_cu.shape[0] - 1
@@ -388,10 +376,12 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   if N == 0:                                  # no program to launch; every chunk is tail
     zk = jnp.zeros((1, Ta, HV, K), F32)
     return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
+  if packed and (rows is None or do_packed.ndim != 4 or do_packed.shape[0] != 1
+                 or do_packed.shape[2:] != (HV, V) or do_packed.dtype != BF16):
+    raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
+                     f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
   aligned_cu = aligned_cu.astype(jnp.int32)
-  G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
-  order, bounds = walk_order(aligned_cu, NTa, G, config.longest_first, BT)
-  grouped, R = bounds is not None, order.shape[0]                  # R programs per (head, V tile)
+  order = sequence_order(aligned_cu, config.longest_first)       # [N]: the sequence of each rank
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))
   h = h[0].astype(BF16)
@@ -399,44 +389,16 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   dv = dv[0].astype(F32)
   interp = plgpu.InterpretGPUParams() if interpret else None
 
-  if config.seq_major and R <= MAX_GRID_YZ:
-    grid, names = (R, HV, NV), ("r", "h", "v")
+  if config.seq_major and N <= MAX_GRID_YZ:
+    grid, names = (N, HV, NV), ("r", "h", "v")
   else:
-    grid, names = (NV, HV, R), ("v", "h", "r")
-  body = functools.partial(_walk_body, BT=BT, BV=BV, scale=float(scale),
-                           **({} if tail_zeros else dict(tail_zeros=False)), **({"grouped": True} if grouped else {}))
-  absent = [8 + grouped] * dht_zero + [9 + grouped] * (not need_dh0)   # dht_g, dh0_g in _walk_body's refs
-  if absent:
-    body = with_absent(body, absent)
-  walk = plgpu.kernel(
-      body,
-      out_type=(*[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * need_dh0,   # dh0
-                jax.ShapeDtypeStruct((Ta, HV, V), F32),            # du
-                jax.ShapeDtypeStruct((NTa, HV, K, V), BF16)),      # dh: dS_next per chunk
-      grid=grid, grid_names=names,
-      scratch_types=[
-          _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, K)),    # qg, kg, w: two slots each
-          _swz((2, BT, BV)),                                        # do
-          _swz((2, BT, BV), F32),                                   # dv
-          plgpu.SMEM((2, K), F32),                                  # decay rows
-          _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
-          plgpu.Barrier(num_arrivals=6, num_barriers=2),
-      ],
-      compiler_params=_params(config.lane_semantics),
-      kernel_name="kda_bwd_dh_walk", interpret=interp,
-  )
-  *dh0, du, dh = walk(order, aligned_cu, *(() if bounds is None else (bounds,)), qg, kg, w, dob, dv, decay,
-                      *(() if dht_zero else (dht.astype(F32),)))
+    grid, names = (NV, HV, N), ("v", "h", "r")
+  walk = _walk_kernel(Ta, HV, K, V, N, scale=float(scale), interp=interp, grid=grid, names=names,
+                      tail_zeros=tail_zeros, dht_zero=dht_zero, need_dh0=need_dh0)
+  *dh0, du, dh = walk(order, aligned_cu, qg, kg, w, dob, dv, decay, *(() if dht_zero else (dht.astype(F32),)))
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
-  packed = do_packed is not None
-  if packed and (rows is None or do_packed.ndim != 4 or do_packed.shape[0] != 1
-                 or do_packed.shape[2:] != (HV, V) or do_packed.dtype != BF16):
-    raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
-                     f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
-  two = TERMS_TWO_CTAS if config.terms_two_ctas is None else config.terms_two_ctas
-  terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), lane=config.lane_semantics, interp=interp,
-                        tail_zeros=tail_zeros, packed=packed, share_vn=bool(two))
+  terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), interp=interp, tail_zeros=tail_zeros, packed=packed)
   if packed:
     dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,
                               v_new, do_packed[0], du, decay)

@@ -4,8 +4,9 @@ Kernel: the forward gate kernel's row scan (kda.stages.gate.mosaic_gpu) run back
 HV, K] arrays as [Ta, C] matrices (C = HV * K, a free reshape), one program (one warpgroup) per
 (128-column group j, chunk c). TMA brings the chunk's [64, 128] tiles of the raw gate g (in its own
 dtype), dgc and dg_state (float32) and its [64] valid flags (float32) into plain SMEM; then the
-warpgroup walks the rows in REVERSE (r = 63 .. 0), one thread per column (`WG_STRIDED` [128]
-vectors), carrying acc = dgc[r] + ... + dgc[63] (the reverse chunk-local cumsum), and per row:
+warpgroup walks the rows in REVERSE (r = 63 .. 0, Config.unroll rows per loop iteration), one thread
+per column (`WG_STRIDED` [128] vectors), carrying acc = dgc[r] + ... + dgc[63] (the reverse
+chunk-local cumsum), and per row:
 
     dg_act = acc + dg_state[r]
     g_act  = the forward kernel's activation of g[r] (its `_softplus`; sigmoid), before the floor
@@ -25,13 +26,13 @@ the launcher sums over the chunks (and, for dA_log, over each head's K columns) 
 
 Grid: (ceil(C / 128), NTa) with names ("j", "c"), as the forward gate kernel: the chunk axis on
 CUDA's x, which has no 65535 limit. C that is not a multiple of 128 is zero-padded in the launcher
-(copies in and out; the stage's predicate `takes` refuses those calls, so impl=None runs the
-reference there).
+(copies in and out; the stage's predicate `supports` refuses those calls, so impl=None runs the
+reference there). K itself does not matter: the kernel sees columns.
 
-SMEM per program: the g tile (16 KiB bf16, 32 KiB f32), the dgc and dg_state tiles (2 x 32 KiB), the
-flags and a barrier: 82952 bytes (bf16 g) / 99336 bytes (f32 g) as lowered
-(test_bwd_gate_mosaic.py asserts it), two CTAs (two warpgroups) per SM. Untried alternative for the
-H200: dgc and dg_state rows straight from GMEM (16 / 32 KiB SMEM, more CTAs per SM).
+SMEM per program (`smem_bytes`): the g tile (16 KiB bf16, 32 KiB f32), the dgc and dg_state tiles
+(2 x 32 KiB), the flags (each buffer from a 1 KiB boundary) and a barrier: 82952 bytes (bf16 g) /
+99336 bytes (f32 g), two CTAs (two warpgroups) per SM. Lane lowering semantics: the same code as
+Warpgroup here, lowered without layout inference.
 
 Packed mode (`packed`, the pipeline's packed backward): g is read packed (the chunk's tile by TMA
 from packed row src[c] into the plain tile; rows past count[c] are masked as valid=False rows) and
@@ -42,13 +43,9 @@ Precision: everything is float32 elementwise, so the kernel takes float32 gates 
 predicate: the gradient is as accurate as the reference's). What differs from the reference: the
 reverse cumsum adds the rows in sequence where XLA's cumsum adds in a tree (float32 rounding), the
 kernel's softplus (log1p from log and a series, a few ulp) and the order of the dA_log / ddt_bias
-sums. Measured in the simulator (test_bwd_gate_mosaic.py, TOL there, every form, bf16 and float32
-gates, extreme gates): dg <= 3.6e-7 of its (chunk, head) block's max|ref| (1.4e-7 in norm), dA_log
-<= 5.3e-7 and ddt_bias <= 2.9e-7 of their max|ref|; with use_gate_in_kernel=False dg is the float32
-sequential reverse sum bit for bit. With lower_bound and A_log, a raw gate of +-inf (z = +-inf,
-dz = 0) adds 0 to dA_log, the limit of z * s (1 - s), as the reference does (not inf * 0 = NaN).
-On the H200 (tools.gpu_check_bwd, shape A, bf16): dg 1.3e-8 of max|ref|, 0.60 ms against the jnp
-stage's 0.69 ms.
+sums. With use_gate_in_kernel=False dg is the float32 sequential reverse sum bit for bit. With
+lower_bound and A_log, a raw gate of +-inf (z = +-inf, dz = 0) adds 0 to dA_log, the limit of
+z * s (1 - s), as the reference does (not inf * 0 = NaN).
 """
 from __future__ import annotations
 
@@ -65,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import F32
 from kda._mosaic_gpu import params as _params
 from kda._pallas import pad_dim
+from kda._smem import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_gate import Out
 from kda.stages.gate import mosaic_gpu as gate_kernel, passes_floor
 from kda.stages.gate.mosaic_gpu import COLS, LINE, _softplus
@@ -75,9 +73,6 @@ BT = 64
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Switches of the bwd_gate kernel (the tile is one chunk by 128 columns)."""
-  # Lane semantics (kda._mosaic_gpu.params): the same code as Warpgroup here, lowered without layout
-  # inference (the gate kernel in 0.2 s instead of 1.4 on a CPU; H200: the same time)
-  lane_semantics: bool = True
   unroll: int = 4               # rows per iteration of the reverse scan (ILP across the exps)
 
   def __post_init__(self):
@@ -85,9 +80,28 @@ class Config:
       raise ValueError(f"unroll must divide the chunk's {BT} rows, got {self.unroll}")
 
 
-def supports(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
-             **_) -> Optional[str]:
-  """None if `apply` takes this call, else the reason in words."""
+def _scratch(g_dtype, flags):
+  """The kernel's scratch types: the g tile in g's dtype, (flags: the [64] valid or reset flags),
+  the dgc and dg_state tiles and a barrier (one arrival per TMA copy)."""
+  return ([plgpu.SMEM((BT, COLS), g_dtype)] + ([plgpu.SMEM((BT,), F32)] if flags else [])
+          + [plgpu.SMEM((BT, COLS), F32), plgpu.SMEM((BT, COLS), F32),
+             plgpu.Barrier(num_arrivals=4 if flags else 3)])
+
+
+def smem_bytes(g_dtype, packed=False, resets=False):
+  """Shared memory per program (kda._smem.smem_bytes of the scratch the launcher allocates)."""
+  return _smem_bytes(_scratch(jnp.dtype(g_dtype), not packed or resets))
+
+
+def _columns_reason(g):
+  if (g.shape[2] * g.shape[3]) % COLS:
+    return (f"mosaic_gpu bwd_gate takes HV * K a multiple of {COLS} (one thread per column), got "
+            f"{g.shape[2]} * {g.shape[3]}")
+  return None
+
+
+def _reason(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound):
+  """What the kernel can run (any HV * K: the launcher pads the columns); `apply` raises with it."""
   reason = gate_kernel.supports(g, valid, A_log, dt_bias, chunk_size=chunk_size,
                                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if reason is not None:      # the forward kernel's: chunk 64, g [1, Ta, HV, K], valid, the activation's
@@ -95,20 +109,21 @@ def supports(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in
   for name, x in (("dgc", dgc), ("dg_state", dg_state)):
     if x.shape != g.shape or jnp.dtype(x.dtype) != jnp.dtype(F32):
       return f"{name} must be float32{list(g.shape)} (g's shape), got {jnp.dtype(x.dtype).name}{list(x.shape)}"
-  return None
+  return smem_reason("bwd_gate", smem_bytes(g.dtype))
 
 
-def takes(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
-          **_) -> Optional[str]:
-  """The stage's predicate: `supports`, and HV * K a multiple of 128 (else `apply` pads the columns,
-  copies the reference does without). Float32 gates are taken: the kernel's math is float32
-  elementwise, as accurate as the reference's (no bf16 operands anywhere)."""
-  reason = supports(g, valid, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
-                    use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
-  if reason is None and (g.shape[2] * g.shape[3]) % COLS:
-    reason = (f"mosaic_gpu bwd_gate takes HV * K a multiple of {COLS} (one thread per column), got "
-              f"{g.shape[2]} * {g.shape[3]}")
-  return reason
+def supports(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
+             config=None, **_) -> Optional[str]:
+  """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
+  what the kernel can run, HV * K must be a multiple of 128 (else `apply` pads the columns, copies
+  the reference does without). Float32 gates are taken: the kernel's math is float32 elementwise,
+  as accurate as the reference's (no bf16 operands anywhere)."""
+  del config                      # no switch changes what the kernel takes
+  return _reason(g, valid, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
+                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound) or _columns_reason(g)
+
+
+takes = supports                  # the name kda.stages.bwd_gate registers
 
 
 def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed, resets=False):
@@ -211,8 +226,9 @@ def _body(*refs, act, lower_bound, has_a, has_bias, unroll, packed, resets=False
 
 def apply(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
           interpret=False, config=None):
-  reason = supports(g, valid, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
-                    use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+  """The stage on the kernel, aligned; any HV * K (columns padded to a multiple of 128)."""
+  reason = _reason(g, valid, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
+                   use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_gate kernel: {reason}")
   _, Ta, HV, K = g.shape
@@ -222,10 +238,11 @@ def apply(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_ke
 
 
 def packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel,
-                    lower_bound, **_) -> Optional[str]:
+                    lower_bound, config=None, seg=None, **_) -> Optional[str]:
   """None if `packed` takes this call, else the reason in words: the gate kernel's `packed_takes`
   (g packed [1, T, HV, K], rows a ChunkRows, HV * K a multiple of 128), dgc and dg_state float32
-  [1, NTa * 64, HV, K], pieces [2, P] int32."""
+  [1, NTa * 64, HV, K], pieces [2, P] int32, the SMEM (seg: the reset flags' tile counted)."""
+  del config                      # no switch changes what the kernel takes
   reason = gate_kernel.packed_takes(g, rows, A_log, dt_bias, chunk_size=chunk_size,
                                     use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if reason is not None:
@@ -236,7 +253,7 @@ def packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_siz
       return f"{name} must be float32{list(want)}, got {jnp.dtype(x.dtype).name}{list(x.shape)}"
   if pieces.ndim != 2 or pieces.shape[0] != 2 or jnp.dtype(pieces.dtype) != jnp.dtype(jnp.int32):
     return f"pieces must be a [2, P] int32 array, got {jnp.dtype(pieces.dtype).name}{list(pieces.shape)}"
-  return None
+  return smem_reason("bwd_gate", smem_bytes(g.dtype, packed=True, resets=seg is not None))
 
 
 def packed(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
@@ -249,7 +266,7 @@ def packed(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_ga
   (kda.pipeline.segment_rows of a segmented layout): dg 0 at its resets, whose gate the forward
   took as -inf (kda.stages.gate.mosaic_gpu.packed(seg=))."""
   reason = packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, chunk_size=chunk_size,
-                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, seg=seg)
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_gate kernel: {reason}")
   lead = [rows.src, rows.count, pieces] + ([] if seg is None else [gate_kernel.reset_rows(seg)])
@@ -278,11 +295,9 @@ def _launch(g, lead, A_log, dt_bias, dgc, dg_state, *, rows_out, out_dtype, use_
   body = functools.partial(_body, act=use_gate_in_kernel, has_a=has_a, has_bias=has_bias, unroll=config.unroll,
                            lower_bound=None if lower_bound is None else float(lower_bound), packed=packed,
                            resets=resets)
-  scratch = ([plgpu.SMEM((BT, COLS), g.dtype)] + ([] if packed and not resets else [plgpu.SMEM((BT,), F32)])
-             + [plgpu.SMEM((BT, COLS), F32), plgpu.SMEM((BT, COLS), F32),
-                plgpu.Barrier(num_arrivals=3 if packed and not resets else 4)])
   f = plgpu.kernel(body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
-                   scratch_types=scratch, compiler_params=_params(config.lane_semantics),
+                   scratch_types=_scratch(g.dtype, not packed or resets),
+                   compiler_params=_params(lane=True),      # Lane: no layout inference (module docstring)
                    kernel_name="kda_bwd_gate_packed" if packed else "kda_bwd_gate",
                    interpret=plgpu.InterpretGPUParams() if interpret else None)
   dg, *parts = f(*args)

@@ -1,10 +1,10 @@
 """bwd_intra (S4): the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.bwd_intra.
 
-One kernel, one program per (64-column slab s of K, value head h, chunk c), grid (K // 64, HV, NTa)
-(the chunks on CUDA's grid x, which has no 65535 limit). The outputs of a column slab (dq, dk, dgc
-at those columns) need only that slab of q, k and gc, so the slabs are independent programs; only
-dbeta sums over every column, and each program stores its slab's part of it ([K // 64, HV, Ta],
-summed onto the accumulator by the launcher, one XLA add). Per program:
+One kernel, one program (one warpgroup) per (64-column slab s of K, value head h, chunk c), grid
+(K // 64, HV, NTa) (the chunks on CUDA's grid x, which has no 65535 limit). The outputs of a column
+slab (dq, dk, dgc at those columns) need only that slab of q, k and gc, so the slabs are independent
+programs; only dbeta sums over every column, and each program stores its slab's part of it
+([K // 64, HV, Ta], summed onto the accumulator by the launcher, one XLA add). Per program:
 
 - TMA: q, k [64, 64] bf16 into swizzled tiles, gc_int and gc_frac [64, 64] float32 into plain tiles
   (loaded whole, never as column slices). beta, dAqk, dAkk and the accumulators dq, dk, dgc are read
@@ -28,9 +28,9 @@ summed onto the accumulator by the launcher, one XLA add). Per program:
   where every 8-token half of the 16-token blocks does (e.g. safe_gate's -5 per token: three
   levels), else 0 (six exact levels). The level lb is factored through each block's middle row at
   every row (el, er in [e^-40, e^40]; dA_L masked to every strict pair of the block). The span is
-  half the forward's 80: the dA operands are unbounded cotangents (e^80 times them may overflow)
-  and the lo half of a split operand k e^-80 would be subnormal (bf16 precision only; a first try
-  with 80 measured 6.9e-4 on dbeta). Config(bounded="never"): six levels always.
+  half the forward's 80: the dA operands are unbounded cotangents (e^80 times them may overflow),
+  and the lo half of a split operand k e^-80 would be subnormal (bf16 precision only).
+  Config(bounded="never"): six levels always.
   Then, with d = scale diag(dAqk) (the pairs j == i, E = 1, no gate term):
 
       dq  = dq_acc  + dqAs + d k                   dk  = dk_acc + W + d q + beta G
@@ -38,32 +38,29 @@ summed onto the accumulator by the launcher, one XLA add). Per program:
 
   gc is always taken in its two parts (exponent(): exact for any gate).
 
-SMEM per program (K-independent: one slab): q, k, the masked dA tile's split, the right-hand
-operands k er and (q el, then beta k el), each split: 8 swizzled [64, 64] bf16 tiles (64 KiB), and
-gc's two parts (32 KiB): 100360 bytes as lowered (barrier, alignment), two CTAs per SM
-(test_bwd_intra_mosaic.py asserts it).
+SMEM per program (`smem_bytes`, K-independent: one slab): q, k, the masked dA tile's split, the
+right-hand operands k er and (q el, then beta k el), each split: 8 swizzled [64, 64] bf16 tiles
+(64 KiB), gc's two parts (32 KiB), the reduction scratch (dbeta's row sums) and a barrier: 100360
+bytes, two CTAs per SM. Warpgroup lowering semantics: the body stores many register arrays to SMEM
+(the split operands), which Lane lowers through a swap that first loads the old value
+(kda._mosaic_gpu.params), so Lane runs slower here.
 
 Precision: every wgmma has hi + lo bf16 splits of both float32 operands (kda._mosaic_gpu.split,
 three wgmmas: hi hi, hi lo, lo hi; ~2^-16 relative), float32 accumulation; the decay factors and
-all sums outside the tensor cores are float32 (approx_math: Mosaic GPU's ex2.approx, ~2^-22
-relative). q, k enter as bf16: float32 q, k are rounded to bf16 by the launcher (their float32
-accuracy needs the reference stage), everything else is float32. Measured against the float32
-reference on bf16 q, k (simulator, both paths, K = 64 and 128, ordinary and floored -inf gates):
-the worst (chunk, head) block's max|d| / max|ref| <= 1.5e-5 per field, ||d|| / ||ref|| <= 5.5e-6
-(test_bwd_intra_mosaic.py, TOL there). On the H200 (tools.gpu_check_bwd, H = 16, K = 128, T =
-32768 bf16, lengths in [64, 4096], ordinary and raw gates): <= 7.9e-6 per field against the
-reference on the same inputs, 3.1-3.8 ms.
+all sums outside the tensor cores are float32 (Config.approx_math: Mosaic GPU's ex2.approx, ~2^-22
+relative). q, k enter as bf16: `apply` rounds float32 q, k (their float32 accuracy needs the
+reference stage; the predicate refuses them), everything else is float32.
 
 Packed dq, dk (`apply(..., rows=, pieces=, T=)`, the pipeline's packed backward): the unalign folds
-into their stores, through one plain [64, 64] SMEM stage (dq, then dk; 108552 bytes, two CTAs per SM)
-and kda._mosaic_gpu.store_rows to packed rows src[c] + r, r < count[c]; program (s, h, c) zeroes
-the gap pieces c, c + NTa, ... of its head and columns. dgc and dbeta stay aligned.
+into their stores, through one plain [64, 64] SMEM stage (dq, then dk; 8 KiB more in bf16, two CTAs
+per SM) and kda._mosaic_gpu.store_rows to packed rows src[c] + r, r < count[c]; program (s, h, c)
+zeroes the gap pieces c, c + NTa, ... of its head and columns. dgc and dbeta stay aligned.
 
-Simulator note: its callbacks run jax ops, so eager jax ops dispatched while a simulated kernel is
+The simulator's callbacks run jax ops, so eager jax ops dispatched while a simulated kernel is
 still running can deadlock (block_until_ready first).
 
-The stage's predicate `takes` refuses what the kernel cannot do (chunk_size != 64, K not 64 / 128,
-shapes, non-float dtypes) with the reason.
+The stage's predicate `supports` refuses what the kernel cannot run (chunk_size != 64, K not 64 /
+128, shapes, non-float dtypes, HV > 65535, SMEM) with the reason, and float32 q, k.
 """
 from __future__ import annotations
 
@@ -77,18 +74,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, skipping_tail, zeros
-from kda._mosaic_gpu import params as _params
-from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
-from kda._mosaic_gpu import packed_chunk
+from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, packed_chunk
+from kda._mosaic_gpu import skipping_tail, zeros
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
+from kda._smem import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_intra import Out
 from kda.stages.gate import GATE_FLOOR, exponent
 from kda.stages.intra import to_chunks
 from kda.stages.intra.mosaic_gpu import reset_free
-
-# Lane semantics (kda._mosaic_gpu.params): lowers faster (0.85 s vs 1.07 on a CPU) but runs slower
-# (H200, A: 2.430 ms vs 2.374)
-LANE = False
 
 BT = 64
 SLAB = 64                 # columns of K per program
@@ -101,8 +94,8 @@ class Config:
   """Switches of the bwd_intra kernel."""
   bounded: str = "auto"     # "auto": bounded chunks take the two-level path; "never": six levels always
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
-  # chunks at or past aligned_cu[-1] (given): the accumulators copied, nothing else read (no token
-  # there, so no term)
+  # with aligned_cu: the chunks at or past aligned_cu[-1] get the accumulators back, nothing else
+  # read (no token there, so no term)
   skip_tail: bool = True
 
   def __post_init__(self):
@@ -110,11 +103,26 @@ class Config:
       raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
 
 
-def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,
-             chunk_size, **_) -> Optional[str]:
-  """None if `apply` takes this call, else the reason in words."""
-  if chunk_size != BT:
-    return f"chunk_size must be {BT}, got {chunk_size}"
+def _scratch(stage_dtype=None):
+  """The kernel's scratch types (any K: one slab); stage_dtype: packed dq, dk's plain stage in
+  their dtype (None: aligned)."""
+  return [
+      *[_swz((BT, SLAB)) for _ in range(8)],            # q, k, dA split, k er split, x split
+      plgpu.SMEM((BT, SLAB), F32), plgpu.SMEM((BT, SLAB), F32),   # gc_int, gc_frac
+      plgpu.Barrier(num_arrivals=4),
+      *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
+  ]
+
+
+def smem_bytes(stage_dtype=None):
+  """Shared memory per program (kda._smem.smem_bytes of the scratch the launcher allocates; the
+  body's dbeta row sums reserve the reduction scratch)."""
+  return _smem_bytes(_scratch(stage_dtype), reduces=True)
+
+
+def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu,
+            stage_dtype=None) -> Optional[str]:
+  """What the kernel can run (bf16 or float32 q, k); `apply` raises with it."""
   if k.ndim != 4 or k.shape[0] != 1:
     return f"k must be [1, Ta, HV, K], got shape {k.shape}"
   _, Ta, HV, K = k.shape
@@ -139,21 +147,31 @@ def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligne
                   ("dq", dq), ("dk", dk), ("dbeta", dbeta), ("dgc", dgc)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
-  return None if aligned_cu is None else aligned_cu_reason(aligned_cu)
+  if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
+    return reason
+  return smem_reason("bwd_intra", smem_bytes(stage_dtype))
 
 
-def takes(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,
-          chunk_size, **_) -> Optional[str]:
-  """The stage's predicate: `supports`, and q, k in bfloat16 (the dtype policy: float32 inputs keep
-  float32 gradients on the reference; `apply` itself rounds float32 q, k to bf16)."""
-  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
-                    chunk_size=chunk_size)
+def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,
+             chunk_size, config=None, grad_dtype=None, rows=None, **_) -> Optional[str]:
+  """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
+  what the kernel can run (rows given: packed dq, dk, their stage in grad_dtype counted), q and k
+  must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
+  `apply` itself rounds float32 q, k to bf16)."""
+  del scale, config               # no switch changes what the kernel takes
+  if chunk_size != BT:
+    return f"chunk_size must be {BT}, got {chunk_size}"
+  stage = None if rows is None else jnp.dtype(grad_dtype or F32)
+  reason = _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, stage)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
   if bad:
     return f"mosaic_gpu bwd_intra takes bfloat16 q, k (float32 would be rounded to bfloat16), got {', '.join(bad)}"
   return None
+
+
+takes = supports                  # the name kda.stages.bwd_intra registers
 
 
 def bounded_levels(gc_int, gc_frac):
@@ -310,28 +328,24 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
                              **({} if tail_zeros else dict(tail_zeros=False)), **segkw)
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_tail, **segkw) if tail_zeros else None)
-  stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), grad_dtype)]
   Tq = Ta if packed_T is None else packed_T
   return plgpu.kernel(
       body,
       out_type=(out((Tq, HV, K), grad_dtype), out((Tq, HV, K), grad_dtype), out((Ta, HV, K)), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
-      scratch_types=[
-          *[_swz((BT, SLAB)) for _ in range(8)],            # q, k, dA split, k er split, x split
-          plgpu.SMEM((BT, SLAB), F32), plgpu.SMEM((BT, SLAB), F32),   # gc_int, gc_frac
-          plgpu.Barrier(num_arrivals=4),
-          *stage,                                            # packed dq, dk's stage
-      ],
-      compiler_params=_params(LANE, approx_math=config.approx_math),
-      kernel_name="kda_bwd_intra" if packed_T is None else "kda_bwd_intra_packed", interpret=plgpu.InterpretGPUParams() if interpret else None,
+      scratch_types=_scratch(None if packed_T is None else grad_dtype),
+      compiler_params=_params(lane=False, approx_math=config.approx_math),   # Warpgroup (module docstring)
+      kernel_name="kda_bwd_intra" if packed_T is None else "kda_bwd_intra_packed",
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
           grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
           seg=None):
-  """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
-  past aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
+  """The stage on the kernel; bf16 or float32 q, k (rounded to bf16; the predicate `supports` adds
+  the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or past
+  aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
   dk's dtype (float32 unless given; the kernel rounds them there, as the pipeline would after).
   Packed dq, dk (the unalign folded into their stores): rows = padding.chunk_rows(layout), pieces =
   padding.gap_pieces(rows, aligned_cu, T, 64) and the packed length T (aligned_cu required): dq, dk
@@ -342,21 +356,23 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   chunk's pairs masked to its segments and the resets' -128 steps taken out of gc_int, so that a
   chunk holding one keeps the bounded levels; the same results up to rounding."""
   config = config or Config()
-  reason = supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, scale=scale,
-                    chunk_size=chunk_size)
+  packed = rows is not None
+  grad_dtype = jnp.dtype(grad_dtype or F32)
+  reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
+            _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu,
+                    grad_dtype if packed else None))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_intra kernel: {reason}")
   _, Ta, HV, K = k.shape
   f32 = lambda x: x[0].astype(F32)
   q, k = (x[0].astype(BF16) for x in (q, k))
   beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
-  packed = rows is not None
   if packed and (aligned_cu is None or pieces is None or not isinstance(T, int)):
     raise ValueError(f"mosaic_gpu bwd_intra kernel: packed dq, dk (rows given) need aligned_cu, pieces and a "
                      f"static int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
-              grad_dtype=jnp.dtype(grad_dtype or F32), packed_T=T if packed else None,
+              grad_dtype=grad_dtype, packed_T=T if packed else None,
               tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:

@@ -1,24 +1,21 @@
 """bwd_recompute: the Pallas Mosaic GPU (Hopper) implementation; the math is in kda.stages.bwd_recompute.
 
 The forward's gate kernel (gc in two parts) and state kernel (h, v_new) run again on the saved
-inputs; between them one kernel forms w, u, qg, kg from the SAVED Ainv (bf16, as the forward's
-intra kernel stores it), as the reference S0 does: no Akk, no scores, no solve. Outputs follow the
-dtype policy: gc float32; w, u, qg, kg, h, v_new bf16, as the forward's kernels store them for bf16
-inputs (the backward stages upcast what they read). `takes` is the conjunction of the kernels'
-predicates (bf16 q, k, v; chunk_size 64; K, V in {64, 128}).
+inputs; between them one kernel of this module forms w, u, qg, kg from the SAVED Ainv (bf16, as the
+forward's intra kernel stores it), as the reference S0 does: no Akk, no scores, no solve. Outputs
+follow the dtype policy: gc float32; w, u, qg, kg, h, v_new bf16, as the forward's kernels store
+them for bf16 inputs (the backward stages upcast what they read). The predicate `supports` is the
+conjunction of the three kernels' (bf16 q, k, v; chunk_size 64; K, V in {64, 128}; shapes; SMEM).
 
-The wy kernel: one program per (value head, chunk), grid (HV, NTa): q, k, v and Ainv by TMA into
-swizzled bf16 tiles (per 64-column slab), gc's two parts from GMEM into registers; eg = exp(gc),
-el = exp(gc_last - gc) (exponents <= 0), w = Ainv @ (beta k eg) and u = Ainv @ (beta v) as wgmmas
-on hi + lo bf16 splits of the right-hand side (Ainv exact), qg = q eg, kg = k el; all four rounded
-to bf16 and stored from swizzled SMEM tiles by TMA. SMEM at K = V = 128: 12 [64, 64] bf16 tiles
-(96 KiB), two CTAs per SM. Against the forward's w, u (formed from its float32 in-kernel inverse)
-the difference is the bf16 rounding of Ainv, ~2^-9 relative, the same the reference S0 sees.
-
-Config(wy_from_saved=False) runs the forward's intra kernels again instead (scores, Akk, the solve:
-Ainv formed anew, bit for bit as the forward's). On the H200 (tools.gpu_check_bwd, shape A, bf16)
-the default takes 1.64 ms for the whole stage against 2.27 ms, and its w, u are closer to the
-float32 reference (3.1e-3 / 2.9e-3 max relative against 4.1e-3 / 5.1e-3).
+The wy kernel: one program (one warpgroup) per (value head, chunk), grid (HV, NTa) with the chunks
+on CUDA's grid x: q, k, v and Ainv by TMA into swizzled bf16 tiles (per 64-column slab), gc's two
+parts from GMEM into registers; eg = exp(gc), el = exp(gc_last - gc) (exponents <= 0),
+w = Ainv @ (beta k eg) and u = Ainv @ (beta v) as wgmmas on hi + lo bf16 splits of the right-hand
+side (Ainv exact), qg = q eg, kg = k el; all four rounded to bf16 and stored from swizzled SMEM
+tiles by TMA. SMEM (`smem_bytes`): 13 [64, 64] bf16 tiles and a barrier at K = V = 128, 106504
+bytes, two CTAs per SM. Lane lowering semantics: the same code as Warpgroup here, lowered without
+layout inference. Against the forward's w, u (formed from its float32 in-kernel inverse) the
+difference is the bf16 rounding of Ainv, ~2^-9 relative, the same the reference S0 sees.
 """
 from __future__ import annotations
 
@@ -32,46 +29,89 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, ROW, copy_chunk_slabs, last_row, live_chunk, zeros
-from kda._mosaic_gpu import params as _params
-from kda._mosaic_gpu import acc as _acc, load as _load, split as _split, swz as _swz
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, last_row
+from kda._mosaic_gpu import live_chunk, tile_shapes, zeros
+from kda._mosaic_gpu import acc as _acc, load as _load, params as _params, split as _split, swz as _swz
+from kda._smem import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_recompute import Out
 from kda.stages.gate import exponent
 from kda.stages.gate import mosaic_gpu as gate_mgpu
-from kda.stages.intra import mosaic_gpu as intra_mgpu
 from kda.stages.state import mosaic_gpu as state_mgpu
 
-# Lane semantics for the wy kernel (kda._mosaic_gpu.params): the same code as Warpgroup here (H200:
-# the same time), lowered without layout inference (0.6 s instead of 1.0 on a CPU)
-LANE = True
-
-_BF16 = "bfloat16"
 BT = SLAB = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Switches of the bwd_recompute composition."""
-  wy_from_saved: bool = True    # w, u, qg, kg from the saved Ainv (one kernel) instead of the intra kernels
+  """Switches of the wy kernel (the gate and state kernels run in their default configs)."""
   approx_math: bool = True      # the wy kernel's exp: Mosaic GPU's ex2.approx (~2^-22 relative)
-  # the wy kernel stores zeros at the chunks at or past aligned_cu[-1], reading nothing of them
+  # with aligned_cu: the wy kernel stores zeros at the chunks at or past aligned_cu[-1], reading
+  # nothing of them
   skip_tail: bool = True
 
 
-def takes(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
-          use_gate_in_kernel, lower_bound, **_) -> Optional[str]:
-  """None if the three kernels take the call, else the first reason."""
-  reason = gate_mgpu.takes(g, valid, A_log, dt_bias, chunk_size=chunk_size,
-                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+def _wy_scratch(K, V):
+  """The wy kernel's scratch types."""
+  nk, nv = K // SLAB, V // SLAB
+  return [_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
+          _swz((BT, BT)),                                                     # Ainv
+          _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),                         # w, u
+          _swz((BT, SLAB)), _swz((BT, SLAB)),                                 # split operand
+          plgpu.Barrier(num_arrivals=2 * nk + nv + 1)]
+
+
+def smem_bytes(K, V):
+  """Shared memory per wy program (kda._smem.smem_bytes of the scratch the launcher allocates)."""
+  return _smem_bytes(_wy_scratch(K, V))
+
+
+def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
+  """What the wy kernel takes: shapes, head dims, grid, SMEM, and bf16 q, k, v (the dtype policy:
+  float32 inputs keep float32 accuracy on the reference; `wy_from_saved` itself rounds them)."""
+  reason, dims = tile_shapes(BT, "k", k, "v", v)
   if reason is not None:
     return reason
+  Ta, HV, K, V = dims
+  if Ta % BT:
+    return f"Ta must be a multiple of {BT}, got {Ta}"
+  if HV > MAX_GRID_YZ:
+    return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
+  for name, x, shape in (("q", q, k.shape), ("beta", beta, (1, Ta, HV)), ("Ainv", Ainv, (1, Ta, HV, BT))):
+    if x is not None and tuple(x.shape) != tuple(shape):       # Ainv None: a predicate-only call
+      return f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}"
+  if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
+    return reason
+  bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v))
+         if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
+  if bad:
+    return f"mosaic_gpu bwd_recompute takes bfloat16 q, k, v, got {', '.join(bad)}"
+  return smem_reason("bwd_recompute wy", smem_bytes(K, V))
+
+
+def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
+             use_gate_in_kernel, lower_bound, config=None, rows=None, **_) -> Optional[str]:
+  """The stage's predicate: None if the gate, wy and state kernels take the call, else the first
+  reason. rows (a padding.ChunkRows): g is packed [1, T, HV, K] and the gate kernel's packed mode
+  is asked (valid unused). Ainv may be None (a question before the forward has run)."""
+  del config                      # no switch changes what the kernels take
+  gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   S = jax.ShapeDtypeStruct
-  gc = S(k.shape, "float32")
-  reason = intra_mgpu.takes(q, k, v, beta, gc, gc, aligned_cu, scale=1.0, chunk_size=chunk_size)
+  if rows is not None:
+    reason = gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw)
+  else:
+    reason = gate_mgpu.takes(g, valid, A_log, dt_bias, **gkw)
   if reason is not None:
     return reason
-  kb = S(k.shape, _BF16)
-  return state_mgpu.takes(kb, kb, S(v.shape, _BF16), gc, gc, initial_state, aligned_cu, chunk_size=chunk_size)
+  if chunk_size != BT:
+    return f"chunk_size must be {BT}, got {chunk_size}"
+  reason = _wy_reason(q, k, v, beta, Ainv, aligned_cu)
+  if reason is not None:
+    return reason
+  gc, kb = S(k.shape, F32), S(k.shape, BF16)
+  return state_mgpu.takes(kb, kb, S(v.shape, BF16), gc, gc, initial_state, aligned_cu, chunk_size=chunk_size)
+
+
+takes = supports                  # the name kda.stages.bwd_recompute registers
 
 
 def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True):
@@ -146,33 +186,29 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv):
 
 @functools.lru_cache(maxsize=None)
 def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True):
-  nk, nv = K // SLAB, V // SLAB
   out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
   return plgpu.kernel(
-      functools.partial(_wy_body, nk=nk, nv=nv, skip_tail=skip_tail, tail_zeros=tail_zeros),
+      functools.partial(_wy_body, nk=K // SLAB, nv=V // SLAB, skip_tail=skip_tail, tail_zeros=tail_zeros),
       out_type=(out(K), out(V), out(K), out(K)),                  # w, u, qg, kg
       grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=[_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
-                     _swz((BT, BT)),                                                     # Ainv
-                     _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),                         # w, u
-                     _swz((BT, SLAB)), _swz((BT, SLAB)),                                 # split operand
-                     plgpu.Barrier(num_arrivals=2 * nk + nv + 1)],
-      compiler_params=_params(LANE, approx_math=approx_math),
+      scratch_types=_wy_scratch(K, V),
+      compiler_params=_params(lane=True, approx_math=approx_math),
       kernel_name="kda_bwd_recompute_wy", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
-def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, interpret=False, approx_math=True,
+def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, interpret=False, config=None,
                   tail_zeros=True):
   """(w, u, qg, kg) [1, Ta, HV, D] bf16 from the saved Ainv: reference.wy_from_inverse's formulas
-  on the Mosaic GPU kernel (module docstring, Config.wy_from_saved). q, k, v, Ainv are cast to bf16.
-  With aligned_cu the chunks at or past aligned_cu[-1] store zeros (tail_zeros=False: nothing),
+  on the wy kernel (module docstring). q, k, v, Ainv are cast to bf16. With aligned_cu and
+  Config.skip_tail the chunks at or past aligned_cu[-1] store zeros (tail_zeros=False: nothing),
   nothing of them read."""
+  config = config or Config()
   _, Ta, HV, K = k.shape
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
-  skip = aligned_cu is not None
-  f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=approx_math, skip_tail=skip,
+  skip = config.skip_tail and aligned_cu is not None
+  f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
                  tail_zeros=bool(tail_zeros) or not skip)
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   outs = f(*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
@@ -182,24 +218,23 @@ def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, inte
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
           use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False, rows=None,
           tail_zeros=True, seg=None):
-  """zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores
-  the final state (the stage never returns it). Without it the kernel runs as checked on the H200.
-  rows (a padding.ChunkRows): g is PACKED [1, T, HV, K] (raw, not neutralised; valid is unused) and
-  the gate kernel's packed mode reads it (the align folded into its load: the same gc bit for bit).
-  tail_zeros=False: the wy kernel leaves w, u, qg, kg and (with rows) the gate kernel gc_int,
-  gc_frac unwritten at the chunks at or past aligned_cu[-1] (callers that never read them there:
-  the packed backward). seg (with rows; kda.pipeline.segment_rows of a segmented layout): the gate
-  kernel takes the gate as -inf at its resets, as the packed forward does (intra's segment masks
-  need not be: the wy kernel reads the saved Ainv)."""
+  """The stage on the gate, wy and state kernels (Ainv required: the forward's saved inverse).
+  zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores the
+  final state (the stage never returns it). rows (a padding.ChunkRows): g is PACKED [1, T, HV, K]
+  (raw, not neutralised; valid is unused) and the gate kernel's packed mode reads it (the align
+  folded into its load: the same gc bit for bit). tail_zeros=False: the wy kernel leaves w, u, qg,
+  kg and (with rows) the gate kernel gc_int, gc_frac unwritten at the chunks at or past
+  aligned_cu[-1] (callers that never read them there: the packed backward). seg (with rows;
+  kda.pipeline.segment_rows of a segmented layout): the gate kernel takes the gate as -inf at its
+  resets, as the packed forward does (the wy kernel reads the saved Ainv, which has them)."""
   config = config or Config()
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
-  if rows is not None:
-    reason = gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw)
-    g_like = jax.ShapeDtypeStruct(k.shape, g.dtype)
-    reason = reason or takes(q, k, v, g_like, beta, jax.ShapeDtypeStruct(k.shape[:2], jnp.bool_), A_log, dt_bias,
-                             None, initial_state, aligned_cu, **gkw)
+  if rows is not None:       # the packed g stands in for the aligned one in the shape checks
+    reason = supports(q, k, v, g, beta, None, A_log, dt_bias, Ainv, initial_state, aligned_cu, rows=rows, **gkw)
   else:
-    reason = takes(q, k, v, g, beta, valid, A_log, dt_bias, None, initial_state, aligned_cu, **gkw)
+    reason = supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, **gkw)
+  if reason is None and Ainv is None:
+    reason = "Ainv (the forward's saved inverse) is required"
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_recompute: {reason}")
   if rows is not None:
@@ -207,14 +242,8 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
                           **({} if seg is None else dict(seg=seg)), **gkw)
   else:
     gt = gate_mgpu.apply(g, valid, A_log, dt_bias, interpret=interpret, **gkw)
-  if config.wy_from_saved and Ainv is not None:
-    w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv,
-                                 aligned_cu if config.skip_tail else None, interpret=interpret,
-                                 approx_math=config.approx_math, tail_zeros=tail_zeros)
-  else:            # the forward's intra kernels again: Ainv formed anew, bit for bit as the forward's
-    it = intra_mgpu.apply(q, k, v, beta, gt.gc_int, gt.gc_frac, aligned_cu, scale=1.0, chunk_size=chunk_size,
-                          interpret=interpret, seg=seg)
-    w, u, qg, kg = it.w, it.u, it.qg, it.kg
+  w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, aligned_cu, interpret=interpret,
+                               config=config, tail_zeros=tail_zeros)
   elide = dict(zero_h0=True, store_final=False) if zero_h0 else {}
   st = state_mgpu.apply(kg, w, u, gt.gc_int, gt.gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
                         interpret=interpret, **elide)

@@ -1,8 +1,8 @@
 """bwd_wy (S3): the Pallas Mosaic GPU (Hopper) kernel; the math is in kda.stages.bwd_wy.
 
-One kernel, one program per (value head h, chunk c), grid (HV, NTa) with the chunks on CUDA's grid x
-(no 65535 limit there). Nothing crosses chunks: every output of chunk c needs chunk c's rows only.
-Per program, with a = Ainv's [64, 64] block (bf16, the dtype policy's residual):
+One kernel, one program (one warpgroup) per (value head h, chunk c), grid (HV, NTa) with the chunks
+on CUDA's grid x (no 65535 limit there). Nothing crosses chunks: every output of chunk c needs chunk
+c's rows only. Per program, with a = Ainv's [64, 64] block (bf16, the dtype policy's residual):
 
 - TMA: q, k (per 64-column slab of K), v (per slab of V) and a into swizzled bf16 tiles. The
   float32 operands (gc's two parts, S2's dqg, dkg, dw, du, dgc_last) are read from GMEM straight
@@ -16,33 +16,36 @@ Per program, with a = Ainv's [64, 64] block (bf16, the dtype policy's residual):
   operand split in three bf16 terms, ~2^-24 relative, so the gate gradient keeps float32 accuracy).
 - Last: P = dAinv @ a^T, M = a^T @ P (each operand split, a exact), dAkk = strict_tril(-M).
 The dAinv sum [64, 64] float32 stays in registers across the slabs; the four work tiles that hold
-the split operands are reused by every product (reading an accumulator waits for its wgmma).
+the split operands are reused by every product (reading an accumulator waits for its wgmma). One
+warpgroup issues every load and wgmma in order: S2's float32 cotangents are read straight into
+registers when needed, with no TMA prefetch.
 
-SMEM per program: q, k (2 K / 64 tiles), v (V / 64), a, four work tiles and L: [64, 64] bf16 tiles
-of 8 KiB, 98304 bytes + barrier at K = V = 128 (two CTAs per SM; test_bwd_wy_mosaic.py asserts the
-lowered size).
+In place: dq, dk, dgc (and dg_state where K == V) are written into S2's dqg, dkg, dw (du) buffers,
+which the kernel takes as mutable refs (aliased in and out): each program reads those tiles of its
+chunk before it writes the same rows, and the backward's peak (S2's four terms and S3's float32
+results live together in this launch) loses four [Ta, HV, K] float32 buffers. Where nothing else
+reads S2's terms, XLA writes the results into their buffers.
+
+SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four work tiles and L,
+[64, 64] bf16 tiles of 8 KiB, the reduction scratch of dbeta's row sums and a barrier: 100360 bytes
+at K = V = 128, two CTAs per SM.
 
 Precision: every float32 wgmma operand is a hi + lo bf16 split (three wgmmas: hi hi, hi lo, lo hi,
 ~2^-16 relative; one term less where a side is bf16-exact: a, L), float32 accumulation; the
-exponentials and sums outside the tensor cores are float32 (approx_math: ex2.approx, ~2^-22). q, k,
-v and Ainv enter as bf16 (the launcher rounds float32 ones, so `takes` refuses them: their float32
-accuracy needs the reference). Padding and tail rows go through the same formulas as the reference.
-Simulator (test_bwd_wy_mosaic.py): <= 1.1e-5 of the float32 reference per field on the same inputs
-(dg_state 1.1e-7). On the H200 (tools.gpu_check_bwd, H = 16, K = V = 128, T = 32768 bf16, lengths
-in [64, 4096], Ainv rounded to bf16 from the float32 record): <= 2.8e-4 per field, 2.49 ms against
-the jnp reference's 6.11 ms; FLA's fused wy/dq/dk/dg kernel takes 2.73 ms for this work and more.
-Not tuned yet: one CTA issues every load and wgmma in sequence (no TMA prefetch of S2's float32
-cotangents, each read straight into registers), and tail chunks past aligned_cu[-1] are computed.
+exponentials and sums outside the tensor cores are float32 (Config.approx_math: ex2.approx,
+~2^-22 relative). q, k, v and Ainv enter as bf16 (`apply` rounds float32 ones; the predicate
+refuses them: their float32 accuracy needs the reference). Padding and tail rows go through the
+same formulas as the reference.
 
 Packed dv (`apply(..., rows=, pieces=, T=)`, what the pipeline's packed backward calls): the unalign
-folds into dv's store. dv goes from registers to a plain bf16 [64, 64] SMEM stage (8 KiB more,
-108552 bytes: still two CTAs per SM) and from there by TMA to packed rows src[c] + r, r < count[c]
+folds into dv's store. dv goes from registers to a plain [64, 64] SMEM stage in dv's dtype (8 KiB
+more in bf16: still two CTAs per SM) and from there by TMA to packed rows src[c] + r, r < count[c]
 (kda._mosaic_gpu.store_rows: one store per set bit of the count, so no row of another sequence is
 written); program (h, c) then zeroes the gap pieces c, c + NTa, ... (padding.gap_pieces) of head h.
 The other outputs, and the arithmetic, are the aligned kernel's.
 
-The stage's predicate `takes` refuses what the kernel cannot do (chunk_size != 64, K or V not 64 /
-128, shapes, non-float dtypes) with the reason, and float32 q, k, v, Ainv.
+The stage's predicate `supports` refuses what the kernel cannot run (chunk_size != 64, K or V not
+64 / 128, shapes, non-float dtypes, HV > 65535, SMEM) with the reason, and float32 q, k, v, Ainv.
 """
 from __future__ import annotations
 
@@ -56,38 +59,48 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, WG, aligned_cu_reason, last_row, skipping_tail
-from kda._mosaic_gpu import params as _params
+from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, last_row, skipping_tail
 from kda._mosaic_gpu import packed_chunk, tile_shapes, zeros
-from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
+from kda._smem import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
 
-# Lane semantics (kda._mosaic_gpu.params): the same code as Warpgroup here (H200: the same time),
-# lowered without layout inference (1.3 s instead of 2.0 on a CPU)
-LANE = True
-
 BT = 64
 SLAB = 64                  # columns per tile
-# Whether dq, dk, dgc (and dg_state where K == V) are written in place of S2's dqg, dkg, dw (du):
-# each program reads those tiles of its chunk before it writes the same rows, so the kernel takes
-# them as mutable refs (aliased in and out) and the backward's peak (this launch: S2's four terms
-# and S3's float32 results live together) loses four [Ta, HV, K] float32 buffers. False: fresh ones.
-INPLACE = True
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Switches of the bwd_wy kernel."""
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
-  # chunks at or past aligned_cu[-1] (given): zeros out, nothing read
+  # with aligned_cu: the chunks at or past aligned_cu[-1] store zeros and read nothing
   skip_tail: bool = True
 
 
-def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
-             chunk_size, **_) -> Optional[str]:
-  """None if `apply` takes this call, else the reason in words."""
-  reason, dims = tile_shapes(chunk_size, "k", k, "v", v)
+def _scratch(K, V, stage_dtype=None):
+  """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned)."""
+  nk, nv = K // SLAB, V // SLAB
+  return [
+      _swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
+      _swz((BT, BT)),                                                     # Ainv
+      *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
+      _swz((BT, BT)),                                                     # L
+      plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
+      *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
+  ]
+
+
+def smem_bytes(K, V, stage_dtype=None):
+  """Shared memory per program (kda._smem.smem_bytes of the scratch the launcher allocates; the
+  body's dbeta row sums reserve the reduction scratch)."""
+  return _smem_bytes(_scratch(K, V, stage_dtype), reduces=True)
+
+
+def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
+            stage_dtype=None) -> Optional[str]:
+  """What the kernel can run (any float dtypes); `apply` raises with it."""
+  reason, dims = tile_shapes(BT, "k", k, "v", v)
   if reason is not None:
     return reason
   Ta, HV, K, V = dims
@@ -106,15 +119,22 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, a
   for name, x in dict(given, k=k, v=v).items():
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
-  return None if aligned_cu is None else aligned_cu_reason(aligned_cu)
+  if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
+    return reason
+  return smem_reason("bwd_wy", smem_bytes(K, V, stage_dtype))
 
 
-def takes(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
-          chunk_size, **_) -> Optional[str]:
-  """The stage's predicate: `supports`, and q, k, v, Ainv in bfloat16 (the dtype policy: float32
-  inputs keep float32 gradients on the reference; `apply` itself rounds float32 ones to bf16)."""
-  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-                    chunk_size=chunk_size)
+def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
+             chunk_size, config=None, dv_dtype=None, rows=None, **_) -> Optional[str]:
+  """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
+  what the kernel can run (rows given: packed dv, its stage in dv_dtype counted), q, k, v and Ainv
+  must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
+  `apply` itself rounds float32 ones to bf16)."""
+  del config                      # no switch changes what the kernel takes
+  if chunk_size != BT:
+    return f"chunk_size must be {BT}, got {chunk_size}"
+  stage = None if rows is None else jnp.dtype(dv_dtype or F32)
+  reason = _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu, stage)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v), ("Ainv", Ainv))
@@ -123,6 +143,9 @@ def takes(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
     return ("mosaic_gpu bwd_wy takes bfloat16 q, k, v, Ainv (float32 would be rounded to bfloat16), "
             f"got {', '.join(bad)}")
   return None
+
+
+takes = supports                  # the name kda.stages.bwd_wy registers
 
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
@@ -222,7 +245,7 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True):
                [dst(j) for j in range(nv)], BT)
 
 
-def _inplace(body, n_lead, alias_du):
+def _in_place(body, n_lead, alias_du):
   """The body on the in-place operands: refs = the n_lead leading refs, the 12 inputs (dqg, dkg, dw,
   du mutable), the fresh outputs dv, dbeta^T, dAkk (and dg_state unless alias_du), the scratch; it
   calls `body` with the outputs dq, dk, dgc (dg_state) on dqg's, dkg's, dw's (du's) refs."""
@@ -236,8 +259,8 @@ def _inplace(body, n_lead, alias_du):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, packed_T=None, tail_zeros=True,
-            inplace=False):
+def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
+            tail_zeros=True):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, nk=nk, nv=nv)
@@ -245,34 +268,26 @@ def _kernel(Ta, HV, K, V, *, interpret, config, skip_tail=False, dv_dtype=F32, p
     body = functools.partial(_packed_body, nk=nk, nv=nv, **({} if tail_zeros else dict(tail_zeros=False)))
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv) if tail_zeros else None)
-  stage = [] if packed_T is None else [plgpu.SMEM((BT, SLAB), dv_dtype)]
+  n_lead = 4 if packed_T is not None else int(skip_tail)      # src, count, pieces, aligned_cu
+  body = _in_place(body, n_lead, alias_du=K == V)
   Tv = Ta if packed_T is None else packed_T
-  # dq, dk, dv, dbeta^T, dgc, dg_state, dAkk; in place: dv, dbeta^T, dAkk (dg_state where K != V)
-  out_type = (out(Ta, HV, K), out(Ta, HV, K), out(Tv, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, K),
-              out(Ta, HV, K), out(Ta, HV, BT))
-  if inplace:
-    body = _inplace(body, 4 if packed_T is not None else int(skip_tail), alias_du=K == V)
-    out_type = out_type[2:4] + out_type[6:] + (() if K == V else out_type[5:6])
+  # fresh outputs: dv, dbeta^T, dAkk (and dg_state where K != V); dq, dk, dgc (dg_state) in place
+  out_type = (out(Tv, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, BT)) + (() if K == V else (out(Ta, HV, K),))
   return plgpu.kernel(
       body,
       out_type=out_type,
       grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=[
-          _swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
-          _swz((BT, BT)),                                                     # Ainv
-          *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
-          _swz((BT, BT)),                                                     # L
-          plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
-          *stage,                                                             # packed dv's stage
-      ],
-      compiler_params=_params(LANE, approx_math=config.approx_math),
-      kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed", interpret=plgpu.InterpretGPUParams() if interpret else None,
+      scratch_types=_scratch(K, V, None if packed_T is None else dv_dtype),
+      compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
+      kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
           dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True):
-  """The stage on the kernel. aligned_cu (optional): with Config(skip_tail=True) the chunks at or
+  """The stage on the kernel; any float inputs (q, k, v, Ainv rounded to bf16; the predicate
+  `supports` adds the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
   kernel rounds it there, as the pipeline would right after).
   Packed dv (the unalign folded into its store): rows = padding.chunk_rows(layout), pieces =
@@ -281,33 +296,30 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   the other outputs as without (the tail chunks' zeros included). tail_zeros=False (with the tail
   skipped): the outputs are left unwritten at the chunks at or past aligned_cu[-1] (for callers
   that never read them: the packed backward)."""
-  reason = supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-                    chunk_size=chunk_size)
+  config = config or Config()
+  packed = rows is not None
+  dv_dtype = jnp.dtype(dv_dtype or F32)
+  reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
+            _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
+                    dv_dtype if packed else None))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
-  config = config or Config()
   _, Ta, HV, K = k.shape
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
-  packed = rows is not None
   if packed and (aligned_cu is None or pieces is None or not isinstance(T, int)):
     raise ValueError(f"mosaic_gpu bwd_wy kernel: packed dv (rows given) needs aligned_cu, pieces and a static "
                      f"int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
-  f = _kernel(Ta, HV, K, V, interpret=interpret, config=config, skip_tail=skip,
-              dv_dtype=jnp.dtype(dv_dtype or F32), packed_T=T if packed else None,
-              tail_zeros=bool(tail_zeros) or not (skip or packed), inplace=INPLACE)
+  f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
+              dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
   ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
-  terms = [f32(x) for x in (dqg, dkg, dw, du)]
-  if INPLACE:     # where nothing else reads S2's terms, XLA writes the results into their buffers
-    refs = [jax.new_ref(x) for x in terms]
-    dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
-    dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
-    dg_state = du_out if K == V else dg_state[0]
-  else:
-    dq, dk, dv, dbeta, dgc, dg_state, dAkk = f(*ins, *terms, f32(dgc_last))
+  refs = [jax.new_ref(f32(x)) for x in (dqg, dkg, dw, du)]     # S2's terms: dq, dk, dgc (dg_state) in place
+  dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
+  dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
+  dg_state = du_out if K == V else dg_state[0]
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
