@@ -191,9 +191,8 @@ def test_supports():
     planning.choose(strict, "bwd_dav", *zeros(128, 2, 96), **kw)
   with pytest.raises(ValueError, match=r"impl\['bwd_dav'\] = 'mosaic_gpu': .*takes bfloat16 v_new"):
     planning.choose(strict, "bwd_dav", *f32, **kw)
-  assert "bwd_dav" not in pipeline.DEVICE_UNVERIFIED
-  assert pipeline.default_impls(("bwd_dav",), backend="gpu", hopper=True)["bwd_dav"] == "mosaic_gpu"
-  assert pipeline.default_impls(("bwd_dav",), backend="gpu", hopper=False)["bwd_dav"] == "reference"
+  assert planning.default_impls(("bwd_dav",), "gpu", "sm90")["bwd_dav"] == "mosaic_gpu"
+  assert planning.default_impls(("bwd_dav",), "gpu", "gpu")["bwd_dav"] != "mosaic_gpu"
 
 
 # -- CUDA lowering and SMEM --------------------------------------------------------------------------

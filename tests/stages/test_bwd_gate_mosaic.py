@@ -309,7 +309,7 @@ def test_supports():
   with pytest.raises(ValueError, match="unroll"):
     mgb.Config(unroll=3)
   # the pipeline: an impl dict naming bwd_gate runs the kernel or raises the predicate's reason;
-  # impl=None takes it on Hopper (checked on an H200: not in DEVICE_UNVERIFIED)
+  # impl=None takes it on Hopper
   strict = planning.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl={"bwd_gate": "mosaic_gpu"})
   bkw = strict.stage_kwargs("bwd_gate")
   assert planning.choose(strict, "bwd_gate", *good, **bkw) == "mosaic_gpu"
@@ -318,8 +318,7 @@ def test_supports():
   loose = planning.make_plan(scale=0.125, chunk_size=BT, use_gate_in_kernel=True, impl="mosaic_gpu")
   assert planning.choose(loose, "bwd_gate", *good, **bkw) == "mosaic_gpu"
   assert planning.choose(loose, "bwd_gate", *narrow, **bkw) == "reference"
-  assert "bwd_gate" not in pipeline.DEVICE_UNVERIFIED
-  assert pipeline.default_impls(("bwd_gate",), backend="gpu", hopper=True)["bwd_gate"] == "mosaic_gpu"
+  assert planning.default_impls(("bwd_gate",), "gpu", "sm90")["bwd_gate"] == "mosaic_gpu"
 
 
 # -- CUDA lowering and SMEM --------------------------------------------------------------------------

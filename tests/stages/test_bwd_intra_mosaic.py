@@ -329,8 +329,7 @@ def test_supports():
   assert planning.choose(strict, "bwd_intra", *good, **kw) == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['bwd_intra'\] = 'mosaic_gpu': K must be one of"):
     planning.choose(strict, "bwd_intra", *zeros(128, 2, 96), **kw)
-  assert "bwd_intra" not in pipeline.DEVICE_UNVERIFIED
-  assert pipeline.default_impls(("bwd_intra",), backend="gpu", hopper=True)["bwd_intra"] == "mosaic_gpu"
+  assert planning.default_impls(("bwd_intra",), "gpu", "sm90")["bwd_intra"] == "mosaic_gpu"
 
 
 # -- CUDA lowering and SMEM --------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def test_supports():
   assert planning.choose(strict, "bwd_wy", *good, **kw) == "mosaic_gpu"
   with pytest.raises(ValueError, match=r"impl\['bwd_wy'\] = 'mosaic_gpu': mosaic_gpu bwd_wy takes bfloat16"):
     planning.choose(strict, "bwd_wy", *f32, **kw)
-  assert pipeline.default_impls(("bwd_wy",), backend="gpu", hopper=True)["bwd_wy"] == "mosaic_gpu"
+  assert planning.default_impls(("bwd_wy",), "gpu", "sm90")["bwd_wy"] == "mosaic_gpu"
 
 
 # -- CUDA lowering and SMEM --------------------------------------------------------------------------
