@@ -230,9 +230,10 @@ def test_supports():
 @pytest.mark.parametrize("g_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_fused_kernels_lower_for_cuda(g_dtype):
   """The fused group lowers for CUDA from the CPU: three Mosaic GPU kernels (the one-part fused
-  scores kernel, the persistent two-part one, the solve) and no conditional (a conditional's
-  results are copied: on the H200 0.3 ms of copies of the scores). The one-part kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the
-  q, k landing zone's union, float32 ones in gc's tile): two CTAs per SM; the two-part one fits one."""
+  scores kernel, the persistent two-part one, the solve) and no conditional (a conditional's results
+  are copied). The one-part kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the
+  q, k landing zone's union, float32 ones in gc's tile): two CTAs per SM; the two-part one fits one.
+  The figures are scores.smem_bytes' (the predicate's)."""
   S, T_, HV_, NTa = jax.ShapeDtypeStruct, 4000, 2, 128
   rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
   args = (S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_), F32),

@@ -146,5 +146,6 @@ def test_config_field_changes_the_program(field, value):
   Ta, HV, K, V = 8 * 64, 2, 128, 64
   lower = lambda config: lower_h200(
       functools.partial(output.pallas.apply, scale=0.125, chunk_size=64, config=config),
-      jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta // 64, HV, K, V)), jnp.zeros((1, Ta, HV, 64)), jnp.zeros((1, Ta, HV, V)))
+      jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta // 64, HV, K, V)), jnp.zeros((1, Ta, HV, 64)),
+      jnp.zeros((1, Ta, HV, V)))
   assert lower(output.pallas.Config(**{field: value})) != lower(output.pallas.Config())

@@ -387,8 +387,9 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
     raise ValueError(f"mosaic_gpu gate kernel: {reason}")
   _, T, HV, K = g.shape
   C, NTa = HV * K, rows.src.shape[0]
+  g2 = g.reshape(T, C)
   lead = [rows.src, rows.count] + ([] if seg is None else [reset_rows(seg)])
-  gi, gf, stats = _launch(g.reshape(T, C), lead, A_log, dt_bias, NTa=NTa, HV=HV, K=K,
+  gi, gf, stats = _launch(g2, lead, A_log, dt_bias, NTa=NTa, HV=HV, K=K,
                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=config,
                           interpret=interpret, packed=True, tail_zeros=bool(tail_zeros), resets=seg is not None)
   span, nz = (stats[:, i].reshape(NTa, HV, K) for i in (0, 1))

@@ -217,7 +217,8 @@ def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size,
                                                interpret=interpret, config=config)
   # while every gate is above -1 (gc_int == 0, the usual case) the kernel on gc_frac alone computes
   # the same bits with fewer registers
-  outs = lax.cond(jnp.any(gi != 0), call(True), call(False), q, k, v, beta[..., None], gi, gf)
+  args = (q, k, v, beta[..., None], gi, gf)
+  outs = lax.cond(jnp.any(gi != 0), call(True), call(False), *args)
   Akk, Aqk, Ainv, w, u, qg, kg = outs
   if Kp != K:
     w, qg, kg = w[..., :K], qg[..., :K], kg[..., :K]
