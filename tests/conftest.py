@@ -23,7 +23,8 @@ CI_BUDGET_LARGE = {
     "tests/test_tools.py::test_bench_backward_pieces": 17.6,              # test_bench_smoke_table_and_pieces
     "tests/test_tools.py::test_trace_plot_writes_png": 3.8,               # the trace tool's text tests
     "tests/stages/test_intra_mosaic.py::test_packed_equals_aligned[K64-V64-HV2]": 9.5,   # [K128-V128-HV1-strong]
-    "tests/stages/test_intra_mosaic.py::test_packed_kernels_lower_for_cuda[64-128]": 5.1,  # [128-128]
+    "tests/stages/test_intra_mosaic.py::test_packed_kernels_lower_for_cuda[64-128]": 5.1,  # test_packed_kernels_smem,
+    "tests/stages/test_intra_mosaic.py::test_packed_kernels_lower_for_cuda[128-128]": 7.0,  # test_segment_masks' lowering
     "tests/stages/test_intra_mosaic.py::test_packed_unwritten_tail": 7.8,   # the gate's; tests/test_pipeline.py's packed runs (TAIL_ZEROS=False)
     "tests/test_grad.py::test_custom_vjp_matches_autodiff_of_the_forward_stages[trailing_empty+13nan-f32-BT32-noh0]": 6.0,  # [softplus-in-kernel+7nan-f32-BT32]
     "tests/test_extreme_gates.py::test_gate_in_kernel_extremes[pallas]": 8.6,   # [reference], the mosaic simulator tests

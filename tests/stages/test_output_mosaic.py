@@ -117,10 +117,12 @@ def _abstract(Ta, HV, K, V):
   return (S((1, Ta, HV, K), b), S((1, Ta // BT, HV, K, V), b), S((1, Ta, HV, BT), b), S((1, Ta, HV, V), b))
 
 
-LOWER = [(K, V, c) for K, V in KV for c in [mgo.Config()] + CONFIGS if c.block_v <= V]
+# by default every config at the smallest and the largest head dims, the mixed ones for the default
+LOWER = [pytest.param(K, V, c, id=f"K{K}-V{V}-{c}", marks=pytest.mark.large if K != V and c != mgo.Config() else ())
+         for K, V in KV for c in [mgo.Config()] + CONFIGS if c.block_v <= V]
 
 
-@pytest.mark.parametrize("K,V,config", LOWER, ids=[f"K{k}-V{v}-{c}" for k, v, c in LOWER])
+@pytest.mark.parametrize("K,V,config", LOWER)
 def test_output_lowers_for_cuda(K, V, config):
   args = _abstract(32768 + 489 * BT, 16, K, V)
   f = lambda *a: mgo.apply(*a, scale=K ** -0.5, chunk_size=BT, config=config)

@@ -243,12 +243,18 @@ def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
           S((N + 1,), jnp.int32))
 
 
-@pytest.mark.parametrize("K,V", [(64, 64), (64, 128), (128, 64), (128, 128)],
-                         ids=["K64-V64", "K64-V128", "K128-V64", "K128-V128"])
-@pytest.mark.parametrize("config", [mgs.Config(), mgs.Config(stage_stores=False),
-                                    mgs.Config(lane_semantics=True), mgs.Config(store_dtype="float32"),
-                                    mgs.Config(store_dtype="float32", swizzle_stages=True), mgs.Config(group_chunks=8)],
-                         ids=["default", "direct-stores", "lane", "f32-stores", "f32-swizzled-stages", "grouped"])
+LOWER_CONFIGS = {"default": mgs.Config(), "direct-stores": mgs.Config(stage_stores=False),
+                 "lane": mgs.Config(lane_semantics=True), "f32-stores": mgs.Config(store_dtype="float32"),
+                 "f32-swizzled-stages": mgs.Config(store_dtype="float32", swizzle_stages=True),
+                 "grouped": mgs.Config(group_chunks=8)}
+LOWER_KV = [(64, 64), (64, 128), (128, 64), (128, 128)]
+# by default every config at the smallest and the largest head dims, the mixed ones for the default
+LOWER = [pytest.param(K, V, c, id=f"{n}-K{K}-V{V}",
+                      marks=pytest.mark.large if K != V and n != "default" else ())
+         for n, c in LOWER_CONFIGS.items() for K, V in LOWER_KV]
+
+
+@pytest.mark.parametrize("K,V,config", LOWER)
 def test_state_lowers_for_cuda(K, V, config):
   args = _abstract(32768 + 489 * BT, 16, K, V, 489)
   f = lambda *a: mgs.apply(*a, chunk_size=BT, config=config)
