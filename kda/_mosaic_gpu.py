@@ -1,11 +1,15 @@
 """What the Pallas Mosaic GPU (Hopper) kernels share: layouts, SMEM tiles, wgmma helpers, limits.
 
-Idioms verified for jax 0.11.2 (MOSAIC_GPU.md of the project's notes): register arrays in the WGMMA
-layout, SMEM tiled and swizzled along its minor dim for TMA and wgmma operands, accumulators read
-back in registers (which waits for the wgmma).
+Register arrays live in the WGMMA layout, SMEM tiles are tiled and swizzled along their minor dim
+for TMA and wgmma operands, and accumulators are read back into registers (which waits for the
+wgmma). `smem_bytes` sizes a kernel's scratch the way Mosaic GPU lays it out, so that a launcher
+and its predicate share one figure.
 """
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -22,6 +26,9 @@ ROW = plgpu.Layout.WGMMA.reduce(1)   # [M] vector, one value per row of a WGMMA 
 COL = plgpu.Layout.WGMMA.reduce(0)   # [N] vector, one value per column
 HEAD_DIMS = (64, 128)                # K and V the kernels take
 MAX_GRID_YZ = 65535                  # CUDA's limit on grid y and z (Mosaic GPU's g0, g1)
+SMEM_LIMIT = 232448                  # shared memory one block may opt in to on the H100 / H200 (227 KiB)
+SMEM_ALIGN = 1024                    # Mosaic GPU starts every SMEM scratch buffer at a multiple of this
+BARRIER_BYTES = 8                    # one mbarrier
 
 
 def params(lane, **kw):
@@ -31,6 +38,29 @@ def params(lane, **kw):
   stmatrix): the kernels whose Lane code is the same as their Warpgroup code take Lane."""
   sem = plgpu.LoweringSemantics.Lane if lane else plgpu.LoweringSemantics.Warpgroup
   return plgpu.CompilerParams(lowering_semantics=sem, **kw)
+
+
+def smem_bytes(scratch, reduction=False):
+  """The SMEM a kernel with these scratch_types asks for, laid out as Mosaic GPU lays it out: each
+  SMEM buffer (a RefUnion: its largest member group) from a SMEM_ALIGN boundary, then the barriers;
+  `reduction`: the body reduces across warps, whose scratch (CompilerParams.reduction_scratch_bytes)
+  comes on top."""
+  size = barriers = 0
+  for leaf in jax.tree.leaves(scratch):
+    if isinstance(leaf, plgpu.Barrier):
+      barriers += math.prod(leaf.num_barriers)
+    else:
+      size += -(-math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
+  if reduction:
+    size += -(-plgpu.CompilerParams().reduction_scratch_bytes // SMEM_ALIGN) * SMEM_ALIGN
+  return size + BARRIER_BYTES * barriers
+
+
+def smem_reason(need):
+  """None if a kernel asking for `need` bytes of SMEM fits one block, else the reason with the figures."""
+  if need > SMEM_LIMIT:
+    return f"needs {need} bytes of shared memory, the limit is {SMEM_LIMIT}"
+  return None
 
 
 def swz(shape, dtype=BF16, cols=None):
@@ -85,6 +115,16 @@ def head_dims_reason(K, V):
   if V not in HEAD_DIMS:
     return f"V must be one of {HEAD_DIMS}, got {V}"
   return None
+
+
+def bf16_reason(kernel, **named):
+  """The dtype policy of the kernels whose operands are bf16: None if every named array is bf16,
+  else the reason (float32 ones would be rounded to bf16, below the float32 accuracy promised for
+  float32 inputs)."""
+  if all(jnp.dtype(x.dtype) == jnp.dtype(BF16) for x in named.values()):
+    return None
+  return (f"mosaic_gpu {kernel} takes bfloat16 {', '.join(named)} (float32 would be rounded to bfloat16), "
+          f"got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in named.items())}")
 
 
 def tile_shapes(chunk_size, k_name, kx, v_name, vx):

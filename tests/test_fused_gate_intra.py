@@ -4,7 +4,7 @@ simulator runs on CPU and CUDA lowering.
 The fused call replaces kda.stages.gate.mosaic_gpu.packed -> kda.stages.intra.mosaic_gpu.packed and
 kda.stages.state.chunk_decay, so it must give their bits on every chunk a sequence owns (with
 tail_zeros=False, the pipeline's setting, the tail is left unwritten: NaN in the simulator). The one-part
-fused kernel keeps every bounded chunk (kda.stages.intra.mosaic_gpu.bounded_chunks), gc as one
+fused kernel keeps every bounded chunk (kda.stages.gate.mosaic_gpu.bounded_chunks), gc as one
 float32 sum of its two parts: gc_frac itself while every gate is above -1 ("f32", "bf16", "mixed":
 the unfused kernels' bits), gc_int + gc_frac where gates reach -1 ("moderate": one rounding
 more, so close to the unfused kernels, not their bits); the persistent two-part kernel redoes the
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from kda import padding
-from kda.fused import gate_intra
+from kda.fused.gate_intra import mosaic_gpu as fgi
 from kda.stages import gate, intra
 from kda.stages.gate import mosaic_gpu as mgg
 from kda.stages.intra import mosaic_gpu as mgi
@@ -75,7 +75,7 @@ def _layout(cu):
 @jax.jit
 def _fused(q, k, v, beta, g, cu):
   layout, rows = _layout(cu)
-  out, decay = gate_intra.mosaic_gpu(q, k, v, beta, g, layout.aligned_cu, rows, **KW)
+  out, decay = fgi.apply(q, k, v, beta, g, layout.aligned_cu, rows, **KW)
   return out, decay, layout.aligned_cu
 
 
@@ -182,9 +182,9 @@ def test_one_part_keeps_the_bounded_chunks():
     layout, rows = _layout(cu)
     beta_t, rows_t = mgi.packed_beta_rows(beta, rows)
     NTa = rows.src.shape[0]
-    *_, nz = jax.jit(lambda q, k, b, g, acu, rows: mgi._scores(
+    *_, nz = jax.jit(lambda q, k, b, g, acu, rows: mgi.scores.launch(
         acu.astype(jnp.int32), rows, q[0].astype(BF16), k[0].astype(BF16), b, (g[0],), None, Ta=NTa * BT,
-        scale=SCALE, bounded=True, interpret=True, config=mgi.Config(), tail_zeros=False))(
+        scale=SCALE, bounded=True, approx_math=True, interpret=True, tail_zeros=False))(
             q, k, beta_t, g, layout.aligned_cu, rows_t)
     owned = int(layout.aligned_cu[-1]) // BT
     flagged = np.asarray(nz[:owned]).any(axis=-1)[:, 0]           # [owned chunks], HV = 1
@@ -199,9 +199,9 @@ def test_one_part_keeps_the_bounded_chunks():
       assert all((real[j] <= -1).any() for j in range(owned) if multi[j])
 
 
-def test_takes():
-  """takes refuses what the fused kernel cannot run (activated gates, K = 64, a g unlike k, float16
-  g), naming the problem, and accepts the packed forward's K = 128 call."""
+def test_supports():
+  """supports refuses what the fused kernel cannot run (activated gates, K = 64 or 256, a g unlike k,
+  float16 g), naming the problem, and accepts the packed forward's K = 128 call."""
   S = jax.ShapeDtypeStruct
   NTa, T_ = 16, 1000
   rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
@@ -211,51 +211,53 @@ def test_takes():
     return (x, x, S((1, T_, 2, 64), BF16), S((1, T_, 2), F32), S(g_shape or x.shape, g_dtype), S((4,), jnp.int32),
             rows)
 
-  takes = lambda a, gate_in_kernel=False: gate_intra.takes(*a, scale=SCALE, chunk_size=BT,
-                                                            use_gate_in_kernel=gate_in_kernel)
-  assert takes(args()) is None and takes(args(g_dtype=BF16)) is None
+  supports = lambda a, gate_in_kernel=False: fgi.supports(*a, scale=SCALE, chunk_size=BT,
+                                                          use_gate_in_kernel=gate_in_kernel)
+  assert supports(args()) is None and supports(args(g_dtype=BF16)) is None
   refused = {
-      "use_gate_in_kernel=False": takes(args(), gate_in_kernel=True),
-      "K = 128": takes(args(K=64)),
-      "g must have k's shape": takes(args(g_shape=(1, T_, 1, 128))),
-      "float16": takes(args(g_dtype=jnp.float16)),
+      "use_gate_in_kernel=False": supports(args(), gate_in_kernel=True),
+      "K = 128": supports(args(K=64)),
+      "got k of shape (1, 1000, 2, 256)": supports(args(K=256)),
+      "g must have k's shape": supports(args(g_shape=(1, T_, 1, 128))),
+      "float16": supports(args(g_dtype=jnp.float16)),
   }
   for reason, why in refused.items():
     assert why is not None and reason in why, (reason, why)
   with pytest.raises(ValueError, match="mosaic_gpu gate_intra kernel: .*float16"):
-    gate_intra.mosaic_gpu(*args(g_dtype=jnp.float16), scale=SCALE, chunk_size=BT)
+    fgi.apply(*args(g_dtype=jnp.float16), scale=SCALE, chunk_size=BT)
 
 
 @pytest.mark.parametrize("g_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_fused_kernels_lower_for_cuda(g_dtype):
   """The fused group lowers for CUDA from the CPU: three Mosaic GPU kernels (the one-part fused
-  scores kernel, the persistent two-part one, the solve) and no conditional (a conditional's
-  results are copied: on the H200 0.3 ms of copies of the scores). The one-part kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the
-  q, k landing zone's union, float32 ones in gc's tile): two CTAs per SM; the two-part one fits one."""
+  scores kernel, the persistent two-part one, the solve) and no conditional (a conditional's results
+  are copied). The one-part kernel asks for the one-part scores kernel's SMEM (bf16 gates land in the
+  q, k landing zone's union, float32 ones in gc's tile): two CTAs per SM; the two-part one fits one.
+  The figures are scores.smem_bytes' (the predicate's)."""
   S, T_, HV_, NTa = jax.ShapeDtypeStruct, 4000, 2, 128
   rows = padding.ChunkRows(S((NTa,), jnp.int32), S((NTa,), jnp.int32))
   args = (S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_, 128), BF16), S((1, T_, HV_), F32),
           S((1, T_, HV_, 128), g_dtype), S((5,), jnp.int32), rows)
-  f = functools.partial(gate_intra.mosaic_gpu, scale=SCALE, chunk_size=BT, tail_zeros=False)
+  f = functools.partial(fgi.apply, scale=SCALE, chunk_size=BT, tail_zeros=False)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 3
   assert "stablehlo.case" not in txt and "stablehlo.if" not in txt
   Ta, HV_s, T_s = 4096, 16, 3000
-  sc = lambda cu, r0, r1, q, k, beta_t, g: mgi._scores(cu, (r0, r1), q, k, beta_t, (g,), None, scale=SCALE,
-                                                       bounded=True, interpret=False, config=mgi.Config(), Ta=Ta,
-                                                       tail_zeros=False)
+  kw = dict(scale=SCALE, bounded=True, approx_math=True, interpret=False, Ta=Ta, tail_zeros=False)
+  sc = lambda cu, r0, r1, q, k, beta_t, g: mgi.scores.launch(cu, (r0, r1), q, k, beta_t, (g,), None, **kw)
   r = S((Ta // BT,), jnp.int32)
   smem = lowered_smem_bytes(sc, S((3,), jnp.int32), r, r, S((T_s, HV_s, 128), BF16), S((T_s, HV_s, 128), BF16),
                             S((HV_s, T_s + BT), F32), S((T_s, HV_s, 128), g_dtype))
-  strong = lambda cu, p, redo, *a: mgi._scores(cu, a[:2], *a[2:5], (a[5],), None, scale=SCALE, bounded=True,
-                                               interpret=False, config=mgi.Config(), Ta=Ta, tail_zeros=False,
-                                               pred=(p, redo))
+  strong = lambda cu, p, redo, *a: mgi.scores.launch(cu, a[:2], *a[2:5], (a[5],), None, pred=(p, redo), **kw)
   smem2 = lowered_smem_bytes(strong, S((3,), jnp.int32), S((1,), jnp.int32), S((HV_s * Ta // BT,), jnp.int32),
                              r, r, S((T_s, HV_s, 128), BF16),
                              S((T_s, HV_s, 128), BF16), S((HV_s, T_s + BT), F32), S((T_s, HV_s, 128), g_dtype))
   print(f"\n  fused scores kernels ({jnp.dtype(g_dtype).name} gates): SMEM {smem} / {smem2} bytes")
-  assert smem == _scores_smem(128, 1) and smem <= SMEM_TWO_CTAS
-  assert smem2 <= SMEM_ONE_CTA
+  bf16_gates = g_dtype == BF16
+  assert smem == _scores_smem(128, 1) == mgi.scores.smem_bytes(128, two_part=False, packed=True, gated=True,
+                                                               bf16_gates=bf16_gates) <= SMEM_TWO_CTAS
+  assert smem2 == mgi.scores.smem_bytes(128, two_part=True, packed=True, gated=True, bf16_gates=bf16_gates)
+  assert smem2 <= SMEM_ONE_CTA and fgi.smem_bytes(128, 64, g_dtype) == smem2
 
 
 def test_pipeline_runs_the_group_where_switched_on(monkeypatch):
@@ -266,8 +268,8 @@ def test_pipeline_runs_the_group_where_switched_on(monkeypatch):
   from kda import pipeline
   q, k, v, beta, g, cu = _case("f32")
   calls = []
-  real = gate_intra.mosaic_gpu
-  monkeypatch.setattr(gate_intra, "mosaic_gpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  real = fgi.apply
+  monkeypatch.setattr(fgi, "apply", lambda *a, **kw: calls.append(1) or real(*a, **kw))
   run = lambda fuse: (monkeypatch.setattr(pipeline, "FUSE_GATE_INTRA", fuse), jax.jit(
       lambda q, k, v, g, beta, cu: kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
                                                   impl="mosaic_gpu"))(q, k, v, g, beta, cu))[1]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda.fused import state_output as so
+from kda.fused.state_output import mosaic_gpu as so
 from kda import plan as planning
 from kda.stages import output, state
 from tests import cases
@@ -77,7 +77,7 @@ def composed_reference(*args, scale):
 
 @functools.lru_cache(maxsize=None)
 def _fused(scale, config):
-  return jax.jit(functools.partial(so.mosaic_gpu, scale=scale, chunk_size=BT, interpret=True, config=config))
+  return jax.jit(functools.partial(so.apply, scale=scale, chunk_size=BT, interpret=True, config=config))
 
 
 def rel(a, b):
@@ -158,21 +158,26 @@ def test_fused_bf16_output_no_tail_and_no_sequences():
                                 np.asarray(o32.astype(jnp.bfloat16).astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(final), np.asarray(final32))
   empty = bf[:7] + (bf[7][:0], jnp.zeros((1,), jnp.int32))
-  o, final = so.mosaic_gpu(*empty, scale=0.125, chunk_size=BT, interpret=True)
+  o, final = so.apply(*empty, scale=0.125, chunk_size=BT, interpret=True)
   assert np.all(np.asarray(o) == 0) and final.shape == (0, 1, 64, 64)
 
 
-def test_fused_takes_and_supports():
+def test_fused_supports():
   bf, f32, _ = fused_case([5], 64, 64, tail_chunks=0)
-  assert so.takes(*bf, scale=0.125, chunk_size=BT) is None
-  assert "bfloat16" in so.takes(*f32, scale=0.125, chunk_size=BT)
+  assert so.supports(*bf, scale=0.125, chunk_size=BT) is None
+  assert "bfloat16" in so.supports(*f32, scale=0.125, chunk_size=BT)
   assert "chunk_size" in so.supports(*bf, chunk_size=32)
   kg, w, u, qg, Aqk, gi, gf, h0, acu = bf
   assert "qg" in so.supports(kg, w, u, qg[..., :32], Aqk, gi, gf, h0, acu, chunk_size=BT)
   assert "Aqk" in so.supports(kg, w, u, qg, Aqk[..., :32], gi, gf, h0, acu, chunk_size=BT)
   assert "V must" in so.supports(kg, w, u[..., :48], qg, Aqk, gi, gf, h0[..., :48], acu, chunk_size=BT)
+  S = jax.ShapeDtypeStruct
+  k256 = lambda x: S(x.shape[:3] + (256,), x.dtype)
+  assert "K must be one of (64, 128), got 256" in so.supports(
+      k256(kg), k256(w), u, k256(qg), Aqk, k256(gi), k256(gf), S(h0.shape[:2] + (256, 64), h0.dtype), acu,
+      chunk_size=BT)
   with pytest.raises(ValueError, match="chunk_size"):
-    so.mosaic_gpu(*bf, scale=0.125, chunk_size=32, interpret=True)
+    so.apply(*bf, scale=0.125, chunk_size=32, interpret=True)
   with pytest.raises(ValueError, match="out_dtype"):
     so.Config(out_dtype="float16")
   with pytest.raises(ValueError, match="input_slots"):
@@ -187,28 +192,45 @@ def _abstract(Ta, HV, K, V, N):
 
 
 CONFIGS = [SERIAL, SPLIT, so.Config(out_dtype="bfloat16"), so.Config(warp_specialized=True, out_dtype="bfloat16"),
-           so.Config(lane_semantics=True), so.Config(warp_specialized=True, lane_semantics=True),
            so.Config(input_slots=1), so.Config(input_slots=1, stage_o=False),
            so.Config(warp_specialized=True, stage_o=False), so.Config(group_chunks=0)]
-CONFIG_IDS = ["serial", "warp-specialized", "serial-bf16-o", "warp-specialized-bf16-o", "serial-lane",
-              "warp-specialized-lane", "one-slot", "one-slot-direct-o", "warp-specialized-direct-o",
-              "one-program-per-sequence"]
+CONFIG_IDS = ["serial", "warp-specialized", "serial-bf16-o", "warp-specialized-bf16-o", "one-slot",
+              "one-slot-direct-o", "warp-specialized-direct-o", "one-program-per-sequence"]
 
 
 @pytest.mark.parametrize("K,V", KV, ids=[f"K{k}-V{v}" for k, v in KV])
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_fused_lowers_for_cuda(K, V, config):
   args = _abstract(32768 + 489 * BT, 16, K, V, 489)
-  f = lambda *a: so.mosaic_gpu(*a, scale=K ** -0.5, chunk_size=BT, config=config)
+  f = lambda *a: so.apply(*a, scale=K ** -0.5, chunk_size=BT, config=config)
   smem = lowered_smem_bytes(f, *args)
   print(f"\n  K={K} V={V} {config}: SMEM {smem} bytes as lowered")
-  assert smem <= 232448
+  assert smem == so.smem_bytes(K, config) <= 232448     # the predicate's figure
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_text(config):
+  f = lambda *a: so.apply(*a, scale=0.125, chunk_size=BT, config=config)
+  return jax.jit(f).trace(*_abstract(8 * BT, 2, 64, 64, 5)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+FIELDS = {"warp_specialized": True, "out_dtype": "bfloat16", "longest_first": False, "input_slots": 1,
+          "stage_o": False, "group_chunks": 0}
+
+
+@pytest.mark.parametrize("field", list(FIELDS))
+def test_config_field_changes_the_program(field):
+  """Each Config field gives another lowered program (5 sequences in 8 chunks: the default
+  group_chunks groups them); the simulator runs each against the references or the default's bits
+  (test_fused_matches_composed_references_*, test_fused_bf16_output_*, test_fused_variants_same_bits,
+  test_fused_grouped_walk_same_bits, test_fused_single_sequence)."""
+  assert _lowered_text(so.Config(**{field: FIELDS[field]})) != _lowered_text(so.Config())
 
 
 def test_fused_lowers_for_cuda_many_sequences():
   # N > 65535 would break CUDA's grid z limit: the launcher moves the sequences to grid x
   args = _abstract(70000 * BT, 1, 64, 64, 70000)
-  jax.jit(lambda *a: so.mosaic_gpu(*a, scale=0.125, chunk_size=BT, config=SPLIT)).trace(*args).lower(
+  jax.jit(lambda *a: so.apply(*a, scale=0.125, chunk_size=BT, config=SPLIT)).trace(*args).lower(
       lowering_platforms=("cuda",))
 
 
@@ -251,7 +273,7 @@ def test_pipeline_fuses_state_and_output_only_when_both_select_mosaic_gpu(monkey
 
 @functools.lru_cache(maxsize=None)
 def _fused_packed(scale, config, T):
-  return jax.jit(lambda *a, rows: so.mosaic_gpu(*a, scale=scale, chunk_size=BT, interpret=True, config=config,
+  return jax.jit(lambda *a, rows: so.apply(*a, scale=scale, chunk_size=BT, interpret=True, config=config,
                                                 rows=rows, T=T))
 
 
@@ -309,7 +331,7 @@ def test_fused_packed_no_gaps_and_no_sequences():
   from kda import padding
   empty = bf[:7] + (bf[7][:0], jnp.zeros((1,), jnp.int32))
   zero = jnp.zeros((1,), jnp.int32)
-  o, final = so.mosaic_gpu(*empty, scale=0.125, chunk_size=BT, interpret=True, rows=padding.ChunkRows(zero, zero), T=13)
+  o, final = so.apply(*empty, scale=0.125, chunk_size=BT, interpret=True, rows=padding.ChunkRows(zero, zero), T=13)
   assert o.shape == (1, 13, 1, 64) and np.all(np.asarray(o) == 0) and final.shape == (0, 1, 64, 64)
 
 
@@ -319,24 +341,22 @@ def test_fused_packed_supports_checks_rows():
   NTa = bf[0].shape[1] // BT
   i32 = jnp.zeros((NTa,), jnp.int32)
   good = padding.ChunkRows(i32, i32)
-  assert so.takes(*bf, chunk_size=BT, rows=good, T=75) is None
+  assert so.supports(*bf, chunk_size=BT, rows=good, T=75) is None
   assert "T" in so.supports(*bf, chunk_size=BT, rows=good)
   assert "T" in so.supports(*bf, chunk_size=BT, T=75)
   assert "rows.src" in so.supports(*bf, chunk_size=BT, rows=padding.ChunkRows(i32[:1], i32), T=75)
   assert "rows.count" in so.supports(*bf, chunk_size=BT, rows=padding.ChunkRows(i32, i32.astype(jnp.float32)), T=75)
   assert "ChunkRows" in so.supports(*bf, chunk_size=BT, rows=i32, T=75)
   with pytest.raises(ValueError, match="rows"):
-    so.mosaic_gpu(*bf, scale=0.125, chunk_size=BT, interpret=True, rows=padding.ChunkRows(i32[:1], i32), T=75)
+    so.apply(*bf, scale=0.125, chunk_size=BT, interpret=True, rows=padding.ChunkRows(i32[:1], i32), T=75)
 
 
 PACKED_LOWER = [SERIAL, SPLIT, so.Config(warp_specialized=True, out_dtype="bfloat16"),
-                so.Config(warp_specialized=True, lane_semantics=True), so.Config(input_slots=1, stage_o=False),
-                so.Config(group_chunks=0)]
+                so.Config(input_slots=1, stage_o=False), so.Config(group_chunks=0)]
 
 
 @pytest.mark.parametrize("config", PACKED_LOWER, ids=["serial", "warp-specialized", "warp-specialized-bf16-o",
-                                                      "warp-specialized-lane", "one-slot-direct-o",
-                                                      "one-program-per-sequence"])
+                                                      "one-slot-direct-o", "one-program-per-sequence"])
 def test_fused_packed_lowers_for_cuda(config):
   """Packed mode lowers for CUDA with T not a multiple of 8 (plain SMEM stage, TMA stores of 1..64
   rows at dynamic rows); its SMEM is the aligned mode's, except that stage_o=False keeps the stage."""
@@ -344,23 +364,23 @@ def test_fused_packed_lowers_for_cuda(config):
   Ta, N, T = 32768 + 489 * BT, 489, 32768 + 13
   args = _abstract(Ta, 16, 128, 128, N)
   rows = padding.ChunkRows(*(jax.ShapeDtypeStruct((Ta // BT,), jnp.int32),) * 2)
-  smem = lowered_smem_bytes(lambda *a: so.mosaic_gpu(*a[:-1], scale=0.125, chunk_size=BT, config=config,
+  smem = lowered_smem_bytes(lambda *a: so.apply(*a[:-1], scale=0.125, chunk_size=BT, config=config,
                                                      rows=a[-1], T=T), *args, rows)
-  aligned = lowered_smem_bytes(lambda *a: so.mosaic_gpu(*a, scale=0.125, chunk_size=BT,
+  aligned = lowered_smem_bytes(lambda *a: so.apply(*a, scale=0.125, chunk_size=BT,
                                                         config=dataclasses.replace(config, stage_o=True)), *args)
   print(f"\n  packed {config}: SMEM {smem} bytes as lowered")
-  assert smem == aligned <= 232448
+  assert smem == aligned == so.smem_bytes(128, config, packed=True) <= 232448
 
 
 def test_fused_packed_store_rows_writes_exactly_count_rows():
-  """The partial-chunk store (so._store_rows) in isolation, deterministic in one program each
+  """The partial-chunk store (kda._mosaic_gpu.store_rows) in isolation, deterministic in one program each
   (the fused kernel's programs run in an order that hides an over-write in the simulator):
   program n zeroes its [2 * BT, 64] slice, then stores n rows of ones at row 37: exactly rows
   [37, 37 + n) are 1, for every n in [0, 64]."""
   from jax import lax
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from kda._mosaic_gpu import F32, WG
+  from kda._mosaic_gpu import F32, WG, store_rows
 
   def body(o_g, ones_s, zeros_s):
     n = lax.axis_index("n")
@@ -370,7 +390,7 @@ def test_fused_packed_store_rows_writes_exactly_count_rows():
     for half in (0, 1):
       plgpu.copy_smem_to_gmem(zeros_s, o_g.at[n, pl.ds(half * BT, BT), :])
     plgpu.wait_smem_to_gmem(0)
-    so._store_rows(ones_s, lambda ds: o_g.at[n, ds, :], 37, n)
+    store_rows(ones_s, lambda ds: o_g.at[n, ds, :], 37, n)
     plgpu.wait_smem_to_gmem(0)
 
   f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((BT + 1, 2 * BT, 64), jnp.float32), grid=(BT + 1,),
@@ -436,22 +456,19 @@ def inverse_case(lens, K, V, HV=1, tail_chunks=1, seed=0):
   return inv_args, xs, wu_args
 
 
-@pytest.mark.parametrize("K,V,split", [(64, 64, True), (128, 64, True), (64, 64, False)],
-                         ids=["K64-V64", "K128-V64", "K64-V64-rhs-rounded"])
-def test_fused_inverse_matches_composed_references(K, V, split, monkeypatch):
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 64)], ids=["K64-V64", "K128-V64"])
+def test_fused_inverse_matches_composed_references(K, V):
   """Inverse mode against the references composed on w = X kd, u = X beta v (float32 from the
-  same bf16 values): o and final_state within TOL; padding tokens and the tail exactly 0. Both ways
-  of the right-hand side (so.SPLIT_RHS)."""
-  monkeypatch.setattr(so, "SPLIT_RHS", split)
+  same bf16 values): o and final_state within TOL; padding tokens and the tail exactly 0."""
   lens = [1, 63, 64, 0, 65, 130]
   inv_args, xs, wu_args = inverse_case(lens, K, V)
   _, _, owned = fused_case(lens, K, V, tail_chunks=1)
   scale = K ** -0.5
-  o, final = jax.jit(lambda *a: so.mosaic_gpu(*a[:-2], scale=scale, chunk_size=BT, interpret=True,
+  o, final = jax.jit(lambda *a: so.apply(*a[:-2], scale=scale, chunk_size=BT, interpret=True,
                                               inverse=a[-2:]))(*inv_args, *xs)
   ref_o, ref_final = composed_reference(*wu_args, scale=scale)
   eo, ef = rel(np.asarray(o)[:, owned], np.asarray(ref_o)[:, owned]), rel(final, ref_final)
-  print(f"\n  inverse K={K} V={V} split rhs {split}: o max {eo[0]:.2e} norm {eo[1]:.2e}, final max {ef[0]:.2e} norm {ef[1]:.2e}")
+  print(f"\n  inverse K={K} V={V}: o max {eo[0]:.2e} norm {eo[1]:.2e}, final max {ef[0]:.2e} norm {ef[1]:.2e}")
   for e in (eo, ef):
     assert np.isfinite(e[0]) and e[0] <= TOL["max"] and e[1] <= TOL["norm"], (eo, ef)
   assert np.all(np.asarray(o)[:, ~owned] == 0)
@@ -468,7 +485,7 @@ def test_fused_inverse_packed_and_refusals():
   layout = padding.Layout(jnp.asarray(cu[:-1], jnp.int32), jnp.asarray(lens, jnp.int32), inv_args[8], T,
                           inv_args[0].shape[1], BT)
   cfg = so.Config(out_dtype="bfloat16", group_chunks=2)
-  run = lambda **kw: jax.jit(lambda *a: so.mosaic_gpu(*a[:-2], scale=0.125, chunk_size=BT, interpret=True, config=cfg,
+  run = lambda **kw: jax.jit(lambda *a: so.apply(*a[:-2], scale=0.125, chunk_size=BT, interpret=True, config=cfg,
                                                       inverse=a[-2:], **kw))(*inv_args, *xs)
   o_al, final_al = run()
   o, final = run(rows=padding.chunk_rows(layout), T=T)
@@ -476,9 +493,9 @@ def test_fused_inverse_packed_and_refusals():
   np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(final), np.asarray(final_al))
   with pytest.raises(ValueError, match="serial"):
-    so.mosaic_gpu(*inv_args, scale=0.125, chunk_size=BT, interpret=True, config=SPLIT, inverse=xs)
+    so.apply(*inv_args, scale=0.125, chunk_size=BT, interpret=True, config=SPLIT, inverse=xs)
   with pytest.raises(ValueError, match="Ainv's low part"):
-    so.mosaic_gpu(*inv_args, scale=0.125, chunk_size=BT, interpret=True, inverse=(xs[0], xs[1][..., :32]))
+    so.apply(*inv_args, scale=0.125, chunk_size=BT, interpret=True, inverse=(xs[0], xs[1][..., :32]))
 
 
 def test_fused_inverse_lowers_for_cuda():
@@ -488,7 +505,7 @@ def test_fused_inverse_lowers_for_cuda():
   args = _abstract(Ta, 16, 128, 128, N)
   x = jax.ShapeDtypeStruct((1, Ta, 16, BT), jnp.bfloat16)
   rows = padding.ChunkRows(*(jax.ShapeDtypeStruct((Ta // BT,), jnp.int32),) * 2)
-  smem = lowered_smem_bytes(lambda *a: so.mosaic_gpu(*a[:-3], scale=0.125, chunk_size=BT, rows=a[-1], T=T,
+  smem = lowered_smem_bytes(lambda *a: so.apply(*a[:-3], scale=0.125, chunk_size=BT, rows=a[-1], T=T,
                                                      inverse=a[-3:-1]), *args, x, x, rows)
   print(f"\n  inverse packed: SMEM {smem} bytes as lowered")
-  assert smem <= 232448
+  assert smem == so.smem_bytes(128, packed=True, inverse=True) <= 232448

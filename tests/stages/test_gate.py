@@ -237,3 +237,13 @@ def test_kernel_lowers_for_h200(K, BT, dtype, form):
   args, kw = form_args(form, g, jnp.ones((1, Ta), bool), jnp.zeros((HV,)), jnp.zeros((HV * K,)))
   txt = lower_h200(functools.partial(gate.pallas.apply, chunk_size=BT, **kw), *args)
   assert "kda_gate" in txt
+
+
+@pytest.mark.parametrize("field,value", [("num_warps", 8), ("num_stages", 3)])
+def test_config_field_changes_the_program(field, value):
+  """Each Config field changes the lowered program (launch parameters: the interpreted program, and
+  so test_kernel_matches_reference's, is the same)."""
+  g = jnp.zeros((1, 128, 2, 64), jnp.float32)
+  args, kw = form_args("softplus", g, jnp.ones((1, 128), bool), jnp.zeros((2,)), jnp.zeros((128,)))
+  lower = lambda config: lower_h200(functools.partial(gate.pallas.apply, chunk_size=64, config=config, **kw), *args)
+  assert lower(gate.pallas.Config(**{field: value})) != lower(gate.pallas.Config())

@@ -30,9 +30,10 @@ import pytest
 from kda import padding
 from kda.stages import gate
 from kda.stages.gate import mosaic_gpu as mgg
-from kda.stages.intra.mosaic_gpu import bounded_chunks, two_parts_needed
+from kda.stages.gate.mosaic_gpu import bounded_chunks, two_parts_needed
 from tests.cases import aligned_layout
 from tests.stages.test_gate import EXTREMES, check_padding, check_parts, extreme_gates, pooled_inputs
+from tests.stages.test_output_mosaic import lowered_smem_bytes
 
 BT = 64
 # g: the reference's formula in other ops (softplus: a few ulp; measured <= 4.8e-7 relative);
@@ -124,12 +125,14 @@ def test_kernel_matches_reference(lens, HV, K, dtype, form):
   check_scan_exact(got)
 
 
-@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(lane_semantics=False),
-                                    mgg.Config(unroll=1)], ids=["tma-stores", "warpgroup", "no-unroll"])
+@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(unroll=1)],
+                         ids=["tma-stores", "no-unroll"])
 def test_kernel_configs(config):
+  """Each Config field changes the lowered program and keeps the reference's results."""
   _, _, _, g, _, valid, A_log, dt_bias = pooled_inputs(lens=[50], HV=2, K=64, BT=BT, gate_kind="raw")
   g = jnp.where(valid[:, :, None, None], g, jnp.nan)
   args, kw = form_args("softplus", g, valid, A_log, dt_bias)
+  assert _lower("softplus", jnp.float32, 2, 64, config) != _lower("softplus", jnp.float32, 2, 64, mgg.Config())
   got, secs = run_kernel(args, kw, config)
   compare(got, gate.reference.apply(*args, **kw), f"{config}", secs)
   check_padding(got, valid, BT)
@@ -173,13 +176,13 @@ def test_extreme_raw_gates_and_huge_A(form):
 
 
 def test_columns_not_a_multiple_of_128():
-  """HV * K = 96: `apply` pads the columns, the stage's predicate refuses (the padding costs copies)."""
+  """HV * K = 96: one thread per column takes whole groups of 128 columns; the predicate refuses
+  (the pallas kernel takes these widths) and apply raises its reason."""
   _, _, _, g, _, valid, A_log, dt_bias = pooled_inputs(lens=[30], HV=2, K=48, BT=BT, gate_kind="raw")
   args, kw = form_args("sigmoid", g, valid, A_log, dt_bias)
-  got, _ = run_kernel(args, kw)
-  compare(got, gate.reference.apply(*args, **kw), "HV2 K48")
-  assert mgg.supports(*args, **kw) is None
-  assert "multiple of 128" in mgg.takes(*args, **kw)
+  assert "multiple of 128" in mgg.supports(*args, **kw)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    mgg.apply(*args, interpret=True, **kw)
 
 
 def test_supports_reasons():
@@ -187,13 +190,14 @@ def test_supports_reasons():
   valid = jnp.ones((1, 128), bool)
   kw = dict(use_gate_in_kernel=True, lower_bound=None)
   A = jnp.zeros((2,))
-  assert mgg.takes(g, valid, A, None, chunk_size=BT, **kw) is None
-  assert "chunk_size" in mgg.takes(g, valid, A, None, chunk_size=32, **kw)
+  assert mgg.supports(g, valid, A, None, chunk_size=BT, **kw) is None
+  assert mgg.supports(g, valid, A, None, chunk_size=BT, config=mgg.Config(stage_stores=True), **kw) is None
+  assert "chunk_size" in mgg.supports(g, valid, A, None, chunk_size=32, **kw)
   assert "multiple of chunk_size" in mgg.supports(g[:, :100], valid[:, :100], A, None, chunk_size=BT, **kw)
   assert "float16" in mgg.supports(g.astype(jnp.float16), valid, A, None, chunk_size=BT, **kw)
   assert "A_log" in mgg.supports(g, valid, None, None, chunk_size=BT, **kw)
   assert "valid" in mgg.supports(g, valid[:, :64], A, None, chunk_size=BT, **kw)
-  assert gate.STAGE.supports["mosaic_gpu"] is mgg.takes and gate.STAGE.mosaic_gpu is mgg.apply
+  assert gate.STAGE.supports["mosaic_gpu"] is mgg.supports and gate.STAGE.mosaic_gpu is mgg.apply
   with pytest.raises(ValueError, match="A_log"):
     mgg.apply(g, valid, None, None, chunk_size=BT, interpret=True, **kw)
   with pytest.raises(ValueError, match="unroll"):
@@ -210,12 +214,16 @@ def test_kernel_lowers_for_cuda(form, dtype, HV, K):
   _lower(form, dtype, HV, K, None)
 
 
-@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(lane_semantics=False),
-                                    mgg.Config(stage_stores=True, lane_semantics=False), mgg.Config(unroll=8)],
-                         ids=["tma-stores", "warpgroup", "tma-stores-warpgroup", "unroll8"])
+@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True), mgg.Config(unroll=8)], ids=["tma-stores", "unroll8"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_kernel_configs_lower_for_cuda(config, dtype):
+  """The lowered kernel asks for the SMEM smem_bytes (the predicate's figure) gives."""
   _lower("softplus", dtype, 16, 128, config)
+  S = jax.ShapeDtypeStruct
+  args, kw = form_args("softplus", S((1, 4096, 16, 128), dtype), S((1, 4096), jnp.bool_), S((16,), jnp.float32),
+                       S((16 * 128,), jnp.float32))
+  smem = lowered_smem_bytes(functools.partial(mgg.apply, config=config, **kw), *args)
+  assert smem == mgg.smem_bytes(dtype, config), smem
 
 
 def _lower(form, dtype, HV, K, config):
@@ -224,8 +232,9 @@ def _lower(form, dtype, HV, K, config):
   args, kw = form_args(form, S((1, Ta, HV, K), dtype), S((1, Ta), jnp.bool_), S((HV,), jnp.float32),
                        S((HV * K,), jnp.float32))
   f = functools.partial(mgg.apply, config=config, **kw)
-  lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in txt
+  return txt
 
 
 # --- packed mode: the align folded into the kernel's load ----------------------------------------
@@ -318,7 +327,7 @@ def test_packed_matches_aligned(lens, gaps, extra_T, tail_chunks, HV, K, dtype, 
   g, A_log, dt_bias = packed_gates(len(lens) + HV, layout.T, HV, K, dtype, kind)
   (g, _, A_log, dt_bias), kw = form_args(form, g, None, A_log, dt_bias)
   kw = kw
-  assert mgg.packed_takes(g, padding.chunk_rows(layout), A_log, dt_bias, **kw) is None
+  assert mgg.packed_supports(g, padding.chunk_rows(layout), A_log, dt_bias, **kw) is None
   got, _ = check_packed(layout, g, A_log, dt_bias, kw, f"lens={lens} {form}")
   assert bool(got.two_part.any()) == (kind != "small")
   if kind == "small":
@@ -356,8 +365,8 @@ def test_packed_extreme_gates(form):
   assert t[0, 1:3].all(), t          # the extreme chunks need both parts (all of it: check_packed)
 
 
-@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True, unroll=8),
-                                    mgg.Config(lane_semantics=False, unroll=1)], ids=["tma-stores-unroll8", "warpgroup-no-unroll"])
+@pytest.mark.parametrize("config", [mgg.Config(stage_stores=True, unroll=8), mgg.Config(unroll=1)],
+                         ids=["tma-stores-unroll8", "no-unroll"])
 def test_packed_configs(config):
   layout, _ = packed_layout([30, 65], [2, 0], extra_T=4)
   g, A_log, dt_bias = packed_gates(5, layout.T, 2, 64, jnp.bfloat16, "raw")
@@ -365,20 +374,19 @@ def test_packed_configs(config):
   check_packed(layout, g, A_log, dt_bias, kw, f"{config}", config)
 
 
-def test_packed_takes_reasons():
+def test_packed_supports_reasons():
   g = jnp.zeros((1, 100, 2, 64), jnp.float32)
   rows = padding.ChunkRows(jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32))
   kw = dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None)
   A = jnp.zeros((2,))
-  assert mgg.packed_takes(g, rows, A, None, **kw) is None
-  assert "chunk_size" in mgg.packed_takes(g, rows, A, None, **dict(kw, chunk_size=32))
-  assert "float16" in mgg.packed_takes(g.astype(jnp.float16), rows, A, None, **kw)
-  assert "A_log" in mgg.packed_takes(g, rows, None, None, **kw)
-  assert "rows.src" in mgg.packed_takes(g, rows._replace(src=rows.src.astype(jnp.int16)), A, None, **kw)
-  assert "rows.count" in mgg.packed_takes(g, rows._replace(count=rows.count[:2]), A, None, **kw)
-  assert "T = 0" in mgg.packed_takes(g[:, :0], rows, A, None, **kw)
-  assert "multiple of 128" in mgg.packed_takes(g[..., :48], rows, A, None, **kw)
-  assert mgg.packed_supports(g[..., :48], rows, A, None, **kw) is None
+  assert mgg.packed_supports(g, rows, A, None, **kw) is None
+  assert "chunk_size" in mgg.packed_supports(g, rows, A, None, **dict(kw, chunk_size=32))
+  assert "float16" in mgg.packed_supports(g.astype(jnp.float16), rows, A, None, **kw)
+  assert "A_log" in mgg.packed_supports(g, rows, None, None, **kw)
+  assert "rows.src" in mgg.packed_supports(g, rows._replace(src=rows.src.astype(jnp.int16)), A, None, **kw)
+  assert "rows.count" in mgg.packed_supports(g, rows._replace(count=rows.count[:2]), A, None, **kw)
+  assert "T = 0" in mgg.packed_supports(g[:, :0], rows, A, None, **kw)
+  assert "multiple of 128" in mgg.packed_supports(g[..., :48], rows, A, None, **kw)
   with pytest.raises(ValueError, match="A_log"):
     mgg.packed(g, rows, None, None, interpret=True, **kw)
 
@@ -387,7 +395,7 @@ def test_packed_takes_reasons():
 # the forms' variety over the two shapes, and the configs once each
 LOWER_PACKED = [("identity", jnp.float32, 2, 64, None), ("softplus", jnp.bfloat16, 16, 128, None),
                 ("sigmoid", jnp.bfloat16, 16, 128, None), ("sigmoid-noA-nobias", jnp.float32, 2, 64, None),
-                ("softplus", jnp.bfloat16, 16, 128, mgg.Config(stage_stores=True, lane_semantics=False)),
+                ("softplus", jnp.bfloat16, 16, 128, mgg.Config(stage_stores=True)),
                 ("sigmoid-nobias", jnp.float32, 2, 64, mgg.Config(unroll=1))]
 
 
@@ -407,6 +415,8 @@ def _lower_packed(form, dtype, HV, K, config):
   f = functools.partial(mgg.packed, config=config, **kw)
   lowered = jax.jit(f).trace(g, rows, A_log, dt_bias).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
+  if config is not None:      # the predicate's SMEM figure is the lowered kernel's
+    assert lowered_smem_bytes(f, g, rows, A_log, dt_bias) == mgg.smem_bytes(dtype, config, packed=True)
 
 
 def test_packed_unwritten_tail():

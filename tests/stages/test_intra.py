@@ -204,15 +204,16 @@ def test_auto_diagonal_takes_both_paths():
 
 
 def test_gc_frac_kernel_computes_the_same_bits():
-  """Gates above -1 (gc_int == 0): the launcher's gc_frac-only kernel equals the two-part one bit for
-  bit; with an extreme gate (gc_int != 0) it takes the two-part kernel, which matches the reference."""
+  """Gates above -1 (gc_int == 0): the gc_frac-only kernel (what the launcher's cond takes there)
+  equals the two-part one bit for bit."""
   BT, scale = 32, 32 ** -0.5
   args, _ = stage_inputs(lens=[30, 50], HV=2, K=32, V=32, BT=BT, gate_kind="strong", gate_scale=0.15)
   assert not np.any(np.asarray(args[4])) and float(jnp.min(args[5])) < -10
-  auto = _kernel(BT, scale)(*args)
-  always = _kernel(BT, scale, intra.pallas.Config(two_part="always"))(*args)
-  for name in intra.Out._fields:
-    np.testing.assert_array_equal(np.asarray(getattr(auto, name)), np.asarray(getattr(always, name)), name)
+  q, k, v, beta, gi, gf = args
+  run = lambda two_part: jax.jit(functools.partial(intra.pallas.launch, two_part=two_part, scale=scale,
+                                                   chunk_size=BT, interpret=True))(q, k, v, beta[..., None], gi, gf)
+  for name, a, b in zip(intra.Out._fields, run(False), run(True)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
 
 
 def test_config_rejects_bad_values():
@@ -220,8 +221,6 @@ def test_config_rejects_bad_values():
     intra.pallas.Config(precision="fast")
   with pytest.raises(ValueError, match="diag"):
     intra.pallas.Config(diag="fast")
-  with pytest.raises(ValueError, match="two_part"):
-    intra.pallas.Config(two_part="never")
   with pytest.raises(ValueError, match="num_warps"):
     intra.pallas.Config(num_warps=3)
   x = jnp.zeros((1, 16, 1, 16))
@@ -275,10 +274,36 @@ def test_triton_dot_precisions(dtype):
 
   Per chunk of 4 sub-blocks: A takes 2 x (6 + 4) dots [16, K] x [K, 16], the solve 10 + 6 float32
   [16, 16] dots, w and u 2 x 10 dots [16, 16] x [16, K]."""
-  ir = _lower(128, 128, 64, dtype, intra.pallas.Config(two_part="always"), debug=True)   # one kernel
+  ir = _lower(128, 128, 64, dtype, intra.pallas.Config(), debug=True)   # both kernels: the same dots each
   dots = [l for l in ir.splitlines() if "tt.dot" in l]
   f32_dots = [l for l in dots if re.search(r"tensor<\d+x\d+xf32> \* tensor<\d+x\d+xf32> ->", l)]
   bf16_dots = [l for l in dots if "xbf16> * tensor<" in l]
-  assert len(f32_dots) + len(bf16_dots) == len(dots) == 2 * 10 + 16 + 2 * 10
+  assert len(f32_dots) + len(bf16_dots) == len(dots) == 2 * (2 * 10 + 16 + 2 * 10)
   assert not [l for l in f32_dots if "tf32" in l], "a float32 dot lowers to TF32"
-  assert len(bf16_dots) == (40 if dtype == jnp.bfloat16 else 0)
+  assert len(bf16_dots) == (2 * 40 if dtype == jnp.bfloat16 else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_text(config):
+  return _lower(32, 32, 32, jnp.bfloat16, config)   # two sub-blocks: the solve has a float32 block dot
+
+
+@pytest.mark.parametrize("field,value", [("precision", "tf32x3"), ("bf16_dots", False), ("diag", "pairwise"),
+                                         ("num_warps", 8), ("num_stages", 3)])
+def test_config_field_changes_the_program(field, value):
+  """Each Config field changes the lowered program; diag runs against the reference above,
+  bf16_dots=False in test_bf16_dots_off_matches_reference (precision and the launch parameters leave
+  the interpreted program as is)."""
+  assert _lowered_text(intra.pallas.Config(**{field: value})) != _lowered_text(intra.pallas.Config())
+
+
+def test_bf16_dots_off_matches_reference():
+  """bf16 inputs with Config(bf16_dots=False): float32 dots and float32 outputs, float32 accuracy."""
+  BT, scale = 16, 16 ** -0.5
+  args, valid = stage_inputs(lens=[20, 9], HV=1, K=16, V=16, BT=BT, dtype=jnp.bfloat16, gate_kind="plain")
+  got = _kernel(BT, scale, intra.pallas.Config(bf16_dots=False))(*args)
+  want = _reference(BT, scale)(*args)
+  for name in intra.Out._fields:
+    assert getattr(got, name).dtype == jnp.float32, name
+    cases.report_close(name, getattr(got, name), getattr(want, name), **TOL[name, "float32"])
+  check_padding(got, valid, BT)

@@ -181,21 +181,22 @@ SHAPES = {
     "K128-V128-HV1-64_50": ([64, 50], 192, 1, 128, 128),
     "K64-V128-HV2-130": ([130], 192, 2, 64, 128),
     "K128-V64-HV1-40_64": ([40, 64], 192, 1, 128, 64),
+    "K64-V64-HV1-50": ([50], 64, 1, 64, 64),      # one chunk: the cheapest simulator run
 }
 
 
-def run_case(shape, gates, unit, bounded="auto", two_part="auto"):
+def run_case(shape, gates, unit, bounded="auto", approx_math=True):
   """(args, valid, kernel Out, reference Out, kernel seconds); run once per case, compiled once per
   shape and config."""
-  return _run_case(shape, gates, unit, bounded, two_part)
+  return _run_case(shape, gates, unit, bounded, approx_math)
 
 
 @functools.lru_cache(maxsize=None)
-def _run_case(shape, gates, unit, bounded, two_part):
+def _run_case(shape, gates, unit, bounded, approx_math):
   lens, Ta, HV, K, V = SHAPES[shape]
   args, valid = make_case(lens, Ta, HV, K, V, gates, unit)
   scale = K ** -0.5
-  f = _kernel(scale, mgi.Config(bounded=bounded, two_part=two_part))
+  f = _kernel(scale, mgi.Config(bounded=bounded, approx_math=approx_math))
   t0 = time.time()
   got = jax.block_until_ready(f(*args))
   secs = time.time() - t0
@@ -213,7 +214,7 @@ DEFAULT = {
     ("K64-V128-HV2-130", "strong", True, "auto"),
     ("K128-V64-HV1-40_64", "ordinary", True, "auto"), ("K128-V64-HV1-40_64", "strong", False, "auto"),
 }
-MATRIX = [(s, g, u, b) for s in SHAPES for g in ("ordinary", "strong") for u in (True, False)
+MATRIX = [(s, g, u, b) for s in list(SHAPES)[:4] for g in ("ordinary", "strong") for u in (True, False)
           for b in ("auto", "never")]
 
 
@@ -286,13 +287,16 @@ def test_bounded_path_runs_where_flagged():
 
 @pytest.mark.large
 def test_gc_frac_kernel_computes_the_same_bits():
-  """Ordinary gates (gc_int == 0): the launcher's gc_frac-only scores kernel equals the two-part one
-  (two_part="always") bit for bit, as the module docstring says."""
-  _, _, auto, _, _ = run_case("K64-V64-HV2-100_20", "ordinary", True)
-  _, _, always, _, _ = run_case("K64-V64-HV2-100_20", "ordinary", True, two_part="always")
-  for name in intra.Out._fields:
-    np.testing.assert_array_equal(np.asarray(getattr(auto, name), np.float32),
-                                  np.asarray(getattr(always, name), np.float32), name)
+  """Ordinary gates (gc_int == 0): the scores kernel on gc_frac alone (what the launcher's cond takes
+  there) equals the two-part one bit for bit, as the module docstring says."""
+  (q, k, v, beta, gi, gf), _ = make_case([100, 20], 192, 2, 64, 64)
+  assert not np.any(np.asarray(gi))
+  flag = mgi.bounded_chunks(gi, gf)
+  run = jax.jit(lambda *gis: mgi.scores.launch(jnp.array([0, 192], jnp.int32), None, q[0], k[0],
+                                               beta[0].T, gis, flag, scale=0.125, bounded=True,
+                                               approx_math=True, interpret=True))
+  for a, b in zip(run(gf[0]), run(gi[0], gf[0])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_tolerances_catch_wrong_formulas():
@@ -351,18 +355,18 @@ def _abstract(Ta, HV, K, V, dtype=BF16):
           S((1, Ta, HV, K), F32), S((1, Ta, HV, K), F32))
 
 
-def test_takes_and_supports():
+def test_supports():
   kw = dict(scale=0.125, chunk_size=BT)
   good = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 64, 128)]
   q, k, v, beta, gi, gf = good
-  assert mgi.takes(*good, **kw) is None and mgi.supports(*good, **kw) is None
-  assert intra.STAGE.supports["mosaic_gpu"] is mgi.takes and intra.STAGE.mosaic_gpu is mgi.apply
+  assert mgi.supports(*good, **kw) is None and mgi.supports(*good, config=mgi.Config(bounded="never"), **kw) is None
+  assert intra.STAGE.supports["mosaic_gpu"] is mgi.supports and intra.STAGE.mosaic_gpu is mgi.apply
   f32 = [x.astype(F32) for x in (q, k, v)]
-  why = mgi.takes(*f32, beta, gi, gf, **kw)
+  why = mgi.supports(*f32, beta, gi, gf, **kw)
   assert "bfloat16" in why and all(f"{n} float32" in why for n in ("q", "k", "v")), why
-  why = mgi.takes(q, f32[1], v, beta, gi, gf, **kw)
+  why = mgi.supports(q, f32[1], v, beta, gi, gf, **kw)
   assert "k float32" in why and "q " not in why and "v " not in why, why
-  assert "v float16" in mgi.takes(q, k, v.astype(jnp.float16), beta, gi, gf, **kw)
+  assert "v float16" in mgi.supports(q, k, v.astype(jnp.float16), beta, gi, gf, **kw)
   zeros = lambda *shape: [jnp.zeros(s.shape, s.dtype) for s in _abstract(*shape)]
   refused = {
       "chunk_size must be 64, got 32": (good, dict(kw, chunk_size=32)),
@@ -377,7 +381,6 @@ def test_takes_and_supports():
   }
   for reason, (args, kwargs) in refused.items():
     assert reason in (mgi.supports(*args, **kwargs) or ""), (reason, mgi.supports(*args, **kwargs))
-    assert reason in (mgi.takes(*args, **kwargs) or ""), reason
     with pytest.raises(ValueError, match=re.escape(f"mosaic_gpu intra kernel: {reason}")):
       mgi.apply(*args, interpret=True, **kwargs)
   # the pipeline: an impl dict naming intra raises the predicate's reason, impl=None falls back
@@ -390,33 +393,60 @@ def test_takes_and_supports():
 
 
 def test_config_rejects_bad_values():
-  for field, value in (("bounded", "always"), ("two_part", "never"), ("probe", "solve")):
+  for field, value in (("bounded", "always"),):
     with pytest.raises(ValueError, match=field):
       mgi.Config(**{field: value})
 
 
-LOWER = [(K, V, two_part, bounded, approx) for K in (64, 128) for V in (64, 128) for two_part in ("auto", "always")
+def test_smem_reason_names_the_figures():
+  """A kernel asking for more SMEM than one block may have is refused with both figures."""
+  from kda import _mosaic_gpu
+  assert _mosaic_gpu.smem_reason(_mosaic_gpu.SMEM_LIMIT) is None
+  assert _mosaic_gpu.smem_reason(344064) == "needs 344064 bytes of shared memory, the limit is 232448"
+
+
+LOWER = [(K, V, bounded, approx) for K in (64, 128) for V in (64, 128)
          for bounded, approx in (("auto", True), ("never", True), ("auto", False))]
-# ~2 s per scores kernel lowered: by default (approx_math=True, the default) the gc_frac-only and
-# two-part ones at K = 128 and the two-part one at K = 64, the solves (128, 64) and (64, 128); the
-# rest large
-LOWER_DEFAULT = {(128, 64, "auto", "auto", True), (64, 128, "always", "auto", True)}
+# ~2 s per scores kernel lowered: all large (the default run lowers every kernel for its SMEM:
+# test_scores_kernel_smem, test_solve_kernel_smem; the packed apply: test_packed_kernels_lower_for_cuda)
 
 
-@pytest.mark.parametrize(
-    "K,V,two_part,bounded,approx",
-    [pytest.param(*c, marks=() if c in LOWER_DEFAULT else pytest.mark.large) for c in LOWER],
-    ids=[f"K{K}-V{V}-{t}-bounded_{b}{'' if a else '-exact_exp'}" for K, V, t, b, a in LOWER])
-def test_kernels_lower_for_cuda(K, V, two_part, bounded, approx):
-  """Both kernels lower for CUDA from the CPU: under two_part="auto" the gc_frac-only and the
-  two-part scores kernels (the launcher's cond) and the solve, under "always" two kernels; 70000
-  chunks (grid x takes the chunks, y the heads) and aligned_cu, as the pipeline calls it."""
-  config = mgi.Config(bounded=bounded, two_part=two_part, approx_math=approx)
+@pytest.mark.large
+@pytest.mark.parametrize("K,V,bounded,approx", LOWER,
+                         ids=[f"K{K}-V{V}-bounded_{b}{'' if a else '-exact_exp'}" for K, V, b, a in LOWER])
+def test_kernels_lower_for_cuda(K, V, bounded, approx):
+  """Both kernels lower for CUDA from the CPU: the gc_frac-only and the two-part scores kernels (the
+  launcher's cond) and the solve; 70000 chunks (grid x takes the chunks, y the heads) and
+  aligned_cu, as the pipeline calls it."""
+  config = mgi.Config(bounded=bounded, approx_math=approx)
   f = functools.partial(mgi.apply, scale=K ** -0.5, chunk_size=BT, config=config)
   args = _abstract(70000 * BT, 2, K, V) + (jax.ShapeDtypeStruct((5,), jnp.int32),)
   txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   calls = [l for l in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in l]
-  assert len(calls) == (3 if two_part == "auto" else 2), len(calls)
+  assert len(calls) == 3, len(calls)
+
+
+@functools.lru_cache(maxsize=None)
+def _scores_text(config):
+  """The one-part scores kernel at K = 64, lowered for CUDA with `config`'s fields."""
+  S, Ta, HV, K = jax.ShapeDtypeStruct, 1024, 2, 64
+  f = lambda cu, q, k, beta_t, flag, gf: mgi.scores.launch(
+      cu, None, q, k, beta_t, (gf,), flag, scale=0.125, bounded=config.bounded == "auto",
+      approx_math=config.approx_math, interpret=False)
+  args = (S_CU, S((Ta, HV, K), BF16), S((Ta, HV, K), BF16), S((HV, Ta), F32), S((HV * Ta // BT,), jnp.int32),
+          S((Ta, HV, K), F32))
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("field,value", [("bounded", "never"), ("approx_math", False)])
+def test_config_field_changes_the_program(field, value):
+  """Each Config field gives another lowered program and still the reference's results (the
+  simulator, on one chunk; bounded="never" also runs in test_kernel_matches_reference's matrix)."""
+  flipped = mgi.Config(**{field: value})
+  assert _scores_text(flipped) != _scores_text(mgi.Config())
+  _, _, got, want, _ = run_case("K64-V64-HV1-50", "ordinary", True, **{field: value})   # one chunk: cheap
+  errs = errors(got, want)
+  assert not failures(errs), fmt(errs)
 
 
 S_TA, S_HV = 4096, 16
@@ -425,8 +455,8 @@ S_CU = jax.ShapeDtypeStruct((3,), jnp.int32)   # aligned_cu, the kernels' first 
 
 def _scores_smem(K, parts, bounded=True):
   S, Ta, HV = jax.ShapeDtypeStruct, S_TA, S_HV
-  f = lambda cu, q, k, beta_t, flag, *gis: mgi._scores(cu, None, q, k, beta_t, gis, flag, scale=K ** -0.5,
-                                                       bounded=bounded, interpret=False, config=mgi.Config())
+  f = lambda cu, q, k, beta_t, flag, *gis: mgi.scores.launch(cu, None, q, k, beta_t, gis, flag, scale=K ** -0.5,
+                                                             bounded=bounded, approx_math=True, interpret=False)
   return lowered_smem_bytes(f, S_CU, S((Ta, HV, K), BF16), S((Ta, HV, K), BF16), S((HV, Ta), F32),
                             S((HV * Ta // BT,), jnp.int32), *[S((Ta, HV, K), F32)] * parts)
 
@@ -435,28 +465,26 @@ def _scores_smem(K, parts, bounded=True):
 def test_scores_kernel_smem(K):
   """The gc_frac-only scores kernel fits two CTAs per SM up to K = 128 (114696 bytes there as
   lowered); the two-part one (a second float32 gc tile, strong gates) fits one CTA at K = 128
-  (147464 bytes)."""
+  (147464 bytes). scores.smem_bytes (the predicate's figure) is what the lowering asks for."""
   one, two = _scores_smem(K, 1), _scores_smem(K, 2)
   print(f"\n  scores K={K}: SMEM {one} bytes (gc_frac only), {two} bytes (two parts)")
+  assert one == mgi.scores.smem_bytes(K, two_part=False) and two == mgi.scores.smem_bytes(K, two_part=True)
   assert one <= SMEM_TWO_CTAS and _scores_smem(K, 1, bounded=False) == one
   assert two <= SMEM_ONE_CTA
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
-def test_solve_kernel_smem(K, V, monkeypatch):
-  """RESIDENT_AKK (the default) keeps Akk's split in SMEM (two CTAs per SM at K = V = 128); without
-  it Akk's split shares T's bytes: three by SMEM (its registers keep it at two on the H200)."""
+def test_solve_kernel_smem(K, V):
+  """The solve keeps Akk's split and X in SMEM: two CTAs per SM up to K = V = 128 (82952 bytes
+  there); solve.smem_bytes (the predicate's figure) is what the lowering asks for."""
   S, Ta, HV = jax.ShapeDtypeStruct, S_TA, S_HV
-  f = lambda cu, *a: mgi._solve(cu, None, *a, interpret=False, config=mgi.Config())
+  f = lambda cu, *a: mgi.solve.launch(cu, None, *a, approx_math=True, interpret=False)
   args = (S_CU, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16), S((Ta, HV, K), BF16), S((Ta, HV, V), BF16),
           S((HV, Ta), F32))
-  smem = {}
-  for resident in (True, False):
-    monkeypatch.setattr(mgi, "RESIDENT_AKK", resident)
-    smem[resident] = lowered_smem_bytes(f, *args)
-  print(f"\n  solve K={K} V={V}: SMEM {smem[True]} bytes resident, {smem[False]} not")
-  assert smem[False] <= SMEM_THREE_CTAS and smem[True] <= SMEM_TWO_CTAS
-  assert smem[True] == smem[False] + 2 * BT * BT * 2        # Akk's split no longer shares T's bytes
+  smem = lowered_smem_bytes(f, *args)
+  print(f"\n  solve K={K} V={V}: SMEM {smem} bytes")
+  assert smem == mgi.solve.smem_bytes(K, V) <= SMEM_TWO_CTAS
+  assert mgi.smem_bytes(K, V) == max(smem, mgi.scores.smem_bytes(K, two_part=True))
 
 
 # -- packed inputs: the align folded into the kernels' loads (mgi.packed) ---------------------------
@@ -528,32 +556,30 @@ def test_packed_kernels_lower_for_cuda(K, V):
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 3
 
 
-def test_packed_kernels_smem(monkeypatch):
+def test_packed_kernels_smem():
   """The landing zone of q, k costs the scores kernel no SMEM (it shares the operands' bytes);
-  the solve's plain v tile shares X's split: three CTAs per SM without RESIDENT_AKK, two with it."""
+  the solve's plain v tile shares X's split: two CTAs per SM. The figures are smem_bytes'."""
   S, Ta, HV, K, V, T = jax.ShapeDtypeStruct, S_TA, S_HV, 128, 128, 3000
   NTa = Ta // BT
   rows = (S((NTa,), jnp.int32), S((NTa,), jnp.int32))
-  sc = lambda cu, r0, r1, q, k, beta_t, flag, gf: mgi._scores(cu, (r0, r1), q, k, beta_t, (gf,), flag, scale=K ** -0.5,
-                                                             bounded=True, interpret=False, config=mgi.Config())
+  sc = lambda cu, r0, r1, q, k, beta_t, flag, gf: mgi.scores.launch(cu, (r0, r1), q, k, beta_t, (gf,), flag,
+                                                                   scale=K ** -0.5, bounded=True, approx_math=True,
+                                                                   interpret=False)
   scores = lowered_smem_bytes(sc, S_CU, *rows, S((T, HV, K), BF16), S((T, HV, K), BF16), S((HV, T + BT), F32),
                               S((HV * NTa,), jnp.int32), S((Ta, HV, K), F32))
-  assert scores == _scores_smem(K, 1)
-  so = lambda cu, r0, r1, *a: mgi._solve(cu, (r0, r1), *a, interpret=False, config=mgi.Config())
-  solve = {}
-  for resident in (True, False):
-    monkeypatch.setattr(mgi, "RESIDENT_AKK", resident)
-    solve[resident] = lowered_smem_bytes(so, S_CU, *rows, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16),
-                                         S((Ta, HV, K), BF16), S((T, HV, V), BF16), S((HV, T + BT), F32))
-  print(f"\n  packed: scores {scores} bytes, solve {solve[True]} / {solve[False]} bytes (resident / not)")
-  assert solve[True] <= SMEM_TWO_CTAS and solve[False] <= SMEM_THREE_CTAS
+  assert scores == _scores_smem(K, 1) == mgi.scores.smem_bytes(K, two_part=False, packed=True)
+  so = lambda cu, r0, r1, *a: mgi.solve.launch(cu, (r0, r1), *a, approx_math=True, interpret=False)
+  solve = lowered_smem_bytes(so, S_CU, *rows, S((Ta, HV, BT), BF16), S((Ta, HV, BT), BF16),
+                             S((Ta, HV, K), BF16), S((T, HV, V), BF16), S((HV, T + BT), F32))
+  print(f"\n  packed: scores {scores} bytes, solve {solve} bytes")
+  assert solve == mgi.solve.smem_bytes(K, V, packed=True) <= SMEM_TWO_CTAS
 
 
 def test_packed_defer_solve():
   """defer (the state + output kernel's inverse mode): the same Akk, Aqk, Ainv, qg, kg bits as the
   plain solve; Ainv's low part and kd give w, beta v gives u (to bf16 rounding of w, u); Ainv + its
   low part inverts I + Akk; beta v is bf16(beta v), 0 at padding rows. Its SMEM: three CTAs per SM
-  at K = V = 128 with RESIDENT_AKK."""
+  at K = V = 128."""
   lens, T, HV, K, V, gates = PACKED["K64-V64-HV2"]
   (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
   want, (got, dfr) = _packed_run("K64-V64-HV2"), _packed_run("K64-V64-HV2", defer=True)
@@ -579,12 +605,12 @@ def test_packed_defer_solve():
                                 np.where(valid, bv, 0.0)[:, :int(layout.aligned_cu[-1])])
   S, Ta = jax.ShapeDtypeStruct, S_TA
   rows = (S((Ta // BT,), jnp.int32),) * 2
-  so = lambda cu, r0, r1, *a: mgi._solve(cu, (r0, r1), *a[:2], None, *a[2:], interpret=False, config=mgi.Config(),
-                                         defer=True)
+  so = lambda cu, r0, r1, *a: mgi.solve.launch(cu, (r0, r1), *a[:2], None, *a[2:], approx_math=True,
+                                               interpret=False, defer=True)
   smem = lowered_smem_bytes(so, S_CU, *rows, S((Ta, S_HV, BT), BF16), S((Ta, S_HV, BT), BF16),
                             S((3000, S_HV, 128), BF16), S((S_HV, 3000 + BT), F32))
   print(f"\n  deferred solve (packed, V = 128): SMEM {smem} bytes")
-  assert smem <= SMEM_THREE_CTAS
+  assert smem == mgi.solve.smem_bytes(128, 128, packed=True, defer=True) <= SMEM_THREE_CTAS
 
 
 def test_packed_unwritten_tail():
@@ -612,66 +638,3 @@ def test_packed_unwritten_tail():
   for f in ("Aqk", "Ainv"):
     np.testing.assert_array_equal(np.asarray(jnp.asarray(getattr(skip, f), F32))[:, owned:],
                                   np.asarray(jnp.asarray(getattr(full, f), F32))[:, owned:], f)
-
-
-@pytest.mark.parametrize("gates", ["ordinary", "strong"])
-def test_cond_free_gives_the_cond_bits(gates, monkeypatch):
-  """COND_FREE (the one-part kernel everywhere, then the persistent two-part kernel redoing the
-  chunks whose gc_int is not 0, in place) gives the bits of the lax.cond between the two kernels:
-  ordinary gates (nothing redone) and strong ones (chunks with gc_int != 0 in both heads)."""
-  args, _ = make_case([100, 20], 192, 2, 64, 64, gates)
-  assert bool(np.asarray(mgi.two_parts_needed(args[4])).any()) == (gates == "strong")
-  outs = {}
-  for cond_free in (False, True):
-    monkeypatch.setattr(mgi, "COND_FREE", cond_free)
-    f = jax.jit(functools.partial(mgi.apply, scale=0.125, chunk_size=BT, interpret=True))   # a fresh trace
-    outs[cond_free] = [np.asarray(jnp.asarray(x, F32)) for x in f(*args)]
-  for name, a, b in zip(intra.Out._fields, outs[False], outs[True]):
-    np.testing.assert_array_equal(a, b, name)
-
-
-@pytest.mark.parametrize("name", list(PACKED))
-def test_resident_akk_solve_gives_the_same_bits(name, monkeypatch):
-  """RESIDENT_AKK (the solve's T = L_2s X_s formed as the level's mask of Akk @ X_s, Akk's split kept
-  in SMEM) gives the default solve's bits on packed inputs (the other entries of Akk meet exact zeros
-  of the block-diagonal X_s), and fits two CTAs per SM. X held in registers (X_FROM_SMEM off), as
-  the other solve holds it."""
-  lens, T, HV, K, V, gates = PACKED[name]
-  (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
-  rows = padding.chunk_rows(layout)
-  monkeypatch.setattr(mgi, "X_FROM_SMEM", False)
-  outs = {}
-  for resident in (False, True):
-    monkeypatch.setattr(mgi, "RESIDENT_AKK", resident)
-    f = jax.jit(functools.partial(mgi.packed, scale=K ** -0.5, chunk_size=BT, interpret=True))   # a fresh trace
-    outs[resident] = f(q, k, v, beta, gi, gf, layout.aligned_cu, rows)
-  for field in ("Ainv", "w", "u"):
-    a, b = (np.asarray(jnp.asarray(getattr(outs[r], field), F32)) for r in (True, False))
-    assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), field
-  S, Ta, HVs = jax.ShapeDtypeStruct, S_TA, S_HV
-  so = lambda cu, *a: mgi._solve(cu, None, *a, interpret=False, config=mgi.Config())
-  smem = lowered_smem_bytes(so, S_CU, S((Ta, HVs, BT), BF16), S((Ta, HVs, BT), BF16), S((Ta, HVs, 128), BF16),
-                            S((Ta, HVs, 128), BF16), S((HVs, Ta), F32))
-  assert SMEM_THREE_CTAS < smem <= SMEM_TWO_CTAS, smem
-
-
-def test_x_from_smem_solve_agrees_with_x_in_registers(monkeypatch):
-  """X_FROM_SMEM (the doubling reads X back from its bf16 split instead of holding it in registers)
-  gives X = Ainv + its low part within 2^-18 of X held in registers, relative to its largest entry
-  (ordinary gates); beta v is untouched."""
-  lens, T, HV, K, V, gates = PACKED["K64-V64-HV2"]
-  (q, k, v, beta), layout, (gi, gf) = _packed_case(lens, T, HV, K, V, 3, gates)
-  rows = padding.chunk_rows(layout)
-  outs = {}
-  for from_smem in (False, True):
-    monkeypatch.setattr(mgi, "X_FROM_SMEM", from_smem)
-    f = jax.jit(functools.partial(mgi.packed, scale=K ** -0.5, chunk_size=BT, interpret=True, defer=True))
-    outs[from_smem] = f(q, k, v, beta, gi, gf, layout.aligned_cu, rows)
-  (a_out, a_d), (b_out, b_d) = outs[True], outs[False]
-  f32 = lambda x: np.asarray(jnp.asarray(x, F32))
-  np.testing.assert_array_equal(f32(a_d.bv), f32(b_d.bv))
-  X = lambda o, d: f32(o.Ainv) + f32(d.ainv_lo)
-  a, b = X(a_out, a_d), X(b_out, b_d)
-  d = np.abs(a - b).max() / np.abs(b).max()
-  print(f"\n  X from SMEM against X in registers: max |d| / max |X| = {d:.2e}")
-  assert np.isfinite(a).all() and d <= 2 ** -18

@@ -136,3 +136,16 @@ def test_kernel_lowers_for_h200(K, V, BT, precision):
   txt = lower_h200(fn, jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta // BT, HV, K, V)),
                    jnp.zeros((1, Ta, HV, BT)), jnp.zeros((1, Ta, HV, V)))
   assert "kda_output" in txt
+
+
+@pytest.mark.parametrize("field,value", [("block_v", 32), ("block_k", 64), ("precision", "highest"),
+                                         ("num_warps", 8), ("num_stages", 3)])
+def test_config_field_changes_the_program(field, value):
+  """Each Config field changes the lowered program; block_v and block_k run against the reference
+  above (precision and the launch parameters leave the interpreted program as is)."""
+  Ta, HV, K, V = 8 * 64, 2, 128, 64
+  lower = lambda config: lower_h200(
+      functools.partial(output.pallas.apply, scale=0.125, chunk_size=64, config=config),
+      jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta // 64, HV, K, V)), jnp.zeros((1, Ta, HV, 64)),
+      jnp.zeros((1, Ta, HV, V)))
+  assert lower(output.pallas.Config(**{field: value})) != lower(output.pallas.Config())

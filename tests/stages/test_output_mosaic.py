@@ -88,15 +88,18 @@ def test_output_matches_reference_configs(config):
   check([17, 0, 130, 64], 64, 128, config=config)
 
 
-def test_output_takes_and_supports():
+def test_output_supports():
   args, _ = bf16_case([5, 70], 64, 64)
   kw = dict(scale=0.125, chunk_size=BT)
-  assert mgo.takes(*args, **kw) is None
-  assert output.STAGE.supports["mosaic_gpu"] is mgo.takes and output.STAGE.mosaic_gpu is mgo.apply
+  assert mgo.supports(*args, **kw) is None
+  assert output.STAGE.supports["mosaic_gpu"] is mgo.supports and output.STAGE.mosaic_gpu is mgo.apply
   qg, h, Aqk, v_new = args
-  assert "bfloat16" in mgo.takes(qg, h.astype(jnp.float32), Aqk, v_new, **kw)
+  assert "bfloat16" in mgo.supports(qg, h.astype(jnp.float32), Aqk, v_new, **kw)
   assert "chunk_size" in mgo.supports(*args, chunk_size=32)
   assert "K must" in mgo.supports(qg[..., :32], h[..., :32, :], Aqk, v_new, chunk_size=BT)
+  S = jax.ShapeDtypeStruct
+  assert "K must be one of (64, 128), got 256" in mgo.supports(
+      S(qg.shape[:3] + (256,), qg.dtype), S(h.shape[:3] + (256, 64), h.dtype), Aqk, v_new, chunk_size=BT)
   assert "block_v" in mgo.supports(*args, chunk_size=BT, config=mgo.Config(block_v=128))
   assert "Aqk" in mgo.supports(qg, h, Aqk[..., :32], v_new, chunk_size=BT)
   with pytest.raises(ValueError, match="block_v"):
@@ -114,17 +117,33 @@ def _abstract(Ta, HV, K, V):
   return (S((1, Ta, HV, K), b), S((1, Ta // BT, HV, K, V), b), S((1, Ta, HV, BT), b), S((1, Ta, HV, V), b))
 
 
-LOWER = [(K, V, c) for K, V in KV for c in [mgo.Config()] + CONFIGS if c.block_v <= V]
+# by default every config at the smallest and the largest head dims, the mixed ones for the default
+LOWER = [pytest.param(K, V, c, id=f"K{K}-V{V}-{c}", marks=pytest.mark.large if K != V and c != mgo.Config() else ())
+         for K, V in KV for c in [mgo.Config()] + CONFIGS if c.block_v <= V]
 
 
-@pytest.mark.parametrize("K,V,config", LOWER, ids=[f"K{k}-V{v}-{c}" for k, v, c in LOWER])
+@pytest.mark.parametrize("K,V,config", LOWER)
 def test_output_lowers_for_cuda(K, V, config):
   args = _abstract(32768 + 489 * BT, 16, K, V)
   f = lambda *a: mgo.apply(*a, scale=K ** -0.5, chunk_size=BT, config=config)
   smem = lowered_smem_bytes(f, *args)
   print(f"\n  K={K} V={V} {config}: SMEM {smem} bytes as lowered")
   assert smem <= 232448
+  assert smem == mgo.smem_bytes(K, config, 1 if config.chunks_per_program == 1 else 2)   # the predicate's figure
   assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_text(config):
+  f = lambda *a: mgo.apply(*a, scale=0.125, chunk_size=BT, config=config)
+  return jax.jit(f).trace(*_abstract(16 * BT, 2, 64, 128)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_config_field_changes_the_program(config):
+  """Each Config field gives another lowered program; test_output_matches_reference_configs runs
+  each of these configs against the reference in the simulator."""
+  assert _lowered_text(config) != _lowered_text(mgo.Config())
 
 
 def test_output_lowers_for_cuda_many_chunks():

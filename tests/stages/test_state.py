@@ -193,3 +193,15 @@ def test_kernel_lowers_for_h200(K, V, BT, precision):
   fn = functools.partial(state.pallas.apply, chunk_size=BT, config=state.pallas.Config(precision=precision))
   txt = lower_h200(fn, kd, kd, vd, kd, kd, jnp.zeros((N, HV, K, V)), acu)
   assert "kda_state" in txt
+
+
+@pytest.mark.parametrize("field,value", [("block_v", 32), ("block_k", 64), ("precision", "highest"),
+                                         ("num_warps", 8), ("num_stages", 3), ("longest_first", False)])
+def test_config_field_changes_the_program(field, value):
+  """Each Config field changes the lowered program; block_v, block_k and longest_first run against
+  the reference above (precision and the launch parameters leave the interpreted program as is)."""
+  Ta, HV, N, K, V = 8 * 64, 2, 3, 128, 64
+  kd, vd = jnp.zeros((1, Ta, HV, K)), jnp.zeros((1, Ta, HV, V))
+  lower = lambda config: lower_h200(functools.partial(state.pallas.apply, chunk_size=64, config=config),
+                                    kd, kd, vd, kd, kd, jnp.zeros((N, HV, K, V)), jnp.zeros((N + 1,), jnp.int32))
+  assert lower(state.pallas.Config(**{field: value})) != lower(state.pallas.Config())

@@ -13,6 +13,7 @@ float32 ones rounded (the arithmetic does not depend on the store dtype).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -212,16 +213,27 @@ def test_state_no_tail_and_no_sequences():
 
 def test_supports_reasons():
   args, _, _ = make_case([5], 64, 64, poison=False)
-  assert mgs.supports(*args, chunk_size=BT) is None
-  assert "chunk_size" in mgs.supports(*args, chunk_size=32)
-  kg, w, u, gi, gf, h0, cu = args
+  bf = tuple(x.astype(jnp.bfloat16) for x in args[:3]) + args[3:]
+  assert mgs.supports(*bf, chunk_size=BT) is None
+  assert mgs.supports(*bf, chunk_size=BT, config=mgs.Config(store_dtype="float32")) is None
+  assert state.STAGE.supports["mosaic_gpu"] is mgs.supports and state.STAGE.mosaic_gpu is mgs.apply
+  assert "bfloat16 kg, w, u" in mgs.supports(*args, chunk_size=BT)     # float32: the dtype policy
+  assert "chunk_size" in mgs.supports(*bf, chunk_size=32)
+  kg, w, u, gi, gf, h0, cu = bf
   assert "K must" in mgs.supports(kg[..., :32], w[..., :32], u, gi[..., :32], gf[..., :32], h0[:, :, :32], cu,
                                   chunk_size=BT)
+  S = jax.ShapeDtypeStruct
+  k256 = (S(kg.shape[:3] + (256,), kg.dtype),) * 2
+  g256 = (S(gi.shape[:3] + (256,), gi.dtype),) * 2
+  assert "K must be one of (64, 128), got 256" in mgs.supports(*k256, u, *g256, S(h0.shape[:2] + (256, 64), h0.dtype),
+                                                               cu, chunk_size=BT)
   assert "V must" in mgs.supports(kg, w, u[..., :48], gi, gf, h0[..., :48], cu, chunk_size=BT)
   assert "initial_state" in mgs.supports(kg, w, u, gi, gf, h0[:, :1], cu, chunk_size=BT)
   assert "float16" in mgs.supports(kg.astype(jnp.float16), w, u, gi, gf, h0, cu, chunk_size=BT)
   with pytest.raises(ValueError, match="chunk_size"):
     mgs.apply(*args, chunk_size=32, interpret=True)
+  with pytest.raises(ValueError, match="group_chunks"):
+    mgs.Config(group_chunks=None)
 
 
 def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
@@ -231,12 +243,18 @@ def _abstract(Ta, HV, K, V, N, dtype=jnp.bfloat16):
           S((N + 1,), jnp.int32))
 
 
-@pytest.mark.parametrize("K,V", [(64, 64), (64, 128), (128, 64), (128, 128)],
-                         ids=["K64-V64", "K64-V128", "K128-V64", "K128-V128"])
-@pytest.mark.parametrize("config", [mgs.Config(), mgs.Config(stage_stores=False),
-                                    mgs.Config(lane_semantics=True), mgs.Config(store_dtype="float32"),
-                                    mgs.Config(store_dtype="float32", swizzle_stages=True), mgs.Config(group_chunks=8)],
-                         ids=["default", "direct-stores", "lane", "f32-stores", "f32-swizzled-stages", "grouped"])
+LOWER_CONFIGS = {"default": mgs.Config(), "direct-stores": mgs.Config(stage_stores=False),
+                 "lane": mgs.Config(lane_semantics=True), "f32-stores": mgs.Config(store_dtype="float32"),
+                 "f32-swizzled-stages": mgs.Config(store_dtype="float32", swizzle_stages=True),
+                 "grouped": mgs.Config(group_chunks=8)}
+LOWER_KV = [(64, 64), (64, 128), (128, 64), (128, 128)]
+# by default every config at the smallest and the largest head dims, the mixed ones for the default
+LOWER = [pytest.param(K, V, c, id=f"{n}-K{K}-V{V}",
+                      marks=pytest.mark.large if K != V and n != "default" else ())
+         for n, c in LOWER_CONFIGS.items() for K, V in LOWER_KV]
+
+
+@pytest.mark.parametrize("K,V,config", LOWER)
 def test_state_lowers_for_cuda(K, V, config):
   args = _abstract(32768 + 489 * BT, 16, K, V, 489)
   f = lambda *a: mgs.apply(*a, chunk_size=BT, config=config)
@@ -246,6 +264,26 @@ def test_state_lowers_for_cuda(K, V, config):
   smem = lowered_smem_bytes(f, *args)
   print(f"\n  lowered K={K} V={V} {config} in {secs:.2f}s, SMEM {smem} bytes")
   assert "mosaic_gpu" in lowered.as_text() and smem <= 232448
+  assert smem == mgs.smem_bytes(K, config, config.stores(*args[:3]))   # the predicate's figure
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_text(config):
+  args = _abstract(8 * BT, 2, 64, 64, 5, jnp.float32)     # 5 sequences, 8 chunks: group_chunks=2 groups them
+  return jax.jit(lambda *a: mgs.apply(*a, chunk_size=BT, config=config)).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
+FIELDS = {"longest_first": False, "seq_major": False, "stage_stores": False, "lane_semantics": True,
+          "swizzle_stages": True, "store_dtype": "bfloat16", "group_chunks": 2}
+
+
+@pytest.mark.parametrize("field", list(FIELDS))
+def test_config_field_changes_the_program(field):
+  """Each Config field gives another lowered program (float32 inputs: f32 stores); the simulator
+  runs each against the reference in test_state_matches_reference_configs, test_state_bf16_stores
+  and test_state_grouped_walk_same_bits."""
+  assert _lowered_text(mgs.Config(**{field: FIELDS[field]})) != _lowered_text(mgs.Config())
 
 
 def test_state_lowers_for_cuda_many_sequences_and_f32_inputs():

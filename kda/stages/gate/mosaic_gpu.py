@@ -3,29 +3,29 @@
 Kernel: the gates as a [Ta, C] matrix (C = HV * K, a free reshape), one program (one warpgroup) per
 (128-column group j, chunk c). TMA brings the chunk's [BT, 128] tile of raw gates (in their own
 dtype) and its [BT] valid flags into SMEM; then the warpgroup walks the rows in order, one thread per
-column (`WG_STRIDED` [128] vectors, the row scan of MOSAIC_GPU.md: jnp.cumsum has no Mosaic GPU
-lowering), and per row activates, floors, masks, splits into ceil and fraction, and adds both parts
-to running sums. gc_int is exact; gc_frac is the float32 sequential sum, where XLA's cumsum (the
-reference) adds in a tree, so the two differ by float32 rounding (measured <= 1.4e-6 relative,
-test_gate_mosaic.py). A column group spans one head (K = 128) or two (K = 64); each column gets its
-exp(A_log) and dt_bias from C-long vectors the launcher builds (exp(A_log) formed there, per head,
-with the reference's XLA op).
+column (`WG_STRIDED` [128] vectors: jnp.cumsum has no Mosaic GPU lowering), and per row activates,
+floors, masks, splits into ceil and fraction, and adds both parts to running sums. gc_int is exact;
+gc_frac is the float32 sequential sum, where XLA's cumsum (the reference) adds in a tree, so the two
+differ by the rounding of the additions. A column group spans one head (K = 128) or two (K = 64);
+each column gets its exp(A_log) and dt_bias from C-long vectors the launcher builds (exp(A_log)
+formed there, per head, with the reference's XLA op). C must be a multiple of 128 (one thread per
+column; `supports` refuses other widths, which the pallas kernel takes).
 
 The activation in ops Mosaic GPU lowers (it has no ceil and no log1p): ceil(x) = r + (r < x) with
 r = round-half-even(x), exact for every float32 (|x| >= 2**23 is integral already; NaN stays NaN);
 softplus(x) = max(x, 0) + log1p(exp(-|x|)) as jax.nn.softplus forms it, log1p from log and a short
 series (`_log1p`, a few ulp); sigmoid is Mosaic GPU's rule for lax.logistic, 1 / (1 + exp(-x)).
 The floor, the valid mask (a select: padding gates may be NaN) and the split follow the reference.
+The kernel lowers with Lane semantics: its code is the same under Warpgroup semantics, and Lane
+skips layout inference, the bulk of the lowering time.
 
-Grid: (ceil(C / 128), NTa) with names ("j", "c"): Mosaic GPU launches (g0, g1) as CUDA (y, x), and
-x allows 2**31 - 1 programs, so the chunk axis never meets y's limit of 65535. C that is not a
-multiple of 128 is zero-padded in the launcher (an XLA copy in and out; the stage's predicate
-`takes` refuses those calls, so impl=None runs the pallas kernel there).
+Grid: (C / 128, NTa) with names ("j", "c"): Mosaic GPU launches (g0, g1) as CUDA (y, x), and x
+allows 2**31 - 1 programs, so the chunk axis never meets y's limit of 65535.
 
 Stores: by default each row leaves from registers straight to GMEM (512 contiguous bytes per row and
 output) and SMEM holds only the input tile (16 KiB bf16, 32 KiB f32) and the flags, so several
-programs share an SM. Config(stage_stores=True) gathers the three f32 outputs in SMEM tiles
-(+96 KiB) and stores them by TMA.
+programs share an SM. Config(stage_stores=True) gathers the f32 outputs in SMEM tiles (32 KiB each)
+and stores them by TMA.
 
 Packed mode (`packed`): g stays packed [1, T, HV, K] and the align is folded into the load. Chunk c's
 tile comes by TMA from packed row rows.src[c] (kda.padding.ChunkRows; any row: the tile's SMEM is
@@ -33,12 +33,12 @@ plain; rows past T arrive as zeros), and rows r >= rows.count[c] (other sequence
 NaN) are masked by the same select as valid=False rows; src and count are scalars read from GMEM.
 gc_int and gc_frac come out aligned [1, NTa * 64, HV, K], bit for bit those of `apply` on the
 aligned gates; the activated g is not written. The scan is split (static unroll) at the six rows
-intra's bounded_chunks reads (SPAN_ROWS), and each program also stores per-column stats
-[NTa, 2, C] f32: [c, 0] the max of the four half-block spans (exponent of gc between those rows; NaN
-propagates), [c, 1] the sum of ceil(g)**2 over the chunk (nonzero iff gc_int != 0 at some row). The
-launcher reduces them over each head's K columns: `bounded` (every span <= BOUNDED_SPAN, NaN -> 0)
-and `two_part` (any nonzero), as bounded_chunks and jnp.any(gc_int != 0) give them from gc. SMEM:
-the g tile alone (16 / 32 KiB; +64 KiB for the two gc tiles with stage_stores).
+`bounded_chunks` reads (SPAN_ROWS), and each program also stores per-column stats [NTa, 2, C] f32:
+[c, 0] the max of the four half-block spans (exponent of gc between those rows; NaN propagates),
+[c, 1] the sum of ceil(g)**2 over the chunk (nonzero iff gc_int != 0 at some row). The launcher
+reduces them over each head's K columns: `bounded` (every span <= BOUNDED_SPAN, NaN -> 0) and
+`two_part` (any nonzero), what `bounded_chunks` and `two_parts_needed` give from gc: they choose the
+intra kernel's paths (kda.stages.intra.mosaic_gpu), which imports them from here.
 """
 from __future__ import annotations
 
@@ -52,40 +52,56 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32
+from kda._mosaic_gpu import BF16, F32, smem_bytes as _smem_bytes, smem_reason
 from kda._mosaic_gpu import params as _params
-from kda._pallas import pad_dim
 from kda.stages.gate import GATE_FLOOR, Out, exponent, floor
 
+BT = 64
 COLS = 128                       # columns per program: one per thread of the warpgroup
 LINE = plgpu.Layout.WG_STRIDED((COLS,), vec_size=1)
 MAX_GRID_Y = 65535
-# (a, m, e) rows of intra's bounded_chunks: the spans gc[a] - gc[m] and gc[m] - gc[e] of each 32-row block
+# (a, m, e) rows of `bounded_chunks`: the spans gc[a] - gc[m] and gc[m] - gc[e] of each 32-row block
 SPAN_ROWS = ((0, 16, 31), (32, 48, 63))
+BOUNDED_SPAN = 80.0              # exp(+-80) is a normal float32 / bf16 number
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Switches of the gate kernel (the tile is one chunk by 128 columns)."""
+  """Variants of the gate kernel (the tile is one chunk by 128 columns)."""
   stage_stores: bool = False    # outputs through SMEM + TMA (else registers -> GMEM row stores)
-  # Lane semantics (kda._mosaic_gpu.params): the same code as Warpgroup here, lowered without layout
-  # inference (the gate kernel in 0.2 s instead of 1.4 on a CPU; H200: the same time)
-  lane_semantics: bool = True
   unroll: int = 4               # rows per iteration of the scan loop (ILP across the exps)
 
   def __post_init__(self):
-    if self.unroll < 1 or 64 % self.unroll:
+    if self.unroll < 1 or BT % self.unroll:
       raise ValueError(f"unroll must divide the chunk's 64 rows, got {self.unroll}")
 
 
-def _common(g, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, rows_name) -> Optional[str]:
+def scratch(dtype, config, *, packed=False, resets=False):
+  """The kernel's scratch_types: the g tile [BT, 128] in g's dtype; the valid flags (aligned) or the
+  reset rows (packed with resets) [BT] f32; the outputs' f32 tiles (stage_stores); the barrier."""
+  flags = not packed or resets
+  out = [plgpu.SMEM((BT, COLS), dtype)] + [plgpu.SMEM((BT,), F32)] * flags
+  if config.stage_stores:
+    out += [plgpu.SMEM((BT, COLS), F32)] * (2 if packed else 3)
+  return out + [plgpu.Barrier(num_arrivals=1 + flags)]
+
+
+def smem_bytes(dtype, config=None, *, packed=False, resets=False):
+  """The SMEM the kernel asks for (as lowered for CUDA) with gates of `dtype`."""
+  return _smem_bytes(scratch(jnp.dtype(dtype), config or Config(), packed=packed, resets=resets))
+
+
+def _common(g, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, rows_name, config,
+            packed, resets=False) -> Optional[str]:
   """What both modes ask of g [1, rows, HV, K] and the activation's parameters."""
-  if chunk_size != 64:
-    return f"chunk_size must be 64, got {chunk_size}"
+  if chunk_size != BT:
+    return f"chunk_size must be {BT}, got {chunk_size}"
   if g.ndim != 4 or g.shape[0] != 1:
     return f"g must be [1, {rows_name}, HV, K], got shape {g.shape}"
   _, _, HV, K = g.shape
-  if -(-HV * K // COLS) > MAX_GRID_Y:
+  if (HV * K) % COLS:
+    return f"mosaic_gpu gate takes HV * K a multiple of {COLS} (one thread per column), got {HV} * {K}"
+  if HV * K // COLS > MAX_GRID_Y:
     return f"HV * K / {COLS} must be <= {MAX_GRID_Y} (a CUDA grid y limit), got {HV} * {K}"
   if jnp.dtype(g.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
     return f"g must be bfloat16 or float32, got {jnp.dtype(g.dtype).name}"
@@ -96,20 +112,14 @@ def _common(g, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, r
       return f"A_log must have shape {(HV,)}, got {A_log.shape}"
     if dt_bias is not None and dt_bias.size != HV * K:
       return f"dt_bias must have {HV * K} elements, got shape {dt_bias.shape}"
-  return None
+  return smem_reason(smem_bytes(g.dtype, config, packed=packed, resets=resets))
 
 
-def _whole_columns(reason, g):
-  if reason is None and (g.shape[2] * g.shape[3]) % COLS:
-    reason = (f"mosaic_gpu gate takes HV * K a multiple of {COLS} (one thread per column), got "
-              f"{g.shape[2]} * {g.shape[3]}")
-  return reason
-
-
-def supports(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound) -> Optional[str]:
+def supports(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, config=None,
+             **_) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
   reason = _common(g, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                   lower_bound=lower_bound, rows_name="Ta")
+                   lower_bound=lower_bound, rows_name="Ta", config=config, packed=False)
   if reason is not None:
     return reason
   Ta = g.shape[1]
@@ -120,19 +130,12 @@ def supports(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_
   return None
 
 
-def takes(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, **_) -> Optional[str]:
-  """The stage's predicate: `supports`, and HV * K a multiple of 128, where the kernel reads and
-  writes the arrays in place; for other widths `apply` pads the columns (an XLA copy in, one out),
-  which the pallas kernel does without."""
-  return _whole_columns(supports(g, valid, A_log, dt_bias, chunk_size=chunk_size,
-                                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound), g)
-
-
-def packed_supports(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound) -> Optional[str]:
+def packed_supports(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, config=None,
+                    seg=None, **_) -> Optional[str]:
   """None if `packed` takes this call (g packed [1, T, HV, K], rows a kda.padding.ChunkRows), else
   the reason in words."""
   reason = _common(g, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                   lower_bound=lower_bound, rows_name="T")
+                   lower_bound=lower_bound, rows_name="T", config=config, packed=True, resets=seg is not None)
   if reason is not None:
     return reason
   if g.shape[1] == 0:
@@ -146,10 +149,8 @@ def packed_supports(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, 
   return None
 
 
-def packed_takes(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, **_) -> Optional[str]:
-  """`takes` for `packed`: `packed_supports`, and HV * K a multiple of 128."""
-  return _whole_columns(packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size,
-                                        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound), g)
+takes = supports                 # the names kda.stages.gate and kda.pipeline call the predicates by
+packed_takes = packed_supports
 
 
 def _ceil(x):
@@ -286,51 +287,70 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
     work()
 
 
-def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, dtype, use_gate_in_kernel, lower_bound, config, interpret,
+def _launch(g2, lead, A_log, dt_bias, *, NTa, HV, K, use_gate_in_kernel, lower_bound, config, interpret,
             packed, tail_zeros=True, resets=False):
-  """The kernel on g2 [rows, Cp] (columns already padded) after the `lead` args -> its outputs, columns
-  still padded."""
-  BT, Cp = 64, g2.shape[1]
+  """The kernel on g2 [rows, C] after the `lead` args -> its outputs."""
+  C = g2.shape[1]
   has_a = use_gate_in_kernel and A_log is not None
   has_bias = use_gate_in_kernel and dt_bias is not None
-  pad = lambda x: pad_dim(x, x.ndim - 1, Cp)
   args = [*lead, g2] if packed else [g2, *lead]   # packed: src, count first; aligned: valid after g
   if has_a:
-    args.append(pad(jnp.repeat(jnp.exp(A_log.astype(F32)), K)))
+    args.append(jnp.repeat(jnp.exp(A_log.astype(F32)), K))
   if has_bias:
-    args.append(pad(dt_bias.astype(F32).reshape(HV * K)))
+    args.append(dt_bias.astype(F32).reshape(HV * K))
   body = functools.partial(_body, BT=BT, act=use_gate_in_kernel,
                            lower_bound=None if lower_bound is None else float(lower_bound),
                            has_a=has_a, has_bias=has_bias, stage_stores=config.stage_stores,
                            unroll=config.unroll, packed=packed, tail_zeros=tail_zeros, resets=resets)
-  n_rows = 2 if packed else 3
-  scratch = [plgpu.SMEM((BT, COLS), dtype)] + ([] if packed and not resets else [plgpu.SMEM((BT,), F32)])
-  if config.stage_stores:
-    scratch += [plgpu.SMEM((BT, COLS), F32)] * n_rows
-  scratch.append(plgpu.Barrier(num_arrivals=1 if packed and not resets else 2))   # the g tile (and valid / resets)
-  out_type = [jax.ShapeDtypeStruct((NTa * BT, Cp), F32)] * n_rows
+  out_type = [jax.ShapeDtypeStruct((NTa * BT, C), F32)] * (2 if packed else 3)
   if packed:
-    out_type.append(jax.ShapeDtypeStruct((NTa, 2, Cp), F32))
+    out_type.append(jax.ShapeDtypeStruct((NTa, 2, C), F32))
   f = plgpu.kernel(
-      body, out_type=tuple(out_type), grid=(Cp // COLS, NTa), grid_names=("j", "c"),
-      scratch_types=scratch, compiler_params=_params(config.lane_semantics),
+      body, out_type=tuple(out_type), grid=(C // COLS, NTa), grid_names=("j", "c"),
+      scratch_types=scratch(g2.dtype, config, packed=packed, resets=resets), compiler_params=_params(True),
       kernel_name="kda_gate", interpret=plgpu.InterpretGPUParams() if interpret else None)
   return f(*args)
 
 
 def apply(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, interpret=False,
           config=None):
+  config = config or Config()
   reason = supports(g, valid, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                    lower_bound=lower_bound)
+                    lower_bound=lower_bound, config=config)
   if reason is not None:
     raise ValueError(f"mosaic_gpu gate kernel: {reason}")
   _, Ta, HV, K = g.shape
-  C = HV * K
-  g2 = pad_dim(g.reshape(Ta, C), 1, -(-C // COLS) * COLS)   # columns padded with zeros, cut off afterwards
-  outs = _launch(g2, [valid[0].astype(F32)], A_log, dt_bias, NTa=Ta // chunk_size, HV=HV, K=K, dtype=g.dtype,
-                 use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=config or Config(),
+  outs = _launch(g.reshape(Ta, HV * K), [valid[0].astype(F32)], A_log, dt_bias, NTa=Ta // chunk_size, HV=HV,
+                 K=K, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=config,
                  interpret=interpret, packed=False)
-  return Out(*(x[:, :C].reshape(1, Ta, HV, K) for x in outs))
+  return Out(*(x.reshape(1, Ta, HV, K) for x in outs))
+
+
+def bounded_chunks(gc_int, gc_frac):
+  """[HV * NTa] int32, row-major (head, chunk): 1 where every 16-token half of both 32-token blocks
+  of the chunk spans at most BOUNDED_SPAN of gc in every channel (the rows of SPAN_ROWS), so that
+  the intra kernel's two-level path keeps every factor within exp(+-BOUNDED_SPAN); 0 elsewhere (NaN
+  gates included). gc_int, gc_frac: [1, Ta, HV, K]."""
+  gi, gf = (x.astype(F32).reshape((-1, BT) + x.shape[2:]) for x in (gc_int, gc_frac))   # [NTa, BT, HV, K]
+  at = lambda r: (gi[:, r], gf[:, r])
+  span = jnp.zeros(gi.shape[:1] + gi.shape[2:], F32)
+  for a, m, e in SPAN_ROWS:
+    span = jnp.maximum(span, jnp.maximum(exponent(*at(a), *at(m)), exponent(*at(m), *at(e))))
+  ok = jnp.all(span <= BOUNDED_SPAN, axis=-1)                           # [NTa, HV]; NaN -> False
+  return ok.T.reshape(-1).astype(jnp.int32)
+
+
+def two_parts_needed(gc_int):
+  """[HV * NTa] int32, row-major (head, chunk): 1 where the chunk's gc_int is not 0 (NaN included),
+  i.e. where the intra kernel needs both parts of gc."""
+  gi = gc_int.astype(F32).reshape((-1, BT) + gc_int.shape[2:])          # [NTa, BT, HV, K]
+  return jnp.any(gi != 0, axis=(1, 3)).T.reshape(-1).astype(jnp.int32)
+
+
+def reset_free(gc_int, seg):
+  """gc_int [1, Ta, HV, K] without the -128 steps of a segmented layout's resets (seg:
+  kda.pipeline.segment_rows): + 128 n per row, exact."""
+  return gc_int - GATE_FLOOR * seg[0][None, :, None, None]
 
 
 def reset_rows(seg):
@@ -343,8 +363,8 @@ def reset_rows(seg):
 class PackedOut(NamedTuple):
   gc_int: jax.Array    # [1, Ta, HV, K] float32, as Out.gc_int of `apply` on the aligned gates
   gc_frac: jax.Array   # [1, Ta, HV, K] float32
-  bounded: jax.Array   # [HV * NTa] int32, kda.stages.intra.mosaic_gpu.bounded_chunks(gc_int, gc_frac)
-  two_part: jax.Array  # [HV * NTa] int32, kda.stages.intra.mosaic_gpu.two_parts_needed(gc_int)
+  bounded: jax.Array   # [HV * NTa] int32, bounded_chunks(gc_int, gc_frac)
+  two_part: jax.Array  # [HV * NTa] int32, two_parts_needed(gc_int)
 
 
 def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, interpret=False,
@@ -360,26 +380,24 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   there), and bounded and two_part are as if each reset's -128 step were not in gc_int (the intra
   kernel takes seg and masks its pairs instead): the ceil(g)**2 sums less GATE_FLOOR**2 per reset
   (exact integers), bounded from gc_int + 128 n."""
-  from kda.stages.intra.mosaic_gpu import BOUNDED_SPAN   # here: intra imports the gate stage
+  config = config or Config()
   reason = packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                           lower_bound=lower_bound)
+                           lower_bound=lower_bound, config=config, seg=seg)
   if reason is not None:
     raise ValueError(f"mosaic_gpu gate kernel: {reason}")
   _, T, HV, K = g.shape
   C, NTa = HV * K, rows.src.shape[0]
-  g2 = pad_dim(g.reshape(T, C), 1, -(-C // COLS) * COLS)
+  g2 = g.reshape(T, C)
   lead = [rows.src, rows.count] + ([] if seg is None else [reset_rows(seg)])
-  gi, gf, stats = _launch(g2, lead, A_log, dt_bias, NTa=NTa, HV=HV, K=K, dtype=g.dtype,
-                          use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-                          config=config or Config(), interpret=interpret, packed=True,
-                          tail_zeros=bool(tail_zeros), resets=seg is not None)
-  span, nz = (stats[:, i, :C].reshape(NTa, HV, K) for i in (0, 1))
+  gi, gf, stats = _launch(g2, lead, A_log, dt_bias, NTa=NTa, HV=HV, K=K,
+                          use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, config=config,
+                          interpret=interpret, packed=True, tail_zeros=bool(tail_zeros), resets=seg is not None)
+  span, nz = (stats[:, i].reshape(NTa, HV, K) for i in (0, 1))
   Ta = NTa * chunk_size
-  gi, gf = (x[:, :C].reshape(1, Ta, HV, K) for x in (gi, gf))
+  gi, gf = (x.reshape(1, Ta, HV, K) for x in (gi, gf))
   if seg is None:
     bounded = jnp.all(span <= BOUNDED_SPAN, axis=-1).T.reshape(-1).astype(jnp.int32)   # NaN -> 0
   else:
-    from kda.stages.intra.mosaic_gpu import bounded_chunks, reset_free
     nz = nz - GATE_FLOOR ** 2 * seg[0].reshape(NTa, chunk_size)[:, -1, None, None]
     bounded = bounded_chunks(reset_free(gi, seg), gf)
   two_part = jnp.any(nz != 0, axis=-1).T.reshape(-1).astype(jnp.int32)   # NaN -> 1

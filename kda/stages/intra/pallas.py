@@ -17,8 +17,8 @@ the [1, Ta, HV, D] layout, in 16-token sub-blocks I, J (BT / 16 of them):
   blocks below by block forward substitution with 16x16 dots; then w, u by 16-row block dots.
 - gc in two parts: every exponent above is formed as gate.exponent of both. While every gate of the
   call is above -1 (gc_int == 0 everywhere, the usual case), an XLA conditional launches the same
-  kernel on gc_frac alone, which computes the same bits with fewer registers (the two-part kernel
-  measured 1.5x slower on the H200); Config(two_part="always") turns that off.
+  kernel on gc_frac alone, which computes the same bits with fewer registers (the two-part exponents
+  make the kernel 1.5x slower).
 Stores (the dtype policy): with bf16 q and k (and Config.bf16_dots) every output, Akk, Aqk, Ainv,
 w, u, qg, kg, is stored bf16, rounded once from the float32 values; with float32 inputs, float32.
 K or V that are not powers of two are zero-padded in the launcher and cut off afterwards.
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -48,7 +47,6 @@ class Config:
   precision: str = "highest"   # float32 dots: the solve always, A / w / u with float32 inputs
   bf16_dots: bool = True       # bf16 inputs: A, w, u dots take bf16 operands (float32 accumulation)
   diag: str = "auto"           # diagonal sub-blocks: "auto" or "pairwise" (module docstring)
-  two_part: str = "auto"       # "auto": the gc_frac-only kernel when gc_int == 0; "always": never
   num_warps: int = 4
   num_stages: int = 2
 
@@ -56,8 +54,6 @@ class Config:
     _pallas.check_config(self)
     if self.diag not in ("auto", "pairwise"):
       raise ValueError(f"diag must be 'auto' or 'pairwise', got {self.diag!r}")
-    if self.two_part not in ("auto", "always"):
-      raise ValueError(f"two_part must be 'auto' or 'always', got {self.two_part!r}")
 
 
 def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_ref, w_ref, u_ref, qg_ref,
@@ -180,6 +176,31 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, gi_ref, gf_ref, akk_ref, aqk_ref, ainv_r
   put(kg_ref, ..., k_ref[...].astype(f32) * jnp.exp(diff(gc(row_at(BT - 1)), b_g)))
 
 
+def launch(q, k, v, beta, gi, gf, *, two_part, scale, chunk_size, interpret=False, config=None):
+  """One kernel on q, k, gi, gf [1, Ta, HV, Kp], v [1, Ta, HV, Vp], beta [1, Ta, HV, 1] (K, V
+  already padded to powers of two): both parts of gc (two_part), or gc_frac alone (gc_int == 0
+  everywhere) -> (Akk, Aqk, Ainv, w, u, qg, kg), w, u, qg, kg still padded."""
+  config = config or Config()
+  BT = chunk_size
+  _, Ta, HV, Kp = k.shape
+  Vp = v.shape[-1]
+  bf16 = q.dtype == jnp.bfloat16 and k.dtype == jnp.bfloat16 and config.bf16_dots
+  kernel = functools.partial(_kernel, scale=float(scale), mm_dtype=jnp.bfloat16 if bf16 else jnp.float32,
+                             precision=_pallas.dot_precision(config.precision, interpret),
+                             diag=config.diag, two_part=two_part)
+  tile = lambda d: pl.BlockSpec((None, BT, None, d), lambda c, h: (0, c, h, 0))
+  # the dtype policy: bf16 inputs -> bf16 intermediates, float32 ones stay float32
+  out_dtype = jnp.bfloat16 if bf16 else jnp.float32
+  shape = lambda d: out_struct((1, Ta, HV, d), out_dtype, q, k, v, beta, gi, gf)
+  return pl.pallas_call(
+      kernel, grid=(Ta // BT, HV),
+      in_specs=[tile(Kp), tile(Kp), tile(Vp), tile(1), tile(Kp), tile(Kp)],
+      out_specs=[tile(BT)] * 3 + [tile(Kp), tile(Vp), tile(Kp), tile(Kp)],
+      out_shape=[shape(BT)] * 3 + [shape(Kp), shape(Vp), shape(Kp), shape(Kp)],
+      compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret, name=f"kda_{NAME}{'' if two_part else '_frac'}")(q, k, v, beta, gi, gf)
+
+
 def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
           config=None):
   del aligned_cu   # every chunk is computed
@@ -187,34 +208,17 @@ def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size,
   BT = chunk_size
   if BT < SUB or BT & (BT - 1):
     raise ValueError(f"chunk_size must be a power of two >= {SUB}, got {BT}")
-  _, Ta, HV, K = k.shape
-  V = v.shape[-1]
+  K, V = k.shape[-1], v.shape[-1]
   f32 = jnp.float32
   Kp, Vp = max(_pallas.next_pow2(K), 16), max(_pallas.next_pow2(V), 16)
   q, k, gi, gf = (_pallas.pad_dim(x, 3, Kp) for x in (q, k, gc_int.astype(f32), gc_frac.astype(f32)))
   v = _pallas.pad_dim(v, 3, Vp)
-  bf16 = q.dtype == jnp.bfloat16 and k.dtype == jnp.bfloat16 and config.bf16_dots
-  kernel = functools.partial(_kernel, scale=float(scale), mm_dtype=jnp.bfloat16 if bf16 else f32,
-                             precision=_pallas.dot_precision(config.precision, interpret),
-                             diag=config.diag)
-  tile = lambda d: pl.BlockSpec((None, BT, None, d), lambda c, h: (0, c, h, 0))
-  # dtype policy (DESIGN.md): bf16 inputs -> bf16 intermediates, float32 ones stay float32
-  out_dtype = jnp.bfloat16 if bf16 else f32
-  shape = lambda d: out_struct((1, Ta, HV, d), out_dtype, q, k, v, beta, gi, gf)
-  call = lambda two_part: lambda *args: pl.pallas_call(
-      functools.partial(kernel, two_part=two_part), grid=(Ta // BT, HV),
-      in_specs=[tile(Kp), tile(Kp), tile(Vp), tile(1), tile(Kp), tile(Kp)],
-      out_specs=[tile(BT)] * 3 + [tile(Kp), tile(Vp), tile(Kp), tile(Kp)],
-      out_shape=[shape(BT)] * 3 + [shape(Kp), shape(Vp), shape(Kp), shape(Kp)],
-      compiler_params=None if interpret else _pallas.compiler_params(config.num_warps, config.num_stages),
-      interpret=interpret, name=f"kda_{NAME}{'' if two_part else '_frac'}")(*args)
-  # The two-part exponents cost registers (measured +50% time on the H200); while every gate is
-  # above -1 (gc_int == 0, the usual case) the kernel on gc_frac alone computes the same bits.
+  call = lambda two_part: lambda *args: launch(*args, two_part=two_part, scale=scale, chunk_size=BT,
+                                               interpret=interpret, config=config)
+  # while every gate is above -1 (gc_int == 0, the usual case) the kernel on gc_frac alone computes
+  # the same bits with fewer registers
   args = (q, k, v, beta[..., None], gi, gf)
-  if config.two_part == "always":
-    outs = call(True)(*args)
-  else:
-    outs = lax.cond(jnp.any(gi != 0), call(True), call(False), *args)
+  outs = lax.cond(jnp.any(gi != 0), call(True), call(False), *args)
   Akk, Aqk, Ainv, w, u, qg, kg = outs
   if Kp != K:
     w, qg, kg = w[..., :K], qg[..., :K], kg[..., :K]

@@ -12,7 +12,7 @@ one barrier per slot, TMA). Per chunk c:
     o_c   -> SMEM stage -> TMA store (Config.stage_store), or registers -> GMEM
 
 What is bf16: qg, h, Aqk, v_new (cast in the launcher when they come in float32: one XLA pass each;
-the stage's predicate `takes` only accepts bf16 ones). Accumulation is float32. o is float32, or
+the predicate `supports` only accepts bf16 ones). Accumulation is float32. o is float32, or
 bf16 with Config(out_dtype="bfloat16"): the pipeline rounds o to v's dtype after unalign, and this
 kernel only runs for bf16 intermediates, i.e. bf16 inputs, so a bf16 o is the same bits there and
 halves the store and the unalign's read.
@@ -23,11 +23,12 @@ tile's reads of qg and Aqk find them in L2. CUDA caps grid z at 65535; past that
 The tail (chunks past aligned_cu[-1]) needs no special case: qg = Aqk = 0 and h = v_new = 0 there
 (align and the state stage make them so), so o = 0.
 
-SMEM per program (bytes, BT = 64), S slots (1 if chunks_per_program == 1, else 2):
-    qg [64, K] + h [K, BV] + Aqk [64, 64] + v_new [64, BV], bf16     S x (256 K + 384 BV + 8192)
+SMEM per program (bytes, BT = 64; `scratch`, `smem_bytes`), S slots (1 if a program takes one
+chunk, else 2):
+    qg [64, K] + h [K, BV] + Aqk [64, 64] + v_new [64, BV], bf16     S x (128 K + 2 K BV + 8192 + 128 BV)
     o stage [64, BV] (f32 or bf16)                                   256 BV or 128 BV
-  K = 128, BV = 64: 65536 (S = 1), 114688 (S = 2); BV = 128: 106496 (S = 1), 180224 (S = 2).
-  As lowered (barriers, alignment) these are a few hundred bytes more (tests print them).
+    barriers                                                         8 S
+  K = 128, BV = 64, f32 o: 65544 (S = 1), 114704 (S = 2); BV = 128: 106504, 180240.
 """
 from __future__ import annotations
 
@@ -40,17 +41,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda.stages.output import Out
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, tile_shapes
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, bf16_reason, smem_bytes as _smem_bytes, smem_reason, tile_shapes
 from kda._mosaic_gpu import params as _params
 from kda._mosaic_gpu import swz as _swz
+from kda.stages.output import Out
 
+BT = 64
 OUT_DTYPES = {"float32": F32, "bfloat16": BF16}
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tiles and switches of the output kernel; they depend on K, V, BT and dtype only."""
+  """Tiles and variants of the output kernel; they depend on K, V, BT and dtype only."""
   block_v: int = 64              # BV: output columns per program (64 or 128, at most V)
   chunks_per_program: int = 4    # consecutive chunks per program; > 1 double-buffers the loads
   out_dtype: str = "float32"     # o as stored: "float32" or "bfloat16"
@@ -66,9 +68,35 @@ class Config:
       raise ValueError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {self.out_dtype!r}")
 
 
-def supports(qg, h, Aqk, v_new, *, scale=None, chunk_size, config=None) -> Optional[str]:
-  """None if `apply` takes this call, else the reason in words."""
-  config = config or Config()
+def _slots(config, NTa):
+  """Input slots per program: two (the next chunk's loads in flight) where a program takes more than
+  one chunk."""
+  return 1 if min(config.chunks_per_program, NTa) == 1 else 2
+
+
+def scratch(K, config, slots):
+  """The kernel's scratch_types: qg [64, K], h[c] [K, BV], Aqk [64, 64], v_new [64, BV] (bf16,
+  swizzled, `slots` each), the o stage [64, BV] (an 8-row placeholder without stage_store), the
+  slots' barriers."""
+  BV, odt = config.block_v, OUT_DTYPES[config.out_dtype]
+  if config.stage_store:
+    o_stage = _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32)
+  else:
+    o_stage = plgpu.SMEM((8, BV), odt)                     # unused placeholder
+  return [
+      _swz((slots, BT, K)), _swz((slots, K, BV)),          # qg, h[c]
+      _swz((slots, BT, BT)), _swz((slots, BT, BV)),        # Aqk, v_new
+      o_stage,
+      plgpu.Barrier(num_arrivals=4, num_barriers=slots),
+  ]
+
+
+def smem_bytes(K, config=None, slots=2):
+  """The SMEM the kernel asks for (as lowered for CUDA)."""
+  return _smem_bytes(scratch(K, config or Config(), slots))
+
+
+def _kernel_reason(qg, h, Aqk, v_new, *, chunk_size, config) -> Optional[str]:
   reason, dims = tile_shapes(chunk_size, "qg", qg, "v_new", v_new)
   if reason is not None:
     return reason
@@ -87,20 +115,17 @@ def supports(qg, h, Aqk, v_new, *, scale=None, chunk_size, config=None) -> Optio
       return f"{name} must be bfloat16 or float32, got {jnp.dtype(x.dtype).name}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
-  return None
+  return smem_reason(smem_bytes(K, config, _slots(config, NTa)))
 
 
-def takes(qg, h, Aqk, v_new, *, chunk_size, **kw) -> Optional[str]:
-  """The stage's predicate: `supports`, and bf16 qg, h, Aqk, v_new (the dtype policy's bf16
-  intermediates); float32 ones would be rounded to bf16, below the float32 accuracy promised for
-  float32 inputs."""
-  reason = supports(qg, h, Aqk, v_new, chunk_size=chunk_size, config=kw.get("config"))
-  if reason is None:
-    named = (("qg", qg), ("h", h), ("Aqk", Aqk), ("v_new", v_new))
-    if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for _, x in named):
-      reason = (f"mosaic_gpu output takes bfloat16 qg, h, Aqk, v_new (float32 would be rounded to "
-                f"bfloat16), got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in named)}")
-  return reason
+def supports(qg, h, Aqk, v_new, *, scale=None, chunk_size, config=None, **_) -> Optional[str]:
+  """The stage's predicate: None if `apply` takes this call, else the reason in words; bf16 qg, h,
+  Aqk, v_new only (the dtype policy's bf16 intermediates)."""
+  reason = _kernel_reason(qg, h, Aqk, v_new, chunk_size=chunk_size, config=config or Config())
+  return reason or bf16_reason("output", qg=qg, h=h, Aqk=Aqk, v_new=v_new)
+
+
+takes = supports       # the name kda.stages.output registers the predicate by
 
 
 def _body(qg_g, h_g, A_g, vn_g, o_g, qg_s, h_s, A_s, vn_s, o_s, bars, *, BT, BV, per, scale,
@@ -155,42 +180,34 @@ def _body(qg_g, h_g, A_g, vn_g, o_g, qg_s, h_s, A_s, vn_s, o_s, bars, *, BT, BV,
 
 
 def apply(qg, h, Aqk, v_new, *, scale, chunk_size, interpret=False, config=None):
+  """float32 inputs are rounded to bf16 (`supports` refuses them; tests and tools call this)."""
   config = config or Config()
-  reason = supports(qg, h, Aqk, v_new, chunk_size=chunk_size, config=config)
+  reason = _kernel_reason(qg, h, Aqk, v_new, chunk_size=chunk_size, config=config)
   if reason is not None:
     raise ValueError(f"mosaic_gpu output kernel: {reason}")
-  BT, BV, per = chunk_size, config.block_v, config.chunks_per_program
+  BV = config.block_v
   _, Ta, HV, K = qg.shape
   V = v_new.shape[-1]
   NTa = Ta // BT
   odt = OUT_DTYPES[config.out_dtype]
   if NTa == 0:
     return Out(jnp.zeros((1, 0, HV, V), odt))
-  per = min(per, NTa)
+  per = min(config.chunks_per_program, NTa)
   G = -(-NTa // per)
-  slots = 1 if per == 1 else 2
+  slots = _slots(config, NTa)
   qg, Aqk, v_new = (x[0].astype(BF16) for x in (qg, Aqk, v_new))
   h = h[0].astype(BF16)
   if G <= MAX_GRID_YZ:
     grid, names = (G, HV, V // BV), ("g", "h", "v")
   else:
     grid, names = (V // BV, HV, G), ("v", "h", "g")
-  if config.stage_store:
-    o_stage = _swz((BT, BV), BF16) if odt == BF16 else plgpu.SMEM((BT, BV), F32)
-  else:
-    o_stage = plgpu.SMEM((8, BV), odt)                     # unused placeholder
   body = lambda *refs: _body(*refs, BT=BT, BV=BV, per=per, scale=float(scale),
                              stage_store=config.stage_store)
   f = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((Ta, HV, V), odt),
       grid=grid, grid_names=names,
-      scratch_types=[
-          _swz((slots, BT, K)), _swz((slots, K, BV)),      # qg, h[c]
-          _swz((slots, BT, BT)), _swz((slots, BT, BV)),    # Aqk, v_new
-          o_stage,
-          plgpu.Barrier(num_arrivals=4, num_barriers=slots),
-      ],
+      scratch_types=scratch(K, config, slots),
       compiler_params=_params(config.lane_semantics),
       kernel_name="kda_output", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )

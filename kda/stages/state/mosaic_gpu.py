@@ -18,32 +18,31 @@ come in bf16 (the dtype policy: they feed the output stage's bf16 wgmmas), else 
 (Config.store_dtype overrides): the bf16 ones are those very wgmma operands, bf16(S) and
 bf16(v_new), TMA-stored straight from their SMEM copies, so they need no stage of their own and
 are the bits the output stage would round to anyway. Rounding S and v_new to bf16 in the dots
-costs ~1e-3 relative error against the float32 reference (simulator, max|d| / max|ref| <= 1.5e-3 on
-bf16-exact inputs, up to 24 chunks; test_state_mosaic.py), and float32 inputs are rounded to bf16
-too, so this kernel does not meet the float32 1e-5 policy: the stage's predicate (`takes`, what
-impl=None consults) refuses float32 kg, w, u, and `apply` (which tests and tools call directly)
-casts them.
+costs ~1e-3 relative error against the float32 reference, and float32 inputs are rounded to bf16
+too, so this kernel does not meet the float32 1e-5 policy: the predicate (`supports`) refuses
+float32 kg, w, u, and `apply` casts them.
 
 Grid: (N, HV, V // BV) with names ("r", "h", "v"). Mosaic GPU launches grid (g0, g1, g2) as CUDA
 (z, y, x) and x is dispatched fastest, so with the sequence rank on g0 every (head, V tile) of the
 longest sequence starts first (rank r takes the r-th longest sequence: an argsort in the launcher).
 CUDA caps z and y at 65535; for N > 65535 the launcher puts the sequences on x instead.
+Config(group_chunks=G > 0): one program walks the consecutive sequences that start in one window of
+G chunks, where that makes fewer programs than sequences (kda._mosaic_gpu.sequence_groups).
 
 Tail: the chunks at or past aligned_cu[-1] get h = 0 and v_new = 0 from the kernel itself; the N
 programs of each (head, V tile) take them round-robin (disjoint rows), each with TMA stores of one
-zeroed SMEM tile, so the launcher has no extra pass over h (which would cost a read and a write of
-all of h, 512 MiB at T = 32768, H = 16, K = V = 128). aligned_cu[0] must be 0 (align's output).
+zeroed SMEM tile, so the launcher has no extra pass over h (a read and a write of all of h).
+aligned_cu[0] must be 0 (align's output).
 
-SMEM per program (bytes, BT = 64, BV = 64):
+SMEM per program (bytes, BT = 64, BV = 64; `scratch`, `smem_bytes`):
     w, kg     2 slots x [64, K] bf16 each                  512 K
     u         2 slots x [64, BV] bf16                      16384
-    decay     2 slots x [K] f32                            8 K
+    decay     2 slots x [K] f32                            8 K (each buffer from a 1 KiB boundary)
     bf16(S)   [K, BV]; bf16(v_new) [64, BV]                128 K + 8192
     h stage   [K, BV] f32; v_new stage [64, BV] f32        256 K + 16384   (f32 stores, stage_stores)
-  As lowered for CUDA (barriers and alignment included; limit 232448): bf16 stores 111632 (K = 128)
-  and 70672 (K = 64), which leaves room for two programs per SM (228 KiB) where the registers allow
-  it; f32 stores through the stages 156688 and 99344; with stage_stores=False (registers straight
-  to GMEM, the stages shrink to 2 KiB each) as bf16 stores.
+  bf16 stores: 111632 (K = 128) and 70672 (K = 64), room for two programs per SM (228 KiB); f32
+  stores through the stages 156688 and 99344; with stage_stores=False (registers straight to GMEM,
+  the stages shrink to 2 KiB each) as bf16 stores.
 """
 from __future__ import annotations
 
@@ -57,23 +56,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, WG, tile_shapes, tail_share, walk_order, with_absent, zeros
-from kda._mosaic_gpu import params as _params
-from kda._mosaic_gpu import aligned_cu_reason, walk_range
+from kda._mosaic_gpu import params as _params, smem_bytes as _smem_bytes, smem_reason
+from kda._mosaic_gpu import aligned_cu_reason, bf16_reason, walk_range
 from kda._mosaic_gpu import load as _load
 from kda._mosaic_gpu import mm as _mm
 from kda._mosaic_gpu import swz as _swz
 from kda.stages.state import Out, chunk_decay
 
-# Config.group_chunks' default (0: one program per sequence). H200, shape B, 8 with the fused
-# kernel's 8: forward+backward 13.37 ms either way, the same bits
-GROUP_CHUNKS = 0
-
+BT = 64
+BV = 64                        # state columns per program: one wgmma N tile
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tiles and switches of the state kernel; they depend on K, V, BT and dtype only."""
-  block_v: int = 64            # BV: state columns per program
+  """Variants of the state kernel; they depend on K, V, BT and dtype only."""
   longest_first: bool = True   # rank r of the grid takes the r-th longest sequence
   seq_major: bool = True       # sequences on the slowest-dispatched grid axis (if N <= 65535)
   stage_stores: bool = True    # h and v_new through SMEM + TMA (else registers -> GMEM stores)
@@ -81,14 +77,12 @@ class Config:
   swizzle_stages: bool = False  # the f32 store stages tiled + 128-byte swizzled (fewer bank conflicts)
   store_dtype: Optional[str] = None  # h and v_new as stored; None: bfloat16 if kg, w, u are, else float32
   # > 0 walks groups of consecutive sequences (those starting in the same window of this many
-  # chunks) per program where that makes fewer programs than sequences; None: GROUP_CHUNKS
-  group_chunks: Optional[int] = None
+  # chunks) per program where that makes fewer programs than sequences; 0: one per sequence
+  group_chunks: int = 0
 
   def __post_init__(self):
-    if self.block_v != 64:
-      raise ValueError(f"block_v must be 64 (one wgmma N tile), got {self.block_v}")
-    if self.group_chunks is not None and (not isinstance(self.group_chunks, int) or self.group_chunks < 0):
-      raise ValueError(f"group_chunks must be None or an int >= 0, got {self.group_chunks!r}")
+    if not isinstance(self.group_chunks, int) or isinstance(self.group_chunks, bool) or self.group_chunks < 0:
+      raise ValueError(f"group_chunks must be an int >= 0, got {self.group_chunks!r}")
     if self.store_dtype not in (None, "float32", "bfloat16"):
       raise ValueError(f"store_dtype must be None, 'float32' or 'bfloat16', got {self.store_dtype!r}")
 
@@ -99,8 +93,9 @@ class Config:
     return jnp.dtype(BF16 if all(jnp.dtype(x.dtype) == jnp.dtype(BF16) for x in (kg, w, u)) else F32)
 
 
-def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size) -> Optional[str]:
-  """None if `apply` takes this call, else the reason in words."""
+def shape_reason(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size) -> Optional[str]:
+  """None if the state kernels (this one, kda.fused.state_output) take these shapes and dtypes
+  (bf16 or float32), else the reason in words."""
   reason, dims = tile_shapes(chunk_size, "kg", kg, "u", u)
   if reason is not None:
     return reason
@@ -124,21 +119,48 @@ def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size
   return None
 
 
-def takes(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, **_) -> Optional[str]:
-  """The stage's predicate: `supports`, and bf16 kg, w, u (the dtype policy's bf16 intermediates);
-  float32 ones would be rounded to bf16, below the float32 accuracy promised for float32 inputs."""
-  reason = supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
-  if reason is None:
-    bad = [n for n, x in (("kg", kg), ("w", w), ("u", u)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
-    if bad:
-      reason = (f"mosaic_gpu state takes bfloat16 kg, w, u (float32 would be rounded to bfloat16), "
-                f"got {', '.join(f'{n} {jnp.dtype(x.dtype).name}' for n, x in (('kg', kg), ('w', w), ('u', u)))}")
-  return reason
+def scratch(K, config, store_dtype):
+  """The kernel's scratch_types: kg, w [64, K] and u [64, BV] (two slots each, swizzled), the decay
+  rows [K] f32 (two slots), bf16(S) [K, BV] and bf16(v_new) [64, BV] (the wgmmas' right-hand
+  sides), the h and v_new store stages (f32 stores through SMEM; else 8-row placeholders), the two
+  slots' barriers."""
+  stage = lambda shape: _swz(shape, F32) if config.swizzle_stages else plgpu.SMEM(shape, F32)
+  f32_stages = config.stage_stores and jnp.dtype(store_dtype) == jnp.dtype(F32)   # bf16 stores reuse the wgmma operands
+  return [
+      _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, BV)),    # kg, w, u: two slots each
+      plgpu.SMEM((2, K), F32),                                  # decay rows, two slots
+      _swz((K, BV)), _swz((BT, BV)),                            # bf16(S), bf16(v_new): wgmma RHS
+      stage((K, BV) if f32_stages else (8, BV)),                # h store stage
+      stage((BT, BV) if f32_stages else (8, BV)),               # v_new store stage
+      plgpu.Barrier(num_arrivals=4, num_barriers=2),
+  ]
 
 
-def _body(order_g, cu_g, *refs, BT, BV, stage_stores, grouped=False):
+def smem_bytes(K, config=None, store_dtype=BF16):
+  """The SMEM the kernel asks for (as lowered for CUDA) with h, v_new stored in `store_dtype`."""
+  return _smem_bytes(scratch(K, config or Config(), store_dtype))
+
+
+def _kernel_reason(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, config):
+  reason = shape_reason(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  return reason or smem_reason(smem_bytes(kg.shape[-1], config, config.stores(kg, w, u)))
+
+
+def supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, config=None,
+             **_) -> Optional[str]:
+  """The stage's predicate: None if `apply` takes this call, else the reason in words; bf16 kg, w,
+  u only (the dtype policy's bf16 intermediates)."""
+  reason = _kernel_reason(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
+                          config=config or Config())
+  return reason or bf16_reason("state", kg=kg, w=w, u=u)
+
+
+takes = supports       # the name kda.stages.state registers the predicate by
+
+
+def _body(order_g, cu_g, *refs, stage_stores, grouped=False):
   # GMEM: order [N] (grouped: [P], the groups' ranks), cu [N+1] int32; (grouped) grp [P+1] int32 the
-  # groups' sequence ranges (fused.state_output._groups); kg, w [Ta, HV, K] bf16; u [Ta, HV, V]
+  # groups' sequence ranges (kda._mosaic_gpu.sequence_groups); kg, w [Ta, HV, K] bf16; u [Ta, HV, V]
   # bf16; dec [NTa, HV, K] f32; h0, ht [N, HV, K, V] f32; h [NTa, HV, K, V], vn [Ta, HV, V] f32 or bf16.
   grp_g = refs[0] if grouped else None
   (kg_g, w_g, u_g, dec_g, h0_g, h_g, vn_g, ht_g,
@@ -252,12 +274,13 @@ def _body(order_g, cu_g, *refs, BT, BV, stage_stores, grouped=False):
 def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, interpret=False,
           config=None, zero_h0=False, store_final=True):
   """zero_h0: initial_state is known to be zero (not read: XLA drops a zeros array nobody reads);
-  store_final=False: final_state is not stored (returned as zeros, for callers that drop it)."""
+  store_final=False: final_state is not stored (returned as zeros, for callers that drop it).
+  float32 kg, w, u are rounded to bf16 (`supports` refuses them; tests and tools call this)."""
   config = config or Config()
-  reason = supports(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size)
+  reason = _kernel_reason(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
+                          config=config)
   if reason is not None:
     raise ValueError(f"mosaic_gpu state kernel: {reason}")
-  BT, BV = chunk_size, config.block_v
   _, Ta, HV, K = kg.shape
   V = u.shape[-1]
   N = aligned_cu.shape[0] - 1
@@ -267,8 +290,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     return Out(jnp.zeros((1, NTa, HV, K, V), sdt), jnp.zeros((1, Ta, HV, V), sdt),
                jnp.zeros((0, HV, K, V), F32))
   aligned_cu = aligned_cu.astype(jnp.int32)
-  G = GROUP_CHUNKS if config.group_chunks is None else config.group_chunks
-  order, bounds = walk_order(aligned_cu, NTa, G, config.longest_first, BT)
+  order, bounds = walk_order(aligned_cu, NTa, config.group_chunks, config.longest_first, BT)
   R = order.shape[0]                          # programs per (head, V tile)
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   kg, w, u = (x[0].astype(BF16) for x in (kg, w, u))
@@ -277,11 +299,8 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
     grid, names = (R, HV, V // BV), ("r", "h", "v")
   else:
     grid, names = (V // BV, HV, R), ("v", "h", "r")
-  stage = lambda shape: _swz(shape, F32) if config.swizzle_stages else plgpu.SMEM(shape, F32)
-  f32_stages = config.stage_stores and sdt == F32         # bf16 stores reuse the wgmma operands
   grouped = bounds is not None
-  body = lambda *refs: _body(*refs, BT=BT, BV=BV, stage_stores=config.stage_stores,
-                             **({"grouped": True} if grouped else {}))
+  body = lambda *refs: _body(*refs, stage_stores=config.stage_stores, **({"grouped": True} if grouped else {}))
   absent = [6 + grouped] * zero_h0 + [9 + grouped] * (not store_final)   # h0_g, ht_g in _body's refs
   if absent:
     body = with_absent(body, absent)
@@ -291,14 +310,7 @@ def apply(kg, w, u, gc_int, gc_frac, initial_state, aligned_cu, *, chunk_size, i
                 jax.ShapeDtypeStruct((Ta, HV, V), sdt),
                 *[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * store_final),
       grid=grid, grid_names=names,
-      scratch_types=[
-          _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, BV)),    # kg, w, u: two slots each
-          plgpu.SMEM((2, K), F32),                                  # decay rows, two slots
-          _swz((K, BV)), _swz((BT, BV)),                            # bf16(S), bf16(v_new): wgmma RHS
-          stage((K, BV) if f32_stages else (8, BV)),                # h store stage
-          stage((BT, BV) if f32_stages else (8, BV)),               # v_new store stage
-          plgpu.Barrier(num_arrivals=4, num_barriers=2),
-      ],
+      scratch_types=scratch(K, config, sdt),
       compiler_params=_params(config.lane_semantics),
       kernel_name="kda_state", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )

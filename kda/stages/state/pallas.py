@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -29,8 +28,8 @@ class Config:
   block_v: int = 64           # BV: state columns per program (capped at V rounded up to a power of 2)
   block_k: int = 128          # state rows per dot: K = 256 runs as two slabs in the shared memory K = 128 needs
   # Both dots feed the carried state, so rounding compounds: TF32 alone (1e-3 per dot) drifts, IEEE
-  # float32 runs on the FMA units (20x slower on the H200); three TF32 passes keep ~1e-7 relative
-  # error on tensor cores (measured at T = 32768: 2.8e-7 rel, 1.6 ms vs 21.5 ms).
+  # float32 runs on the FMA units (about 13x slower); three TF32 passes keep ~3e-7 relative error
+  # on the tensor cores.
   precision: str = "tf32x3"
   num_warps: int = 4
   num_stages: int = 2
