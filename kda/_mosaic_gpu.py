@@ -48,7 +48,8 @@ def smem_bytes(scratch, reduction=False):
   size = barriers = 0
   for leaf in jax.tree.leaves(scratch):
     if isinstance(leaf, plgpu.Barrier):
-      barriers += math.prod(leaf.num_barriers)
+      n = leaf.num_barriers
+      barriers += math.prod(n) if isinstance(n, tuple) else n
     else:
       size += -(-math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
   if reduction:
@@ -56,10 +57,10 @@ def smem_bytes(scratch, reduction=False):
   return size + BARRIER_BYTES * barriers
 
 
-def smem_reason(need):
+def smem_reason(need, kernel=None):
   """None if a kernel asking for `need` bytes of SMEM fits one block, else the reason with the figures."""
   if need > SMEM_LIMIT:
-    return f"needs {need} bytes of shared memory, the limit is {SMEM_LIMIT}"
+    return f"{f'the {kernel} kernel ' if kernel else ''}needs {need} bytes of shared memory, the limit is {SMEM_LIMIT}"
   return None
 
 

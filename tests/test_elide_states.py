@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kda
-from kda.fused import state_output
+from kda.fused.state_output import mosaic_gpu as state_output
 from kda.stages.bwd_dh import mosaic_gpu as mgd
 from kda.stages.state import mosaic_gpu as mgs
 from tests.test_fused_state_output import fused_case
@@ -33,7 +33,7 @@ def test_chunk_kda_grad_is_the_same_with_the_states_elided(monkeypatch):
     names = ("zero_h0", "store_final", "dht_zero", "need_dh0")
     return lambda *a, **k: seen.append((tag, {n: k[n] for n in names if n in k})) or real(*a, **k)
 
-  monkeypatch.setattr(state_output, "mosaic_gpu", spy(state_output.mosaic_gpu, "fused"))
+  monkeypatch.setattr(state_output, "apply", spy(state_output.apply, "fused"))
   monkeypatch.setattr(mgs, "apply", spy(mgs.apply, "state"))            # S0 calls it by attribute
   monkeypatch.setattr(mgd, "apply", spy(mgd.apply, "walk"))
 
@@ -67,7 +67,7 @@ def test_elided_variants_lower_for_cuda():
   for kw in (dict(zero_h0=True), dict(store_final=False), dict(zero_h0=True, store_final=False)):
     txt = lower(lambda *a: mgs.apply(*a, chunk_size=64, **kw), kx, kx, vx, gx, gx, h0, cu)
     assert "mosaic_gpu" in txt
-    txt = lower(lambda *a: state_output.mosaic_gpu(*a, scale=0.1, chunk_size=64, **kw),
+    txt = lower(lambda *a: state_output.apply(*a, scale=0.1, chunk_size=64, **kw),
                 kx, kx, vx, kx, S((1, Ta, HV, 64), bf), gx, gx, h0, cu)
     assert "mosaic_gpu" in txt
   dh_args = (kx, kx, kx, gx, gx, S((1, Ta // 64, HV, K, V), bf), vx, S((1, Ta, HV, V), f32),
@@ -98,7 +98,7 @@ def test_fused_state_output_variants_same_bits():
   args, _, _ = fused_case([70, 0, 64, 5], 64, 64, HV=2)
   args = args[:7] + (jnp.zeros_like(args[7]),) + args[8:]
   f = lambda **kw: jax.block_until_ready(jax.jit(functools.partial(
-      state_output.mosaic_gpu, scale=0.125, chunk_size=64, interpret=True, **kw))(*args))
+      state_output.apply, scale=0.125, chunk_size=64, interpret=True, **kw))(*args))
   (o, ht), (o_e, ht_e) = f(), f(zero_h0=True, store_final=False)
   _same(o_e, o, "o")
   assert not np.asarray(ht_e).any() and np.asarray(ht).any()

@@ -1,4 +1,4 @@
-"""The fused Mosaic TPU backward (kda.fused.bwd_tpu: bwd_dh, bwd_wy, bwd_intra, bwd_gate in one reverse
+"""The fused Mosaic TPU backward (kda.fused.bwd_walk.mosaic_tpu: bwd_dh, bwd_wy, bwd_intra, bwd_gate in one reverse
 walk) against its members' references and against the per-stage TPU kernels run one after the other
 on the same inputs (TPU interpret mode on CPU), and its Mosaic lowering for TPU. The gate part runs
 the softplus activation with A_log and dt_bias (dA_log, ddt_bias accumulated over the walk)."""
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda.fused import bwd_tpu as F
+from kda.fused.bwd_walk import mosaic_tpu as F
 from kda.stages import bwd_gate
 from kda.stages.bwd_dh import mosaic_tpu as dh_tpu
 from kda.stages.bwd_gate import mosaic_tpu as gate_tpu

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from kda import padding
-from kda.fused.gate_intra import mosaic_gpu as fgi
+from kda.fused.packed_forward import gate_intra as fgi
 from kda.stages import gate, intra
 from kda.stages.gate import mosaic_gpu as mgg
 from kda.stages.intra import mosaic_gpu as mgi

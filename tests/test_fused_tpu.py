@@ -1,4 +1,4 @@
-"""The fused Mosaic TPU groups (kda.fused.gate_intra_tpu, kda.fused.state_output_tpu) in the TPU
+"""The fused Mosaic TPU groups (kda.fused.gate_intra.mosaic_tpu, kda.fused.state_output.mosaic_tpu) in the TPU
 interpreter: equal bit for bit to the unfused TPU stage kernels (the same chunk bodies), close to the
 reference stages run in sequence, a NaN kept in its sequence, their refusals and their Mosaic
 lowering for a TPU (no TPU, no libtpu needed)."""
@@ -15,7 +15,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from kda import padding
-from kda.fused import gate_intra_tpu, state_output_tpu
+from kda.fused.gate_intra import mosaic_tpu as gate_intra_tpu
+from kda.fused.state_output import mosaic_tpu as state_output_tpu
 from kda.reference import recurrent_kda
 from kda.stages import gate, state
 from kda.stages.gate import mosaic_tpu as gate_tpu

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda import _mosaic_tpu as tpu
-from kda.fused import gate_intra_tpu, state_output_tpu
+from kda.fused.gate_intra import mosaic_tpu as gate_intra_tpu
+from kda.fused.state_output import mosaic_tpu as state_output_tpu
 from kda.stages.gate import mosaic_tpu as gate_tpu
 from kda.stages.intra import mosaic_tpu as intra_tpu
 from kda.stages.output import mosaic_tpu as output_tpu

@@ -4,7 +4,7 @@
       tools/tpu_bwd_aot.py [--stages bwd_dav,bwd_dh] [--gen v5e,v6e,v7x] [--dtype bf16,f32]
 
 Shapes: one row of T = 8192 aligned tokens in 4 sequences, HV = 16, K = V = 128, BT = 64
-(tests/stages/tpu_bwd_setup.specs; bwd_fused is kda.fused.bwd_tpu). Prints,
+(tests/stages/tpu_bwd_setup.specs; bwd_fused is kda.fused.bwd_walk.mosaic_tpu). Prints,
 per kernel x generation x dtype: compiled or the error, the VMEM the kernel asks for
 (vmem_limit_bytes) against the generation's VMEM, memory_analysis() temp bytes, cost flops.
 """
@@ -53,7 +53,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
   failed = 0
   for stage in a.stages.split(","):
-    mod = importlib.import_module("kda.fused.bwd_tpu" if stage == "bwd_fused" else f"kda.stages.{stage}.mosaic_tpu")
+    mod = importlib.import_module("kda.fused.bwd_walk.mosaic_tpu" if stage == "bwd_fused" else f"kda.stages.{stage}.mosaic_tpu")
     for dname in a.dtype.split(","):
       dt = {"bf16": BF16, "f32": F32}[dname]
       args, kw = specs(stage, dt)

@@ -16,25 +16,17 @@ Groups:
 """
 from __future__ import annotations
 
-import types
-
-from kda.fused import bwd_tpu as _bwd_walk_tpu
-from kda.fused import gate_intra_tpu as _gate_intra_tpu
-from kda.fused import state_output as _state_output
-from kda.fused import state_output_tpu as _state_output_tpu
-from kda.fused.packed_backward import mosaic_gpu as _packed_backward_mgpu
-from kda.fused.packed_forward import mosaic_gpu as _packed_forward_mgpu
+from kda.fused import bwd_walk, gate_intra, packed_backward, packed_forward, state_output
 from kda.stages import BACKWARD, FORWARD
 from kda.stages.base import Stage
 
 GROUPS = {
-    "gate_intra": Stage("gate_intra", members=("gate", "intra"), mosaic_tpu=_gate_intra_tpu),
-    "state_output": Stage("state_output", members=("state", "output"), mosaic_gpu=types.SimpleNamespace(
-        apply=_state_output.mosaic_gpu, supports=_state_output.takes, Config=_state_output.Config),
-                          mosaic_tpu=_state_output_tpu),
-    "bwd_walk": Stage("bwd_walk", members=("bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate"), mosaic_tpu=_bwd_walk_tpu),
-    "packed_forward": Stage("packed_forward", members=FORWARD, mosaic_gpu=_packed_forward_mgpu),
-    "packed_backward": Stage("packed_backward", members=BACKWARD, mosaic_gpu=_packed_backward_mgpu),
+    "gate_intra": Stage("gate_intra", members=("gate", "intra"), mosaic_tpu=gate_intra.mosaic_tpu),
+    "state_output": Stage("state_output", members=("state", "output"), mosaic_gpu=state_output.mosaic_gpu,
+                          mosaic_tpu=state_output.mosaic_tpu),
+    "bwd_walk": Stage("bwd_walk", members=("bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate"), mosaic_tpu=bwd_walk.mosaic_tpu),
+    "packed_forward": Stage("packed_forward", members=FORWARD, mosaic_gpu=packed_forward.mosaic_gpu),
+    "packed_backward": Stage("packed_backward", members=BACKWARD, mosaic_gpu=packed_backward.mosaic_gpu),
 }
 
 

@@ -20,7 +20,7 @@ KERNELS = ["bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra", "bwd_gat
 
 
 def _matmuls(stage, dtype, monkeypatch):
-  mod = importlib.import_module("kda.fused.bwd_tpu" if stage == "bwd_fused" else f"kda.stages.{stage}.mosaic_tpu")
+  mod = importlib.import_module("kda.fused.bwd_walk.mosaic_tpu" if stage == "bwd_fused" else f"kda.stages.{stage}.mosaic_tpu")
   orig = pl.pallas_call
   monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: orig(*a, **{**k, "debug": True}))   # prints the MLIR
   args, kw = S.specs(stage, dtype, HV=4, Ta=512)

@@ -220,7 +220,7 @@ def specs(stage, dt, HV=16, Ta=8192, K=128, V=128, BT=64, N=4):
   if stage == "bwd_gate":
     return ((tok(K, dt), S((1, Ta), jnp.bool_), S((HV,), F32), S((HV * K,), F32), tok(K), tok(K)),
             dict(chunk_size=BT, use_gate_in_kernel=True, lower_bound=None))
-  if stage == "bwd_fused":      # kda.fused.bwd_tpu; S0's outputs in the dot dtype as it stores them
+  if stage == "bwd_fused":      # kda.fused.bwd_walk.mosaic_tpu; S0's outputs in the dot dtype as it stores them
     rc = bwd_recompute.Out(tok(K), tok(K), tok(K, dt), tok(V, dt), tok(K, dt), tok(K, dt),
                            S((1, NTa, HV, K, V), dt), tok(V, dt))
     return ((tok(K, dt), tok(K, dt), tok(V, dt), tok(K, dt), S((1, Ta, HV), dt), S((1, Ta), jnp.bool_),

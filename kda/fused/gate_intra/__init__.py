@@ -1,18 +1,15 @@
-"""gate -> intra fused, inside the packed forward: the gate stage's chunk cumsum runs in intra's
-scores kernel, so gc never goes through HBM.
+"""gate -> intra fused: the gate activation, its chunk cumsum and everything of intra in one
+kernel, so the activated gate and gc never go through HBM and no second kernel reads gc.
 
-Members: kda.stages.gate (no activation: gates given in log space), then kda.stages.intra, and what
-kda.stages.state reads of gc:
+Members: kda.stages.gate, then kda.stages.intra, and what kda.stages.state reads of gc:
 
-    gc_int, gc_frac = the chunk cumsums of ceil(g), g - ceil(g)       (gate, floored at -128)
+    g_act, gc_int, gc_frac = gate(g, valid, A_log, dt_bias)
     Akk, Aqk, Ainv, w, u, qg, kg = intra(q, k, v, beta, gc_int, gc_frac)
     decay[c] = exp(gc at chunk c's last row)                           (state.chunk_decay)
 
-In:  q, k [1, T, HV, K] (K = 128), v [1, T, HV, V], beta [1, T, HV], g [1, T, HV, K] raw log-space
-     gates (bf16 or float32), all packed; aligned_cu [N+1] int32 and rows (kda.padding.ChunkRows)
-     place each aligned chunk.
-Out: (intra's Out [1, Ta, HV, *] bf16, decay [NTa, HV, K] float32), equal bit for bit to the members'
-     Mosaic GPU kernels while every gate is above -1 or a chunk is not bounded, within one more
-     float32 rounding of gc elsewhere (kda.fused.gate_intra.mosaic_gpu).
+apply(q, k, v, beta, g, valid, A_log, dt_bias, aligned_cu=None, *, scale, chunk_size,
+use_gate_in_kernel, lower_bound) on the aligned inputs of both stages -> a record with gc_int,
+gc_frac, Aqk, Ainv, w, u, qg, kg and decay. Backends: mosaic_tpu. (The packed forward on Hopper has
+its own fused gate + intra kernels: kda.fused.packed_forward.gate_intra.)
 """
-from kda.fused.gate_intra import mosaic_gpu  # noqa: E402,F401  (the group's backend)
+from kda.fused.gate_intra import mosaic_tpu  # noqa: E402,F401  (the group's backend)

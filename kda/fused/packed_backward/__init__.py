@@ -8,3 +8,4 @@ gradients as the stages on the aligned layout.
 apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None)
   -> kda.pipeline.Grads.
 """
+from kda.fused.packed_backward import mosaic_gpu  # noqa: E402,F401  (the group's backend)

@@ -9,3 +9,4 @@ its predicate takes the call, and otherwise runs the stages on the aligned layou
 apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets=None) ->
   (o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32, {"intra": intra's Out}).
 """
+from kda.fused.packed_forward import mosaic_gpu  # noqa: E402,F401  (the group's backend)

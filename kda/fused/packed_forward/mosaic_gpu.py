@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from kda import padding
-from kda.fused import gate_intra, state_output
+from kda.fused.packed_forward import gate_intra
+from kda.fused.state_output import mosaic_gpu as state_output
 from kda.padding.pieces import segment_rows
 from kda.stages.gate import mosaic_gpu as gate_mgpu
 from kda.stages.intra import mosaic_gpu as intra_mgpu
@@ -79,9 +80,9 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets=
   seg = {} if resets is None else dict(seg=segment_rows(layout, resets))
   defer = dict(defer=True) if config.inverse_in_state else {}
   if (config.fuse_gate_intra and not seg
-      and gate_intra.takes(q, k, v, beta, g, layout.aligned_cu, rows, **{**ikw, **gkw}) is None):
+      and gate_intra.supports(q, k, v, beta, g, layout.aligned_cu, rows, **{**ikw, **gkw}) is None):
     with scope("gate+intra"):
-      it, decay = gate_intra.mosaic_gpu(q, k, v, beta, g, layout.aligned_cu, rows, interpret=interpret,
+      it, decay = gate_intra.apply(q, k, v, beta, g, layout.aligned_cu, rows, interpret=interpret,
                                         **ikw, **tail, **defer)
   else:
     with scope("gate"):
@@ -96,7 +97,7 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets=
   else:
     w, u, inv = it.w, it.u, {}
   with scope("state+output"):
-    o, final_state = state_output.mosaic_gpu(
+    o, final_state = state_output.apply(
         it.kg, w, u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu, scale=plan.scale,
         chunk_size=BT, interpret=interpret, config=plan.config("state_output", "mosaic_gpu"),
         out_dtype=o_dtype(v), rows=rows, T=layout.T, decay=decay, **inv, **plan.state_kwargs())

@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, aligned_cu_reason, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
-from kda._smem import smem_bytes as _smem_bytes, smem_reason
+from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dav import Out
 
 BT = 64
@@ -66,7 +66,7 @@ def _scratch(V, all_bf16):
 
 
 def smem_bytes(V, all_bf16=True):
-  """Shared memory per program (kda._smem.smem_bytes of the scratch the launcher allocates)."""
+  """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates)."""
   return _smem_bytes(_scratch(V, all_bf16))
 
 
@@ -89,7 +89,7 @@ def _reason(v_new, Aqk, do, aligned_cu) -> Optional[str]:
       return f"mosaic_gpu bwd_dav takes floating {name}, got {jnp.dtype(x.dtype).name}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
-  return smem_reason("bwd_dav", smem_bytes(V, _all_bf16(v_new, Aqk, do)))
+  return smem_reason(smem_bytes(V, _all_bf16(v_new, Aqk, do)), "bwd_dav")
 
 
 def supports(v_new, Aqk, do, aligned_cu=None, *, chunk_size, config=None, **_) -> Optional[str]:

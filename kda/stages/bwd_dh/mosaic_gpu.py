@@ -75,7 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, live_chunk
 from kda._mosaic_gpu import sequence_order, tail_share, tile_shapes, with_absent, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, mm as _mm, params as _params, swz as _swz
-from kda._smem import smem_bytes as _smem_bytes, smem_reason
+from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dh import Out
 from kda.stages.state import chunk_decay
 
@@ -107,7 +107,7 @@ def _walk_scratch(K):
 
 
 def walk_smem_bytes(K):
-  """Shared memory per walk program (kda._smem.smem_bytes of the scratch the launcher allocates)."""
+  """Shared memory per walk program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates)."""
   return _smem_bytes(_walk_scratch(K))
 
 
@@ -126,9 +126,9 @@ def _terms_scratch(K, V, packed=False):
 
 
 def terms_smem_bytes(K, V, packed=False):
-  """Shared memory per terms program (kda._smem.smem_bytes of the scratch the launcher allocates;
+  """Shared memory per terms program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates;
   dgc_last's row sums reserve the reduction scratch)."""
-  return _smem_bytes(_terms_scratch(K, V, packed), reduces=True)
+  return _smem_bytes(_terms_scratch(K, V, packed), reduction=True)
 
 
 def _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packed=False) -> Optional[str]:
@@ -157,8 +157,8 @@ def _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packe
     return f"dht must have shape {(N, HV, K, V)}, got {dht.shape}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
-  return (smem_reason("bwd_dh walk", walk_smem_bytes(K))
-          or smem_reason("bwd_dh terms", terms_smem_bytes(K, V, packed)))
+  return (smem_reason(walk_smem_bytes(K), "bwd_dh walk")
+          or smem_reason(terms_smem_bytes(K, V, packed), "bwd_dh terms"))
 
 
 def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size, config=None,

@@ -62,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import F32
 from kda._mosaic_gpu import params as _params
 from kda._pallas import pad_dim
-from kda._smem import smem_bytes as _smem_bytes, smem_reason
+from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_gate import Out
 from kda.stages.gate import mosaic_gpu as gate_kernel, passes_floor
 from kda.stages.gate.mosaic_gpu import COLS, LINE, _softplus
@@ -89,7 +89,7 @@ def _scratch(g_dtype, flags):
 
 
 def smem_bytes(g_dtype, packed=False, resets=False):
-  """Shared memory per program (kda._smem.smem_bytes of the scratch the launcher allocates)."""
+  """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates)."""
   return _smem_bytes(_scratch(jnp.dtype(g_dtype), not packed or resets))
 
 
@@ -109,7 +109,7 @@ def _reason(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_
   for name, x in (("dgc", dgc), ("dg_state", dg_state)):
     if x.shape != g.shape or jnp.dtype(x.dtype) != jnp.dtype(F32):
       return f"{name} must be float32{list(g.shape)} (g's shape), got {jnp.dtype(x.dtype).name}{list(x.shape)}"
-  return smem_reason("bwd_gate", smem_bytes(g.dtype))
+  return smem_reason(smem_bytes(g.dtype), "bwd_gate")
 
 
 def supports(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,
@@ -253,7 +253,7 @@ def packed_supports(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_siz
       return f"{name} must be float32{list(want)}, got {jnp.dtype(x.dtype).name}{list(x.shape)}"
   if pieces.ndim != 2 or pieces.shape[0] != 2 or jnp.dtype(pieces.dtype) != jnp.dtype(jnp.int32):
     return f"pieces must be a [2, P] int32 array, got {jnp.dtype(pieces.dtype).name}{list(pieces.shape)}"
-  return smem_reason("bwd_gate", smem_bytes(g.dtype, packed=True, resets=seg is not None))
+  return smem_reason(smem_bytes(g.dtype, packed=True, resets=seg is not None), "bwd_gate")
 
 
 def packed(g, rows, pieces, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound,

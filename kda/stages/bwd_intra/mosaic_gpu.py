@@ -77,7 +77,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, packed_chunk
 from kda._mosaic_gpu import skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
-from kda._smem import smem_bytes as _smem_bytes, smem_reason
+from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_intra import Out
 from kda.stages.gate import GATE_FLOOR, exponent
 from kda.stages.intra import to_chunks
@@ -115,9 +115,9 @@ def _scratch(stage_dtype=None):
 
 
 def smem_bytes(stage_dtype=None):
-  """Shared memory per program (kda._smem.smem_bytes of the scratch the launcher allocates; the
+  """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates; the
   body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(_scratch(stage_dtype), reduces=True)
+  return _smem_bytes(_scratch(stage_dtype), reduction=True)
 
 
 def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu,
@@ -149,7 +149,7 @@ def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned
       return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
-  return smem_reason("bwd_intra", smem_bytes(stage_dtype))
+  return smem_reason(smem_bytes(stage_dtype), "bwd_intra")
 
 
 def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,

@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, last_row
 from kda._mosaic_gpu import live_chunk, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, load as _load, params as _params, split as _split, swz as _swz
-from kda._smem import smem_bytes as _smem_bytes, smem_reason
+from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_recompute import Out
 from kda.stages.gate import exponent
 from kda.stages.gate import mosaic_gpu as gate_mgpu
@@ -61,7 +61,7 @@ def _wy_scratch(K, V):
 
 
 def smem_bytes(K, V):
-  """Shared memory per wy program (kda._smem.smem_bytes of the scratch the launcher allocates)."""
+  """Shared memory per wy program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates)."""
   return _smem_bytes(_wy_scratch(K, V))
 
 
@@ -85,7 +85,7 @@ def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
          if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
   if bad:
     return f"mosaic_gpu bwd_recompute takes bfloat16 q, k, v, got {', '.join(bad)}"
-  return smem_reason("bwd_recompute wy", smem_bytes(K, V))
+  return smem_reason(smem_bytes(K, V), "bwd_recompute wy")
 
 
 def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,

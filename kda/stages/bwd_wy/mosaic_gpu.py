@@ -62,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, last_row, skipping_tail
 from kda._mosaic_gpu import packed_chunk, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
-from kda._smem import smem_bytes as _smem_bytes, smem_reason
+from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_wy import Out
 from kda.stages.gate import exponent
 
@@ -92,9 +92,9 @@ def _scratch(K, V, stage_dtype=None):
 
 
 def smem_bytes(K, V, stage_dtype=None):
-  """Shared memory per program (kda._smem.smem_bytes of the scratch the launcher allocates; the
+  """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates; the
   body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(_scratch(K, V, stage_dtype), reduces=True)
+  return _smem_bytes(_scratch(K, V, stage_dtype), reduction=True)
 
 
 def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
@@ -121,7 +121,7 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
-  return smem_reason("bwd_wy", smem_bytes(K, V, stage_dtype))
+  return smem_reason(smem_bytes(K, V, stage_dtype), "bwd_wy")
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,

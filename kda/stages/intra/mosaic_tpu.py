@@ -6,7 +6,7 @@ chunk c, head-first (kda._mosaic_tpu): q, k (MB, BT, Kp) and v (MB, BT, Vp) in t
 u (MB, BT, Vp), all in q's dtype (bf16 for bf16 inputs: the dtype policy). Every value in the body
 is batched over the MB heads (a leading dim), so each VPU step works on MB heads at once. No scratch.
 
-`intra_chunk`, the body (kda.fused.gate_intra_tpu calls it too), in 16-row sub-blocks b of rows
+`intra_chunk`, the body (kda.fused.gate_intra.mosaic_tpu calls it too), in 16-row sub-blocks b of rows
 [r0, r0 + 16), with r = gc[r0] (formed from the two parts with gate.exponent, as every exponent here):
 - columns j < r0: A[i, j] = sum_c (x_i e^(gc_i - r))_c (k_j e^(r - gc_j))_c, one NT dot
   [16, Kp] x [BT, Kp] -> [16, BT] per sub-block and matrix (x = k for Akk, q for Aqk), the rows

@@ -3,7 +3,7 @@
 Kernel: grid (HV / MB, NTa), both "parallel"; program (p, c) takes value heads [p MB, (p+1) MB) of
 chunk c, head-first (kda._mosaic_tpu): qg (MB, BT, Kp), h (MB, Vp, Kp) (the state entering the chunk,
 transposed as the state kernel stores it), Aqk (MB, BT, BT), v_new (MB, BT, Vp) ->
-o (MB, BT, Vp) = scale * qg @ h + Aqk @ v_new (`output_chunk`, which kda.fused.state_output_tpu
+o (MB, BT, Vp) = scale * qg @ h + Aqk @ v_new (`output_chunk`, which kda.fused.state_output.mosaic_tpu
 calls too): an NT dot [BT, Kp] x [Vp, Kp] and an NN dot [BT, BT] x [BT, Vp], bf16 operands (one MXU
 pass, f32 accumulation) where qg is bf16, f32 at HIGHEST otherwise. o is stored float32
 (Config.out_dtype overrides). No scratch.

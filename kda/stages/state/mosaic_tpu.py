@@ -14,7 +14,7 @@ state block a chunk maps to, and flags [NTa] (FIRST, LAST, TAIL). Per program (p
     S      <- S * decay_c + v_new^T @ kg     TN dot [BT, Vp]^T x [BT, Kp]
     LAST:    final[blk[c]] <- S
 
-`begin_chunk`, `state_chunk` and `end_chunk` are the body's three parts; kda.fused.state_output_tpu
+`begin_chunk`, `state_chunk` and `end_chunk` are the body's three parts; kda.fused.state_output.mosaic_tpu
 calls them too. Blocks: kg, w (MB, BT, Kp) and u (MB, BT, Vp) in their dtype; decay (MB, 1, Kp) f32
 from [HV, NTa, 1, Kp] (exp of each chunk's last gc row, formed in the launcher: chunk_decay reads only
 those rows); h0 and final (MB, Vp, Kp) f32 at block blk[c] (consecutive chunks of a sequence keep the

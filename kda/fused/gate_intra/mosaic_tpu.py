@@ -7,7 +7,7 @@ use_gate_in_kernel, lower_bound, ...)` on the aligned inputs of both stages (g r
 -> Out(gc_int, gc_frac, Aqk, Ainv, w, u, qg, kg, decay): the gate's two parts of gc (float32; None
 with Config(store_gc=False)) and the intra fields the forward and its residuals need (Akk, used by
 nothing downstream, and the activated g are not stored), plus decay [NTa, HV, K] float32 =
-state.chunk_decay(gc_int, gc_frac), which kda.fused.state_output_tpu takes in their place.
+state.chunk_decay(gc_int, gc_frac), which kda.fused.state_output.mosaic_tpu takes in their place.
 
 Kernel: grid (HV / MB, NTa), both "parallel", no scratch; program (p, c) takes value heads
 [p MB, (p+1) MB) of chunk c: blocks g (MB, BT, Kp) raw, valid (BT, 1), A_log (MB, 1, 1), dt_bias

@@ -151,7 +151,7 @@ def apply(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, *, scal
   """See the module docstring. out_dtype (float32 or bfloat16) overrides config.out_dtype; zero_h0:
   initial_state is known to be zero (not read); store_final=False: the final state is not stored
   (zeros are returned in its place); decay ([NTa, HV, K] f32, state.chunk_decay's, e.g. from
-  kda.fused.gate_intra_tpu) stands for gc_int, gc_frac, which may then be None."""
+  kda.fused.gate_intra.mosaic_tpu) stands for gc_int, gc_frac, which may then be None."""
   if decay is not None:
     gc_int = gc_frac = jax.ShapeDtypeStruct(kg.shape, F32)
   reason = supports(kg, w, u, qg, Aqk, gc_int, gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,

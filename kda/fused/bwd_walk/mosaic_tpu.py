@@ -45,7 +45,7 @@ from kda.stages.bwd_intra.mosaic_tpu import intra_step
 from kda.stages.bwd_wy.mosaic_tpu import wy_step
 from kda.stages.gate import exponent
 
-NAME = "bwd_tpu"
+NAME = "bwd_walk"
 
 
 class Out(NamedTuple):
