@@ -334,14 +334,27 @@ def test_supports():
 
 # -- CUDA lowering and SMEM --------------------------------------------------------------------------
 
+def _lowered(config, K=128):
+  return _lowered_text(config, K)
+
+
+@functools.lru_cache(maxsize=None)              # one lowering per (config, K), however called
+def _lowered_text(config, K):
+  """The kernel lowered for CUDA with 70000 chunks (on grid x), float32 q, k (the launcher's cast)
+  and aligned_cu -> its text."""
+  f = functools.partial(mgb.apply, scale=K ** -0.5, chunk_size=BT, config=config)
+  args = _abstract(70000 * BT, 2, K, qk=F32) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
+  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  return txt
+
+
 @pytest.mark.parametrize("K,bounded", [(128, "auto"), pytest.param(64, "auto", marks=pytest.mark.large),
                                        pytest.param(64, "never", marks=pytest.mark.large)])
 def test_kernel_lowers_for_cuda(K, bounded):
-  """One Mosaic GPU kernel, lowered for CUDA from the CPU with 70000 chunks (on grid x) and float32
-  q, k (the launcher's cast)."""
-  f = functools.partial(mgb.apply, scale=K ** -0.5, chunk_size=BT, config=mgb.Config(bounded=bounded))
-  txt = jax.jit(f).trace(*_abstract(70000 * BT, 2, K, qk=F32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  """One Mosaic GPU kernel, lowered for CUDA from the CPU with 70000 chunks (on grid x), float32
+  q, k (the launcher's cast) and aligned_cu."""
+  _lowered(mgb.Config(bounded=bounded), K)
 
 
 @pytest.mark.parametrize("K", [64, 128])
@@ -396,15 +409,6 @@ def test_skip_tail_reads_nothing_there():
     np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(plain, name)), name)
   ref = bwd_intra.reference.apply(*args, acu, scale=scale, chunk_size=BT)
   assert not failures(errors(out, ref))
-
-
-@functools.lru_cache(maxsize=None)
-def _lowered(config):
-  f = functools.partial(mgb.apply, scale=0.125, chunk_size=BT, config=config)
-  args = _abstract(4096, 2, 128) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
-  txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
-  return txt
 
 
 FLIPPED = {"approx_math": False, "skip_tail": False, "bounded": "never"}    # every Config field off its default

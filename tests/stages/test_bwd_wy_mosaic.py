@@ -285,8 +285,12 @@ def test_skip_tail_reads_nothing_there():
   assert not failures(errors(out, ref))
 
 
-@functools.lru_cache(maxsize=None)
 def _lowered(config, K=128, V=128):
+  return _lowered_text(config, K, V)
+
+
+@functools.lru_cache(maxsize=None)              # one lowering per (config, K, V), however called
+def _lowered_text(config, K, V):
   args = _abstract(4096, 2, K, V) + (jax.ShapeDtypeStruct((9,), jnp.int32),)
   txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, config=config)).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -382,9 +386,7 @@ def test_packed_dv_lowers_for_cuda_in_two_ctas():
 @pytest.mark.parametrize("K,V,aliased", [(128, 128, 4), pytest.param(128, 64, 3, marks=pytest.mark.large)])
 def test_inplace_lowers_with_aliases(K, V, aliased):
   """The lowered kernel aliases S2's terms to its results: dqg, dkg, dw (and du where K == V)."""
-  import re
-  f = functools.partial(mgw.apply, chunk_size=BT)
-  txt = jax.jit(f).trace(*_abstract(4096, 2, K, V)).lower(lowering_platforms=("cuda",)).as_text()
+  txt = _lowered(mgw.Config(), K, V)                         # with aligned_cu
   call = [l for l in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in l]
   assert len(call) == 1
   assert len(re.findall(r"output_operand_alias<", call[0])) == aliased, call[0][:400]
