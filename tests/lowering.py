@@ -1,7 +1,9 @@
-"""Lower a function for an abstract NVIDIA H200 from a CPU-only machine (PALLAS.md section 2).
+"""Lower a function for an abstract NVIDIA H200 from a CPU-only machine (PALLAS.md section 2), or
+for an abstract TPU.
 
 This runs the real Pallas -> Triton lowering, which rejects what the GPU cannot compile (value
-slicing, scratch, non-power-of-two tiles), without a GPU. It does not compile Triton to PTX.
+slicing, scratch, non-power-of-two tiles), without a GPU. It does not compile Triton to PTX. The TPU
+lowering needs no libtpu either: it checks that a program lowers for the platform at all.
 """
 import jax
 

@@ -254,16 +254,18 @@ def state_sized(jaxpr, size):
 def test_backward_holds_one_state_buffer():
   """The backward computes one array of NTa * HV * K * V elements, S0's h (the scan of the state
   recurrence): S2 keeps the state cotangent one chunk at a time, so neither a per-chunk dh nor any
-  product of h with it exists. Through jax.grad of chunk_kda there are two: the forward's h (the
-  output stage reads it, nothing saves it) and S0's. The sizes are picked so that no other tensor
-  (N * HV * K * V, T * HV * K, pair decays [NTa, BT, BT, HV, K]) has that many elements."""
-  case = Case((30, 50, 0), K=64, V=32, BT=16)
+  product of h with it exists. Through jax.grad of chunk_kda with the references there are two: the
+  forward's h (the output stage reads it, nothing saves it) and S0's; with the xla stages (the CPU
+  default) the forward runs state and output as one scan (kda.fused.state_output_xla) and forms no
+  h. The sizes are picked so that no other tensor (N * HV * K * V, T * HV * K, the xla stages' q and
+  k stacked 2 * T * HV * K, pair decays [NTa, BT, BT, HV, K]) has that many elements."""
+  case = Case((30, 50, 0), K=64, V=48, BT=16)
   p, cu, Wo, Wh = inputs(case)
   T = p["q"].shape[1]
   layout = padding.layout_from_cu_seqlens(cu, T, case.BT)
   NTa = layout.Ta // case.BT
   size = NTa * case.HV * case.K * case.V
-  assert NTa != len(case.lens) and case.V != case.BT
+  assert NTa != len(case.lens) and case.V not in (case.BT, 2 * case.BT)
   plan = planning.make_plan(scale=case.K ** -0.5, chunk_size=case.BT)
   args = (p["q"], p["k"], p["v"], p["g"], p["beta"], p["initial_state"], None, None)
   ints = (layout.starts, layout.lens, layout.aligned_cu)
@@ -273,13 +275,14 @@ def test_backward_holds_one_state_buffer():
   one = [("scan", (NTa, case.HV, case.K, case.V))]
   assert state_sized(bwd.jaxpr, size) == one, f"backward: {state_sized(bwd.jaxpr, size)}, expected {one}"
 
-  def loss(p):
+  def loss(p, impl):
     o, ht = api.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=p["initial_state"],
-                          output_final_state=True, cu_seqlens=cu, chunk_size=case.BT)
+                          output_final_state=True, cu_seqlens=cu, chunk_size=case.BT, impl=impl)
     return loss_value(o, ht, Wo, Wh)
 
-  grad = jax.make_jaxpr(jax.grad(loss))(p)
-  assert state_sized(grad.jaxpr, size) == one * 2, f"jax.grad: {state_sized(grad.jaxpr, size)}"
+  for impl, want in (("reference", one * 2), ("xla", one)):
+    grad = jax.make_jaxpr(jax.grad(functools.partial(loss, impl=impl)))(p)
+    assert state_sized(grad.jaxpr, size) == want, f"jax.grad, {impl}: {state_sized(grad.jaxpr, size)}"
 
 
 def test_jit_grad_with_traced_cu_seqlens_compiles_once():

@@ -375,17 +375,22 @@ def test_segment_ids_spare_slots_and_concrete_ids():
 
 # ---- impl selection and jit ----------------------------------------------------------------------
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="impl=None picks the kernels off CPU")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="impl=None picks the kernels on a GPU")
 def test_xla_impl_is_the_cpu_default():
+  """impl=None on a CPU: each stage's xla implementation where it has one, else its reference (the
+  same bits as impl="xla"); impl="reference" still runs every reference, and agrees with it."""
   names = kda.stages.names()
-  assert planning.default_impls(names, "cpu", "cpu") == {
-      n: "xla" if kda.stages.get(n).xla is not None else "reference" for n in names}
+  want = {n: "xla" if kda.stages.get(n).xla is not None else "reference" for n in names}
+  assert planning.default_impls(names, "cpu", "cpu") == want
+  assert want["intra"] == want["bwd_intra"] == "xla"
   lens = cases.SEQ_LENS["30_50"]
   cu, idx = np.concatenate([[0], np.cumsum(lens)]), np.arange(sum(lens))
   o, s = run_chunk("f32", idx, N=2, cu=cu)
-  o_ref, s_ref = run_chunk("f32", idx, N=2, cu=cu, impl="xla")
-  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
-  np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+  o_xla, s_xla = run_chunk("f32", idx, N=2, cu=cu, impl="xla")
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_xla))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(s_xla))
+  o_ref, s_ref = run_chunk("f32", idx, N=2, cu=cu, impl="reference")
+  compare("xla vs reference", (o, s), (o_ref, s_ref), jnp.float32)
 
 
 def test_jit_traced_cu_seqlens_compiles_once():

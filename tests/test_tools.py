@@ -222,7 +222,8 @@ def test_bench_smoke_table_and_pieces(tmp_path, capsys):
 
 def test_bench_backward_pieces():
   """tools.bench's backward pieces on a tiny CPU run: every backward stage with the implementation
-  the pipeline picks (the reference on a CPU), the glue and the whole backward, all timed."""
+  the pipeline picks (on a CPU its xla implementation where it has one, else its reference), the
+  glue and the whole backward, all timed."""
   from tools import bench
   pieces = bench.backward_stage_times("A", "plain", reps=1, total=128)
   want = {f"{n} ({'xla' if stages.get(n).xla else 'reference'})" for n in stages.BACKWARD}

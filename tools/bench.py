@@ -1,4 +1,4 @@
-"""python -m tools.bench: forward and forward+backward timings of kda.chunk_kda (GPU).
+"""python -m tools.bench: forward and forward+backward timings of kda.chunk_kda (GPU; CPU-sized on a CPU).
 
 Shapes are the peer harness's (flash-linear-attention's chunk_kda is timed on the same ones):
   A  B=1, T=32768 packed, lengths uniform in [64, 4096] (numpy default_rng(0)), H=16, K=V=128
@@ -9,6 +9,12 @@ bf16 q/k/v/beta; gates "plain" (log-space logsigmoid(randn)/16) or "gate_safe" (
 use_gate_in_kernel, safe_gate, lower_bound=-5). Times are medians over --reps runs after warm-up
 (jax.block_until_ready around each call); memory is XLA's compiled memory analysis (arguments +
 outputs + temporaries). With --peer FILE (the peer's JSON from the same device run) it prints ratios.
+With --stages each piece of the default forward and backward is timed apart, labelled with the
+implementation the plan chooses for it.
+
+On a CPU the defaults fit a CPU's memory and time (CPU_DEFAULTS: --total 4096, --impls auto, which
+is xla there, --reps 3); the GPU's are the peers' shapes. The reference impl forms [NTa, BT, BT, HV,
+K] pair tensors, 4 GiB at --total 4096, so it is left to small --total on a CPU.
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ import numpy as np
 import kda
 
 H, K, V, TOTAL = 16, 128, 128, 32768
+# on a CPU: {option: default} where a GPU's default would not fit (main() picks by jax.default_backend())
+CPU_DEFAULTS = {"total": 4096, "impls": "auto", "reps": 3}
+GPU_DEFAULTS = {"total": TOTAL, "impls": "auto,reference", "reps": 20}
 
 
 def varlen_lens(total, lo, hi, seed=0):
@@ -151,18 +160,16 @@ def stage_times(name, gate, reps, total=TOTAL):
   _, it = stage("intra", qa, ka, va, ba, gt.gc_int, gt.gc_frac, acu)
   sargs = (it.kg, it.w, it.u, gt.gc_int, gt.gc_frac, h0, acu)
   fargs = (it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu)
-  fused = None
-  if plan.group_backend("state_output", *fargs, chunk_size=plan.chunk_size) == "mosaic_gpu":
-    fused = kda.fused.GROUPS["state_output"].mosaic_gpu.apply
+  fkw = dict(scale=plan.scale, chunk_size=plan.chunk_size, out_dtype=steps.o_dtype(v))
+  state_impl = plan.group_backend("state_output", *fargs, **fkw)
   _, st = stage("state", *sargs)
   _, ot = stage("output", it.qg, st.h, it.Aqk, st.v_new)
   o = ot.o
-  if fused is not None:
-    o, _ = piece("state+output (fused mosaic_gpu)", lambda *a: fused(
-        *a, scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
-        out_dtype=steps.o_dtype(v)), *fargs)
+  if state_impl is not None:
+    o, _ = piece(f"state+output (fused {state_impl})", lambda *a: kda.fused.GROUPS["state_output"](
+        state_impl, *a, interpret=plan.interpret, config=plan.config("state_output", state_impl), **fkw), *fargs)
   piece("unalign", lambda cu, o: padding.unalign_with(lay(cu), o).astype(v.dtype), cu, o)
-  if fused is not None:
+  if state_impl == "mosaic_gpu":     # the packed group: mosaic_gpu only
     packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias)
   return out
 
@@ -357,14 +364,16 @@ def table(rows, fla, jla):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--variants", default="A:plain,B:plain,C:plain", help="shape:gate pairs")
-  p.add_argument("--impls", default="auto,reference",
-                 help="auto = chunk_kda's default (forward kernels, backward stages without kernels in jnp)")
-  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--impls", default=None,
+                 help="auto = chunk_kda's default (forward kernels, backward stages without kernels in jnp; "
+                      "xla off a GPU); default auto,reference (a CPU: auto)")
+  p.add_argument("--reps", type=int, default=None, help="timed calls per case (default 20, a CPU: 3)")
   p.add_argument("--no-bwd", action="store_true")
   p.add_argument("--stages", action="store_true",
                  help="also time each piece of the default forward (stage_times) and, unless --no-bwd, "
                       "of the backward (backward_stage_times) apart")
-  p.add_argument("--total", type=int, default=TOTAL, help="packed tokens (smaller for a smoke run)")
+  p.add_argument("--total", type=int, default=None,
+                 help=f"packed tokens (default {TOTAL}, a CPU: {CPU_DEFAULTS['total']}; smaller for a smoke run)")
   p.add_argument("--peer", help="FLA's JSON (fla_bench.py --out, run_peer.sh's fla.json) from the same device run")
   p.add_argument("--jla", help="jax-linear-attention's JSON (run_peer.sh's jla.json) from the same device run")
   p.add_argument("--config", default="",
@@ -372,6 +381,10 @@ def main(argv=None):
                       "pipeline.packed=0 (the aligned layout) or packed_forward.fuse_gate_intra=0")
   p.add_argument("--out", help="write results as JSON")
   a = p.parse_args(argv)
+  defaults = CPU_DEFAULTS if jax.default_backend() == "cpu" else GPU_DEFAULTS
+  for key, value in defaults.items():
+    if getattr(a, key) is None:
+      setattr(a, key, value)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   rows, pieces = [], {}
   for var in a.variants.split(","):

@@ -23,7 +23,7 @@ from kda.stages.base import Stage
 GROUPS = {
     "gate_intra": Stage("gate_intra", members=("gate", "intra"), mosaic_tpu=gate_intra.mosaic_tpu),
     "state_output": Stage("state_output", members=("state", "output"), mosaic_gpu=state_output.mosaic_gpu,
-                          mosaic_tpu=state_output.mosaic_tpu),
+                          mosaic_tpu=state_output.mosaic_tpu, xla=state_output.xla),
     "bwd_walk": Stage("bwd_walk", members=("bwd_dh", "bwd_wy", "bwd_intra", "bwd_gate"), mosaic_tpu=bwd_walk.mosaic_tpu),
     "packed_forward": Stage("packed_forward", members=FORWARD, mosaic_gpu=packed_forward.mosaic_gpu),
     "packed_backward": Stage("packed_backward", members=BACKWARD, mosaic_gpu=packed_backward.mosaic_gpu),

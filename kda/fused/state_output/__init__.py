@@ -15,4 +15,4 @@ In:  kg, w, qg [1, Ta, HV, K], u [1, Ta, HV, V], Aqk [1, Ta, HV, BT], gc_int, gc
 Out: (o [1, Ta, HV, V] (packed mode: [1, T, HV, V]), final_state [N, HV, K, V] float32); o is 0 at
      padding tokens and on the chunks past aligned_cu[-1] (packed: at the tokens no sequence owns).
 """
-from kda.fused.state_output import mosaic_gpu, mosaic_tpu  # noqa: E402,F401  (the group's backends)
+from kda.fused.state_output import mosaic_gpu, mosaic_tpu, xla  # noqa: E402,F401  (the group's backends)

@@ -50,6 +50,6 @@ class Out(NamedTuple):
   dgc_last: jax.Array  # [1, NTa, HV, K] float32
 
 
-from kda.stages.bwd_dh import mosaic_gpu, mosaic_tpu, reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_dh import mosaic_gpu, mosaic_tpu, reference, xla  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
+STAGE = Stage(NAME, reference=reference, xla=xla, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)

@@ -47,6 +47,6 @@ class Out(NamedTuple):
   dgc: jax.Array    # [1, Ta, HV, K] float32
 
 
-from kda.stages.bwd_intra import mosaic_gpu, mosaic_tpu, reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_intra import mosaic_gpu, mosaic_tpu, reference, xla  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
+STAGE = Stage(NAME, reference=reference, xla=xla, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)

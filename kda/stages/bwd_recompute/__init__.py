@@ -40,6 +40,6 @@ class Out(NamedTuple):
   v_new: jax.Array  # [1, Ta, HV, V] float32
 
 
-from kda.stages.bwd_recompute import mosaic_gpu, mosaic_tpu, reference  # noqa: E402  (they import the names above)
+from kda.stages.bwd_recompute import mosaic_gpu, mosaic_tpu, reference, xla  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
+STAGE = Stage(NAME, reference=reference, xla=xla, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)

@@ -86,6 +86,6 @@ def chunk_cumsum(g, chunk_size):
   return gc.reshape(g.shape)
 
 
-from kda.stages.gate import mosaic_gpu, mosaic_tpu, pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.gate import mosaic_gpu, mosaic_tpu, pallas, reference, xla  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
+STAGE = Stage(NAME, reference=reference, xla=xla, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)

@@ -69,6 +69,6 @@ def chunk_decays(gi, gf):
   return jnp.exp(exponent(gi, gf)), jnp.exp(exponent(gi[:, -1:], gf[:, -1:], gi, gf))
 
 
-from kda.stages.intra import mosaic_gpu, mosaic_tpu, pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.intra import mosaic_gpu, mosaic_tpu, pallas, reference, xla  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
+STAGE = Stage(NAME, reference=reference, xla=xla, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)

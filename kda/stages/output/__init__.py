@@ -19,6 +19,6 @@ class Out(NamedTuple):
   o: jax.Array  # [1, Ta, HV, V] float32
 
 
-from kda.stages.output import mosaic_gpu, mosaic_tpu, pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.output import mosaic_gpu, mosaic_tpu, pallas, reference, xla  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
+STAGE = Stage(NAME, reference=reference, xla=xla, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)

@@ -41,6 +41,6 @@ def chunk_decay(gc_int, gc_frac, chunk_size):
   return jnp.exp(exponent(last(gc_int), last(gc_frac)))
 
 
-from kda.stages.state import mosaic_gpu, mosaic_tpu, pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.state import mosaic_gpu, mosaic_tpu, pallas, reference, xla  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
+STAGE = Stage(NAME, reference=reference, xla=xla, pallas=pallas, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu)
