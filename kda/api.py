@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import padding, pipeline, plan as planning, shapes, sharding, validate as runtime_checks
+from kda import confine, padding, pipeline, plan as planning, shapes, sharding, validate as runtime_checks
 from kda.padding import pieces
 from kda._vma import unchecked, vary_like
 from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
@@ -250,12 +250,16 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   if plan.members_select("packed_forward") and pieces.takes(
       P, contiguous=segment_ids is None, initial_state=initial_state, output_final_state=output_final_state,
       N=N, use_gate_in_kernel=use_gate_in_kernel):
-    layout, resets = pieces.segmented(layout, P)   # fewer, longer sequences; resets inside
-    h0 = h0[:layout.N]
+    # fewer, longer sequences with resets inside; sharing chunks, they are kept apart by zero decays,
+    # so a non-finite input is confined to its sequence here (kda.confine)
+    seq = confine.sequence_of_tokens(layout.starts, layout.lens, B * T)
+    layout, resets = pieces.segmented(layout, P)
+    run = lambda q, k, v, g, beta, h0, A_log, dt_bias: _core(backward, plan, layout, q, k, v, g, beta, h0,
+                                                              A_log, dt_bias, resets)
+    o, final_state = confine.confined(run, N, seq, pack(q), pack(k), pack(v), g, pack(beta),
+                                      (h0[:layout.N], A_log, dt_bias))
   else:
-    resets = None
-  o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias,
-                         resets)
+    o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)
   o = o.reshape(B, T, HV, V)
   return o, (final_state if output_final_state else None)
 

@@ -1,0 +1,72 @@
+"""Non-finite values confined to their sequence where sequences share chunks.
+
+In the segmented layout (kda.padding.pieces) several sequences share a chunk, and the kernels keep
+them apart by decays that are exactly 0 across a reset: NaN * 0 is NaN, so a non-finite input of one
+sequence would reach its neighbours. `confined` runs such a call on inputs whose non-finite values
+are replaced by 0 and marks the sequences that held one:
+
+    o[t]      = NaN                 for every token t of a marked sequence
+    d{x}[t]   = NaN                 likewise, for x in q, k, v, g, beta
+    o, d{x}   = run(inputs with 0)  everywhere else, bit for bit
+
+A sequence is marked by a non-finite q, k, v or beta, a NaN or +inf gate (-inf is a valid gate)
+at one of its tokens (forward), or a non-finite cotangent of o there (backward). Every other sequence gets exactly what the call gives
+with the bad values replaced by 0, as its tokens never read another sequence's values; the marked
+sequence stays non-finite, so the user sees it.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def sequence_of_tokens(starts, lens, T: int) -> jax.Array:
+  """[T] int32: the sequence of each token of a contiguous layout; N past the last sequence's end."""
+  ends = (starts + lens).astype(jnp.int32)
+  return jnp.searchsorted(ends, jnp.arange(T, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _marked(seq, N: int, *xs, g=None) -> jax.Array:
+  """[T] bool: the tokens of every sequence holding a non-finite value in xs ([1, T, ...] each) or a
+  NaN or +inf in the log-space gates g (-inf is a valid gate: full decay)."""
+  flags = [~jnp.isfinite(x) for x in xs] + ([] if g is None else [jnp.isnan(g) | (g == jnp.inf)])
+  bad = functools.reduce(jnp.logical_or, (f.reshape(f.shape[1], -1).any(axis=1) for f in flags))
+  per_seq = jnp.zeros((N + 1,), jnp.int32).at[seq].max(bad.astype(jnp.int32))
+  return per_seq.at[N].set(0)[seq] > 0      # tokens of no sequence mark none
+
+
+def _zero_bad(x, keep_neg_inf=False):
+  ok = jnp.isfinite(x) | (x == -jnp.inf) if keep_neg_inf else jnp.isfinite(x)
+  return jnp.where(ok, x, jnp.zeros((), x.dtype))
+
+
+def _poison(mask, x):
+  """x with NaN at the marked tokens ([1, T, ...])."""
+  return jnp.where(mask.reshape((1, -1) + (1,) * (x.ndim - 2)), jnp.full((), jnp.nan, x.dtype), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def confined(run, N, seq, q, k, v, g, beta, rest):
+  """run(q, k, v, g, beta, *rest) -> (o [1, T, ...], final_state), with the module's confinement;
+  seq: sequence_of_tokens of the call's sequences; rest (states, gate parameters) passes unchanged."""
+  return _fwd(run, N, seq, q, k, v, g, beta, rest)[0]
+
+
+def _fwd(run, N, seq, q, k, v, g, beta, rest):
+  mask = _marked(seq, N, q, k, v, beta, g=g)
+  clean = (_zero_bad(q), _zero_bad(k), _zero_bad(v), _zero_bad(g, keep_neg_inf=True), _zero_bad(beta))
+  (o, final_state), vjp = jax.vjp(run, *clean, *rest)
+  return (_poison(mask, o), final_state), (seq, mask, vjp)
+
+
+def _bwd(run, N, res, cts):
+  seq, mask, vjp = res
+  do, dht = cts
+  mask = mask | _marked(seq, N, do)
+  grads = vjp((_zero_bad(do), dht))
+  return (None, *(_poison(mask, d) for d in grads[:5]), tuple(grads[5:]))
+
+
+confined.defvjp(_fwd, _bwd)
