@@ -261,18 +261,20 @@ def test_fused_kernels_lower_for_cuda(g_dtype):
 
 
 def test_pipeline_runs_the_group_where_switched_on(monkeypatch):
-  """chunk_kda (impl="mosaic_gpu", simulator, traced cu_seqlens) with kda.pipeline.FUSE_GATE_INTRA
-  on runs the group (log-space gates, K = 128) and gives o and the final states bit for bit as with
+  """chunk_kda (impl="mosaic_gpu", simulator, traced cu_seqlens) with the packed forward's
+  Config.fuse_gate_intra on runs the group (log-space gates, K = 128) and gives o and the final states bit for bit as with
   it off (the unfused gate and intra kernels), NaN at the unowned tokens never leaking."""
   import kda
-  from kda import pipeline
   q, k, v, beta, g, cu = _case("f32")
   calls = []
   real = fgi.apply
   monkeypatch.setattr(fgi, "apply", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-  run = lambda fuse: (monkeypatch.setattr(pipeline, "FUSE_GATE_INTRA", fuse), jax.jit(
+  from kda.fused.packed_forward import mosaic_gpu as pf
+  run = lambda fuse: jax.jit(
       lambda q, k, v, g, beta, cu: kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
-                                                  impl="mosaic_gpu"))(q, k, v, g, beta, cu))[1]
+                                                  impl="mosaic_gpu",
+                                                  config={"packed_forward": pf.Config(fuse_gate_intra=fuse)}))(
+                                                      q, k, v, g, beta, cu)
   (o, ht), n_on = run(True), len(calls)
   o_off, ht_off = run(False)
   assert n_on == 1 and len(calls) == 1

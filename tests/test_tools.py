@@ -156,7 +156,7 @@ def test_stages_tool_lists_every_forward_stage():
 def test_stages_tool_compares_the_mosaic_gpu_kernels():
   """--impl mosaic_gpu: the stages with a Mosaic GPU kernel run it (the simulator here) on the
   reference's inputs, at the bfloat16 tolerance; the others are "no kernel"."""
-  rep = stages_tool.compare_stages(seq_lens=[70, 1], chunk_size=64, head_dim=64, heads=1, impl="mosaic_gpu")
+  rep = stages_tool.compare_stages(seq_lens=[70, 1], chunk_size=64, head_dim=64, heads=2, impl="mosaic_gpu")
   want = {n: "agrees" if stages.get(n).mosaic_gpu is not None else "no kernel" for n in stages.FORWARD}
   assert {s.name: s.status for s in rep.stages} == want and want["state"] == "agrees"
   assert rep.config["tol"] == stages_tool.TOL["bfloat16"]

@@ -39,10 +39,9 @@ def _variants():
   from kda.stages.bwd_intra import mosaic_gpu as intra
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
   from kda.stages.bwd_wy import mosaic_gpu as wy
-  return {"bwd_recompute": {"intra": recompute.Config(wy_from_saved=False),
-                            "no_skip_tail": recompute.Config(skip_tail=False)},
+  return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False)},
           "bwd_dav": {"no_skip_tail": dav.Config(skip_tail=False)},
-          "bwd_dh": {"warpgroup": dh.Config(lane_semantics=False)},
+          "bwd_dh": {"input_order": dh.Config(longest_first=False)},
           "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False)},
           "bwd_intra": {"no_skip_tail": intra.Config(skip_tail=False)}}
 
@@ -79,13 +78,13 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret):
     kw = plan.stage_kwargs(name)
     args = tuple(x.astype(jnp.bfloat16) if i in BF16_ARGS.get(name, ()) else x
                  for i, x in enumerate(rec["inputs"][name]))
-    why = (st.supports or {}).get("mosaic_gpu", lambda *a, **k: None)(*args, **kw)
+    why = st.supports("mosaic_gpu", *args, config=plan.config(name, "mosaic_gpu"), **kw)
     if why is not None:
       out["stages"][name] = {"refused": why}
       continue
     ref = jax.jit(lambda *a, st=st, kw=kw: st("reference", *a, **kw))
     for label, cfg in {"": None, **_variants().get(name, {})}.items():
-      extra = {} if cfg is None else {"config": cfg}
+      extra = {"config": plan.config(name, "mosaic_gpu") if cfg is None else cfg}
       kernel = jax.jit(lambda *a, st=st, kw=kw, extra=extra: st("mosaic_gpu", *a, interpret=interpret, **kw, **extra))
       key = f"{name} [{label}]" if label else name
       try:

@@ -8,7 +8,8 @@ Two parts (--parts):
         sqrt(mean(d^2)) / sqrt(mean(ref^2)) (FLA's measure) against --tol, and which backend each
         stage ran.
   nan   one non-finite value in one input (q, k, v, g, beta, do) at a token of one short sequence
-        among many (3000 sequences of 1-3 tokens: the segmented mode, sequences sharing chunks):
+        among many (sequences of 1-3 tokens: the segmented mode, sequences sharing chunks; and of
+        40-299 tokens: one sequence per chunk):
         every other sequence's o and gradients must stay finite and equal to the run with that
         value replaced by 0; the bad sequence must stay non-finite somewhere.
 Prints one JSON line per case and writes them to --out; exit status 1 if a check fails.
@@ -28,7 +29,6 @@ import kda
 from kda.reference import recurrent_kda
 from kda.stages import gate as gate_stage
 
-DIMS = ((256, 256), (128, 256), (256, 128))
 CU = (0, 100, 300, 1200, 3000, 4096)
 
 
@@ -91,11 +91,11 @@ def dims_case(K, V, dtype, varlen, tol, impl=None):
           "errors": errs, "impls": dict(plan.impls)}
 
 
-def nan_case(where, total, impl=None):
+def nan_case(where, total, impl=None, lengths=(1, 4)):
   rng = np.random.default_rng(0)
   lens = []
   while sum(lens) < total:
-    lens.append(int(rng.integers(1, 4)))
+    lens.append(int(rng.integers(*lengths)))
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
   T, H, K = int(cu[-1]), 4, 128
   x, _, _, do = _inputs(jax.random.PRNGKey(1), 1, T, H, K, K, jnp.bfloat16)
@@ -125,7 +125,7 @@ def nan_case(where, total, impl=None):
 
   bad, zero = put(jnp.nan), put(0.0)
   other = seq_of != bad_seq
-  res = {"case": f"nan in {where}", "sequences": len(lens), "T": T}
+  res = {"case": f"nan in {where}, lengths {lengths[0]}-{lengths[1] - 1}", "sequences": len(lens), "T": T}
   ok = True
   for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (bad[0], *bad[1]), (zero[0], *zero[1])):
     a, b = np.asarray(a, np.float32)[0], np.asarray(b, np.float32)[0]
@@ -147,13 +147,17 @@ def main(argv=None):
   p.add_argument("--tol", type=float, default=0.008, help="max error ratio (FLA's varlen test: 0.005-0.015)")
   p.add_argument("--total", type=int, default=7000, help="tokens of the NaN case")
   p.add_argument("--impl", default=None, help="chunk_kda's impl (default: None, the platform's choice)")
+  p.add_argument("--dims", default="256x256,128x256,256x128", help="KxV pairs of the dims part")
+  p.add_argument("--layouts", default="varlen,fixed", help="the dims part's layouts")
+  p.add_argument("--where", default="q,k,v,g,beta,do", help="the inputs the nan part spoils")
+  p.add_argument("--lengths", default="1-3,40-299", help="sequence length ranges of the nan part")
   p.add_argument("--out")
   a = p.parse_args(argv)
   rows = []
   if "dims" in a.parts:
     for dt in a.dtypes.split(","):
-      for K, V in DIMS:
-        for varlen in (True, False):
+      for K, V in (tuple(map(int, d.split("x"))) for d in a.dims.split(",")):
+        for varlen in (lay == "varlen" for lay in a.layouts.split(",")):
           try:
             rows.append(dims_case(K, V, jnp.dtype(dt), varlen, a.tol, a.impl))
           except Exception as e:  # noqa: BLE001 - report and go on
@@ -161,12 +165,14 @@ def main(argv=None):
                          "error": f"{type(e).__name__}: {e}"[:400]})
           print(json.dumps(rows[-1]), flush=True)
   if "nan" in a.parts:
-    for where in ("q", "k", "v", "g", "beta", "do"):
-      try:
-        rows.append(nan_case(where, a.total, a.impl))
-      except Exception as e:  # noqa: BLE001
-        rows.append({"case": f"nan in {where}", "ok": False, "error": f"{type(e).__name__}: {e}"[:400]})
-      print(json.dumps(rows[-1]), flush=True)
+    for lengths in (tuple(int(x) + i for i, x in enumerate(r.split("-"))) for r in a.lengths.split(",")):
+      for where in a.where.split(","):
+        try:
+          rows.append(nan_case(where, a.total, a.impl, lengths))
+        except Exception as e:  # noqa: BLE001
+          rows.append({"case": f"nan in {where}, lengths {lengths}", "ok": False,
+                       "error": f"{type(e).__name__}: {e}"[:400]})
+        print(json.dumps(rows[-1]), flush=True)
   if a.out:
     with open(a.out, "w") as fh:
       json.dump(rows, fh, indent=1)

@@ -88,7 +88,7 @@ def test_supports():
   plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(64, 64, "raw")
   kw = plan.stage_kwargs("bwd_recompute")
   f32 = lambda x: x.astype(jnp.float32)
-  assert bwd_recompute.STAGE.supports["mosaic_gpu"] is mgr.supports
+  assert bwd_recompute.STAGE.mosaic_gpu is mgr
   assert mgr.supports(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw) is None
   assert mgr.supports(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, config=mgr.Config(),
                       **kw) is None

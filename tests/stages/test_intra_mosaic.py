@@ -360,7 +360,7 @@ def test_supports():
   good = [jnp.zeros(s.shape, s.dtype) for s in _abstract(128, 2, 64, 128)]
   q, k, v, beta, gi, gf = good
   assert mgi.supports(*good, **kw) is None and mgi.supports(*good, config=mgi.Config(bounded="never"), **kw) is None
-  assert intra.STAGE.supports["mosaic_gpu"] is mgi.supports and intra.STAGE.mosaic_gpu is mgi.apply
+  assert intra.STAGE.mosaic_gpu is mgi
   f32 = [x.astype(F32) for x in (q, k, v)]
   why = mgi.supports(*f32, beta, gi, gf, **kw)
   assert "bfloat16" in why and all(f"{n} float32" in why for n in ("q", "k", "v")), why
@@ -388,7 +388,8 @@ def test_supports():
   with pytest.raises(ValueError, match=r"impl\['intra'\] = 'mosaic_gpu': mosaic_gpu intra takes bfloat16"):
     planning.choose(strict, "intra", *f32, beta, gi, gf, **kw)
   assert planning.choose(strict, "intra", *good, **kw) == "mosaic_gpu"
-  auto = pipeline.Plan(0.125, BT, False, False, None, (("intra", "mosaic_gpu"),), True)
+  auto = pipeline.Plan(0.125, BT, False, False, None, (("intra", "mosaic_gpu"),), True, chained=("intra",),
+                       platform="gpu", generation="sm90")
   assert planning.choose(auto, "intra", *f32, beta, gi, gf, **kw) == "pallas"
 
 

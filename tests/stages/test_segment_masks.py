@@ -138,10 +138,10 @@ def test_gate_kernels_take_the_resets_as_minus_inf_gates():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert not on.two_part.any() and off.two_part.any()
   assert np.asarray(on.bounded).all() and not np.asarray(off.bounded).all()
-  pieces = padding.gap_pieces(rows, layout.aligned_cu, T, BT)
+  gaps = padding.gap_pieces(rows, layout.aligned_cu, T, BT)
   dgc, dgs = (jnp.asarray(rng.standard_normal((1, T, HV, K)), F32) for _ in range(2))
-  d_on = mbg.packed(g, rows, pieces, None, None, dgc, dgs, seg=seg, **kw).dg
-  d_off = mbg.packed(pieces.reset_gates(g, resets), rows, pieces, None, None, dgc, dgs, **kw).dg
+  d_on = mbg.packed(g, rows, gaps, None, None, dgc, dgs, seg=seg, **kw).dg
+  d_off = mbg.packed(pieces.reset_gates(g, resets), rows, gaps, None, None, dgc, dgs, **kw).dg
   np.testing.assert_array_equal(np.asarray(d_on), np.asarray(d_off))
   at = RESETS[RESETS < L]
   assert not np.asarray(d_on)[0, at].any() and np.asarray(d_on)[0, np.setdiff1d(at + 1, at)].all()

@@ -103,7 +103,7 @@ def _columns_reason(g):
 def _reason(g, valid, A_log, dt_bias, dgc, dg_state, *, chunk_size, use_gate_in_kernel, lower_bound):
   """What the kernel can run (any HV * K: the launcher pads the columns); `apply` raises with it."""
   reason = gate_kernel.supports(g, valid, A_log, dt_bias, chunk_size=chunk_size,
-                                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+                                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, any_columns=True)
   if reason is not None:      # the forward kernel's: chunk 64, g [1, Ta, HV, K], valid, the activation's
     return reason
   for name, x in (("dgc", dgc), ("dg_state", dg_state)):

@@ -92,16 +92,17 @@ def smem_bytes(dtype, config=None, *, packed=False, resets=False):
 
 
 def _common(g, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, rows_name, config,
-            packed, resets=False) -> Optional[str]:
-  """What both modes ask of g [1, rows, HV, K] and the activation's parameters."""
+            packed, resets=False, any_columns=False) -> Optional[str]:
+  """What both modes ask of g [1, rows, HV, K] and the activation's parameters (any_columns: a
+  launcher that pads HV * K to a multiple of 128 asks)."""
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
   if g.ndim != 4 or g.shape[0] != 1:
     return f"g must be [1, {rows_name}, HV, K], got shape {g.shape}"
   _, _, HV, K = g.shape
-  if (HV * K) % COLS:
+  if (HV * K) % COLS and not any_columns:
     return f"mosaic_gpu gate takes HV * K a multiple of {COLS} (one thread per column), got {HV} * {K}"
-  if HV * K // COLS > MAX_GRID_Y:
+  if -(-HV * K // COLS) > MAX_GRID_Y:
     return f"HV * K / {COLS} must be <= {MAX_GRID_Y} (a CUDA grid y limit), got {HV} * {K}"
   if jnp.dtype(g.dtype) not in (jnp.dtype(BF16), jnp.dtype(F32)):
     return f"g must be bfloat16 or float32, got {jnp.dtype(g.dtype).name}"
@@ -116,10 +117,10 @@ def _common(g, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, r
 
 
 def supports(g, valid, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bound, config=None,
-             **_) -> Optional[str]:
+             any_columns=False, **_) -> Optional[str]:
   """None if `apply` takes this call, else the reason in words."""
   reason = _common(g, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                   lower_bound=lower_bound, rows_name="Ta", config=config, packed=False)
+                   lower_bound=lower_bound, rows_name="Ta", config=config, packed=False, any_columns=any_columns)
   if reason is not None:
     return reason
   Ta = g.shape[1]

@@ -201,6 +201,20 @@ def launch(q, k, v, beta, gi, gf, *, two_part, scale, chunk_size, interpret=Fals
       interpret=interpret, name=f"kda_{NAME}{'' if two_part else '_frac'}")(q, k, v, beta, gi, gf)
 
 
+def supports(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, config=None):
+  """None if the kernel takes the call, else why not. Triton stages a chunk's dot operands in
+  shared memory: q, k and the two gate parts as [BT, Kp] tiles, float32 unless the dots take bf16
+  operands. At Kp = 256 in float32 they exceed the 227 KiB a block may have on an H200 (Triton
+  asked for 245760 bytes at K = V = 256, float16 inputs); bf16 tiles take half."""
+  config = config or Config()
+  Kp = max(_pallas.next_pow2(k.shape[-1]), 16)
+  bf16 = q.dtype == jnp.bfloat16 and k.dtype == jnp.bfloat16 and config.bf16_dots
+  if not bf16 and Kp > 128:
+    return (f"pallas intra: [{chunk_size}, {Kp}] float32 dot tiles (q, k dtype {q.dtype}, {k.dtype}) need "
+            "more shared memory than a block may have; K <= 128 or bf16 q and k")
+  return None
+
+
 def apply(q, k, v, beta, gc_int, gc_frac, aligned_cu=None, *, scale, chunk_size, interpret=False,
           config=None):
   del aligned_cu   # every chunk is computed
