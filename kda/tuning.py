@@ -15,6 +15,11 @@ import dataclasses
 Key = tuple  # (name, backend, generation, dtype, K, V, chunk_size)
 
 TABLE: list[tuple[Key, dict]] = [
+    # K = 256 in the Triton state and output kernels (float16 / float32 inputs: the Mosaic GPU
+    # kernels take bf16): the carried state's two [128, BV] slabs and the dot tiles of BV = 64 ask
+    # Triton for more shared memory than an H200 block has; BV = 32 halves them
+    (("state", "pallas", None, None, 256, None, None), dict(block_v=32)),
+    (("output", "pallas", None, None, 256, None, None), dict(block_v=32)),
     # the pipeline: segmented pieces of many short sequences (Mosaic GPU kernels only take them)
     (("pipeline", None, None, None, None, None, None), dict(segment_pieces=16, segment_walks=256)),
 ]
