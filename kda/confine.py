@@ -52,12 +52,18 @@ def _poison(mask, x):
 def confined(run, N, seq, q, k, v, g, beta, rest):
   """run(q, k, v, g, beta, *rest) -> (o [1, T, ...], final_state), with the module's confinement;
   seq: sequence_of_tokens of the call's sequences; rest (states, gate parameters) passes unchanged."""
-  return _fwd(run, N, seq, q, k, v, g, beta, rest)[0]
+  mask, clean = _clean(seq, N, q, k, v, g, beta)
+  o, final_state = run(*clean, *rest)
+  return _poison(mask, o), final_state
+
+
+def _clean(seq, N, q, k, v, g, beta):
+  mask = _marked(seq, N, q, k, v, beta, g=g)
+  return mask, (_zero_bad(q), _zero_bad(k), _zero_bad(v), _zero_bad(g, keep_neg_inf=True), _zero_bad(beta))
 
 
 def _fwd(run, N, seq, q, k, v, g, beta, rest):
-  mask = _marked(seq, N, q, k, v, beta, g=g)
-  clean = (_zero_bad(q), _zero_bad(k), _zero_bad(v), _zero_bad(g, keep_neg_inf=True), _zero_bad(beta))
+  mask, clean = _clean(seq, N, q, k, v, g, beta)
   (o, final_state), vjp = jax.vjp(run, *clean, *rest)
   return (_poison(mask, o), final_state), (seq, mask, vjp)
 
