@@ -232,10 +232,10 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
                             lower_bound=lower_bound if use_gate_in_kernel else None, impl=impl, config=config,
                             zero_initial_state=initial_state is None, final_state_unused=not output_final_state,
                             dtype=q.dtype, K=K, V=V)
-  kernels = [n for n in planning.FORWARD if plan.impl(n) != "reference"]
+  kernels = [n for n in planning.FORWARD if plan.impl(n) not in ("reference", "xla")]
   if backward == "autodiff" and kernels:
     raise ValueError("backward='autodiff' differentiates through the forward stages, which needs their "
-                     f"jnp references (impl='reference'); got kernels for stages {kernels}")
+                     f"jnp implementations (impl='reference' or 'xla'); got kernels for stages {kernels}")
   q, k, v, g, beta, initial_state, A_log, dt_bias = map(_as_jax, (q, k, v, g, beta, initial_state, A_log, dt_bias))
   h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
