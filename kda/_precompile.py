@@ -11,7 +11,7 @@ XLA's compile releases the GIL, so the workers run beside the lowering.
 Hooks jax 0.11.2's Pallas Mosaic GPU lowering, which calls
 `jax.experimental.mosaic.gpu.core._mosaic_gpu_lowering_rule` for every kernel; only kernels named
 `kda_*` are copied, and nothing changes where that function is missing, where no CUDA backend is
-initialised (a CPU lowering for CUDA) or with ENABLED = False (environment: KDA_PRECOMPILE=0).
+initialised (a CPU lowering for CUDA) or while the environment has KDA_PRECOMPILE=0 (`enabled()`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ import time
 
 log = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("KDA_PRECOMPILE", "1") != "0"
+
+
+def enabled() -> bool:
+  """Whether kernels are compiled ahead (read at each lowering: KDA_PRECOMPILE=0 turns it off)."""
+  return os.environ.get("KDA_PRECOMPILE", "1") != "0"
+
 WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 KERNEL_PREFIX = "kda_"
 
@@ -50,7 +55,7 @@ def install():
 
     def rule(ctx, *args, module, **params):
       outs = original(ctx, *args, module=module, **params)
-      backend = _cuda_backend() if ENABLED else None
+      backend = _cuda_backend() if enabled() else None
       if backend is not None and _named_ours(module):
         try:
           _schedule(backend, outs)

@@ -36,7 +36,7 @@ def fake(monkeypatch):
   monkeypatch.setattr(_precompile, "_backend", backend)
   monkeypatch.setattr(_precompile, "_seen", set())
   monkeypatch.setattr(_precompile, "_futures", [])
-  monkeypatch.setattr(_precompile, "ENABLED", True)
+  monkeypatch.setenv("KDA_PRECOMPILE", "1")
   assert _precompile.install()
   return backend
 
@@ -97,7 +97,7 @@ def test_every_kernel_of_a_program(fake):
 
 def test_other_kernels_and_switch_off_are_left_alone(fake, monkeypatch):
   _lower(_kernel("someone_elses"))
-  monkeypatch.setattr(_precompile, "ENABLED", False)
+  monkeypatch.setenv("KDA_PRECOMPILE", "0")
   _lower(_kernel("kda_off"))
   assert _precompile.wait()[0] == 0 and fake.calls == []
 

@@ -151,7 +151,7 @@ def report_one(name, gate, total, do_bwd, kernels, lower_only, ptxas=False, conf
     row = {"variant": f"{name}:{gate}", "program": "fwd+bwd" if do_bwd else "fwd", **phases(fn, args, lower_only)}
     if not lower_only:       # the workers' compiles (their ptxas logs included) have ended
       n, busy, errors = _precompile.wait()
-      row.update(precompile=_precompile.ENABLED, precompiled=n, precompile_busy_s=busy,
+      row.update(precompile=_precompile.enabled(), precompiled=n, precompile_busy_s=busy,
                  precompile_errors=[str(e)[:200] for e in errors])
   if regs:
     row["ptxas"] = regs
@@ -159,7 +159,7 @@ def report_one(name, gate, total, do_bwd, kernels, lower_only, ptxas=False, conf
   if kernels:
     rows = []
     # each kernel's own compile: not taken early from its lowering
-    with as_hopper(lower_only), mock.patch.object(_precompile, "ENABLED", False):
+    with as_hopper(lower_only), mock.patch.dict(os.environ, {"KDA_PRECOMPILE": "0"}):
       for kname, f, avals in calls:
         r = {"kernel": kname, **phases(f, avals, lower_only, run=False)}   # abstract arguments
         rows.append(r)
@@ -186,7 +186,7 @@ def main(argv=None):
   p.add_argument("--out")
   a = p.parse_args(argv)
   if a.no_precompile:
-    _precompile.ENABLED = False
+    os.environ["KDA_PRECOMPILE"] = "0"
   rows = []
   for var in filter(None, a.variants.split(",")):
     name, gate = var.split(":")

@@ -145,8 +145,10 @@ def main(argv=None):
     got = (f"{r['mosaic_calls']} | {r['temp_mib']:.0f}" if "error" not in r else f"error | {r['error'][:80]}")
     print(f"| {r['gen']} | {r['shape']} | {r['program']} | {r['impl']} | {got} | {vs} | {r['compile_s']} |")
   if a.out:
+    run = {"commit": bench.run_info()["commit"], "target": "TPU " + ", ".join(a.gen.split(",")) + " (ahead of time)",
+           "jax": jax.__version__}
     with open(a.out, "w") as fh:
-      json.dump(rows, fh, indent=1)
+      json.dump({"tool": "tools.tpu_program", "run": run, "rows": rows}, fh, indent=1)
   return 1 if any("error" in r for r in rows) else 0
 
 
