@@ -25,6 +25,8 @@ import argparse
 import contextlib
 import functools
 import json
+import math
+import re
 import sys
 import time
 
@@ -38,6 +40,10 @@ import kda
 from tools import bench
 
 TOPOLOGIES = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "v7x": "tpu7x:1x1x1"}
+# HBM bandwidth per chip, bytes/s (published figures; a v7x chip's is shared by its two TensorCores,
+# so a one-core program's estimate is a lower bound)
+HBM = {"v5e": 819e9, "v6e": 1640e9, "v7x": 7370e9}
+BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "s16": 2}
 H, K, V, BT = 16, 128, 128, 64
 
 
@@ -96,6 +102,33 @@ def programs(name: str, impl):
   return forward, jax.value_and_grad(loss, argnums=argnums), specs
 
 
+def _bytes(shapes: str) -> int:
+  total = 0
+  for dt, dims in re.findall(r"\b(f32|s32|u32|bf16|f16|s8|u8|pred|s16)\[([\d,]*)\]", shapes):
+    total += BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def mosaic_kernels(hlo: str):
+  """[(kernel name, bytes in, bytes out)] of each Mosaic TPU call in a compiled HLO text: the
+  operands' and results' sizes, what the kernel must move through HBM at least once."""
+  out = []
+  for line in hlo.splitlines():
+    if 'custom_call_target="tpu_custom_call"' not in line:
+      continue
+    m = re.match(r"\s*%?([\w.\-]+) = (.*?) custom-call\(", line)
+    start = line.find("operand_layout_constraints={")
+    ins, depth = "", 0
+    for ch in line[start + len("operand_layout_constraints="):] if start >= 0 else "":
+      depth += {"{": 1, "}": -1}.get(ch, 0)
+      ins += ch
+      if depth == 0:
+        break
+    if m:
+      out.append((m.group(1).split(".")[0], _bytes(ins), _bytes(m.group(2))))
+  return out
+
+
 def compile_one(fn, specs, gen):
   mesh = tpu_mesh(gen)
   sh = NamedSharding(mesh, P())
@@ -106,7 +139,10 @@ def compile_one(fn, specs, gen):
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return {"mosaic_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+  text = compiled.as_text()
+  kernels = [{"kernel": n, "in_mib": i / 2**20, "out_mib": o / 2**20, "roofline_us": (i + o) / HBM[gen] * 1e6}
+             for n, i, o in mosaic_kernels(text)]
+  return {"mosaic_calls": text.count('custom_call_target="tpu_custom_call"'), "kernels": kernels,
           "temp_mib": m.temp_size_in_bytes / 2**20, "args_mib": m.argument_size_in_bytes / 2**20,
           "flops": cost.get("flops"), "bytes": cost.get("bytes accessed")}
 
@@ -144,6 +180,14 @@ def main(argv=None):
     vs = f"{r['temp_mib'] / base:.2f}x" if base and "temp_mib" in r else ""
     got = (f"{r['mosaic_calls']} | {r['temp_mib']:.0f}" if "error" not in r else f"error | {r['error'][:80]}")
     print(f"| {r['gen']} | {r['shape']} | {r['program']} | {r['impl']} | {got} | {vs} | {r['compile_s']} |")
+  print("\nMosaic TPU kernels (auto): bytes each call reads and writes at least once, and the time those take "
+        "at the chip's HBM bandwidth")
+  print("| gen | shape | program | kernel | in MiB | out MiB | roofline us |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
+  for r in rows:
+    for kr in r.get("kernels", []):
+      print(f"| {r['gen']} | {r['shape']} | {r['program']} | {kr['kernel']} | {kr['in_mib']:.1f} | "
+            f"{kr['out_mib']:.1f} | {kr['roofline_us']:.0f} |")
   if a.out:
     run = {"commit": bench.run_info()["commit"], "target": "TPU " + ", ".join(a.gen.split(",")) + " (ahead of time)",
            "jax": jax.__version__}
