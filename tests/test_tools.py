@@ -367,3 +367,20 @@ def test_compile_report_reads_ptxas_logs():
   assert got == {
       "kda_intra_solve_mosaic_gpu_kernel": dict(registers=168, stack=0, spill_stores=24, spill_loads=32),
       "kda_gate_mosaic_gpu_kernel": dict(registers=40, stack=0, spill_stores=0, spill_loads=0)}
+
+
+def test_cpu_check_smoke():
+  """tools.cpu_check at a tiny size: the recurrence, the forward and forward + backward each report a
+  time and a memory growth, and the summary its ratio."""
+  import json
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "tools.cpu_check", "--T", "128", "--H", "1", "--K", "16",
+                        "--reps", "1"], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+  assert [r.get("measure") for r in rows[:3]] == ["recurrence", "forward", "fwdbwd"], out.stdout + out.stderr
+  assert all("error" not in r and r["median_s"] > 0 for r in rows[:3]), rows
+  assert rows[1]["impls"] == ["reference", "xla"] and rows[-1]["forward_over_recurrence"] > 0

@@ -87,8 +87,8 @@ def measure(what, *, T, H, K, chunk, reps, impl):
          "cpu_s": round(statistics.median(cpu), 4), "compile_s": round(compile_s, 2),
          "rss_growth_mib": round(peak_rss_mib() - before, 1)}
   if what != "recurrence":
-    from kda import pipeline
-    rec["impls"] = sorted(set(pipeline.default_impls(kda.stages.names()).values())) if impl is None else impl
+    from kda import plan as planning
+    rec["impls"] = sorted(set(dict(planning.make_plan(scale=1.0, chunk_size=chunk).impls).values())) if impl is None else impl
   return rec
 
 
