@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda.fused import state_output as fso
+from kda.fused.state_output import mosaic_gpu as fso
 from kda.stages.output import mosaic_gpu as mgo
 from kda.stages.state import mosaic_gpu as mgs
 from tools import bench
@@ -398,13 +398,13 @@ def fused_part(sets, qa, reps, part_timeout, variants, interpret):
 
   for label, cfg in variants:
     with Part(f"fused {label}", part_timeout):
-      f = jax.jit(lambda *x, cfg=cfg: fso.mosaic_gpu(*x, scale=scale, chunk_size=BT, config=cfg,
+      f = jax.jit(lambda *x, cfg=cfg: fso.apply(*x, scale=scale, chunk_size=BT, config=cfg,
                                                      interpret=interpret))
       for name in sets:
         a = fused_args(name)
         a_bf = tuple(bf(x) for x in a[:5]) + a[5:]
         if name == timed:
-          reason = fso.takes(*a_bf, chunk_size=BT)
+          reason = fso.supports(*a_bf, chunk_size=BT)
           if reason:
             say(f"  fused {label}: takes() refuses: {reason}")
           c, secs = compile_timed(f, a_bf)
@@ -446,8 +446,6 @@ FUSED_VARIANTS = {
     "serial-one-slot-direct-o": fso.Config(input_slots=1, stage_o=False),
     "serial-direct-o": fso.Config(stage_o=False),
     "warp-specialized-direct-o": fso.Config(warp_specialized=True, stage_o=False),
-    "serial-lane": fso.Config(lane_semantics=True),
-    "warp-specialized-lane": fso.Config(warp_specialized=True, lane_semantics=True),
     "input-order": fso.Config(longest_first=False)}
 
 
