@@ -21,12 +21,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kda.padding.layout import search_right
+
 
 def sequence_of_tokens(starts, lens, T: int) -> jax.Array:
   """[T] int32: the sequence of each token of a contiguous layout; N past the last sequence's end."""
   ends = (starts + lens).astype(jnp.int32)
-  ended = jnp.zeros((T,), jnp.int32).at[ends].add(1, mode="drop")   # sequences ending at each token
-  return jnp.cumsum(ended).astype(jnp.int32)                       # those ended at or before it: no loop
+  return search_right(ends, jnp.arange(T, dtype=jnp.int32)).astype(jnp.int32)   # sequences ended by t
 
 
 def _marked(seq, N: int, *xs, g=None) -> jax.Array:
