@@ -252,11 +252,11 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
       N=N, use_gate_in_kernel=use_gate_in_kernel):
     # fewer, longer sequences with resets inside; sharing chunks, they are kept apart by zero decays,
     # so a non-finite input is confined to its sequence here (kda.confine)
-    seq = confine.sequence_of_tokens(layout.starts, layout.lens, B * T)
+    seqs = confine.sequences(layout.starts, layout.lens, B * T)
     layout, resets = pieces.segmented(layout, P)
     run = lambda q, k, v, g, beta, h0, A_log, dt_bias: _core(backward, plan, layout, q, k, v, g, beta, h0,
                                                               A_log, dt_bias, resets)
-    o, final_state = confine.confined(run, N, seq, pack(q), pack(k), pack(v), g, pack(beta),
+    o, final_state = confine.confined(run, seqs, pack(q), pack(k), pack(v), g, pack(beta),
                                       (h0[:layout.N], A_log, dt_bias))
   else:
     o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)

@@ -21,22 +21,28 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kda import steps
 from kda.padding.layout import search_right
 
 
-def sequence_of_tokens(starts, lens, T: int) -> jax.Array:
-  """[T] int32: the sequence of each token of a contiguous layout; N past the last sequence's end."""
-  ends = (starts + lens).astype(jnp.int32)
-  return search_right(ends, jnp.arange(T, dtype=jnp.int32)).astype(jnp.int32)   # sequences ended by t
+def sequences(starts, lens, T: int):
+  """(seq, starts, ends): seq [T] int32 the sequence of each token of a contiguous layout (N past
+  the last sequence's end), starts and ends [N] int32 each sequence's token range."""
+  starts = starts.astype(jnp.int32)
+  ends = starts + lens.astype(jnp.int32)
+  return search_right(ends, jnp.arange(T, dtype=jnp.int32)).astype(jnp.int32), starts, ends
 
 
-def _marked(seq, N: int, *xs, g=None) -> jax.Array:
+def _marked(seqs, *xs, g=None) -> jax.Array:
   """[T] bool: the tokens of every sequence holding a non-finite value in xs ([1, T, ...] each) or a
   NaN or +inf in the log-space gates g (-inf is a valid gate: full decay)."""
+  seq, starts, ends = seqs
   flags = [~jnp.isfinite(x) for x in xs] + ([] if g is None else [jnp.isnan(g) | (g == jnp.inf)])
   bad = functools.reduce(jnp.logical_or, (f.reshape(f.shape[1], -1).any(axis=1) for f in flags))
-  per_seq = jnp.zeros((N + 1,), jnp.int32).at[seq].max(bad.astype(jnp.int32))
-  return per_seq.at[N].set(0)[seq] > 0      # tokens of no sequence mark none
+  # a sequence's tokens are contiguous: its count of bad ones is a difference of the running count
+  count = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad.astype(jnp.int32))])
+  per_seq = jnp.concatenate([count[ends] > count[starts], jnp.zeros((1,), bool)])  # tokens of no sequence: none
+  return per_seq[seq]
 
 
 def _zero_bad(x, keep_neg_inf=False):
@@ -49,32 +55,38 @@ def _poison(mask, x):
   return jnp.where(mask.reshape((1, -1) + (1,) * (x.ndim - 2)), jnp.full((), jnp.nan, x.dtype), x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def confined(run, N, seq, q, k, v, g, beta, rest):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def confined(run, seqs, q, k, v, g, beta, rest):
   """run(q, k, v, g, beta, *rest) -> (o [1, T, ...], final_state), with the module's confinement;
-  seq: sequence_of_tokens of the call's sequences; rest (states, gate parameters) passes unchanged."""
-  mask, clean = _clean(seq, N, q, k, v, g, beta)
+  seqs: `sequences` of the call; rest (states, gate parameters) passes unchanged."""
+  mask, clean = _clean(seqs, q, k, v, g, beta)
   o, final_state = run(*clean, *rest)
-  return _poison(mask, o), final_state
+  with steps.scope("confine"):
+    return _poison(mask, o), final_state
 
 
-def _clean(seq, N, q, k, v, g, beta):
-  mask = _marked(seq, N, q, k, v, beta, g=g)
-  return mask, (_zero_bad(q), _zero_bad(k), _zero_bad(v), _zero_bad(g, keep_neg_inf=True), _zero_bad(beta))
+def _clean(seqs, q, k, v, g, beta):
+  with steps.scope("confine"):
+    mask = _marked(seqs, q, k, v, beta, g=g)
+    return mask, (_zero_bad(q), _zero_bad(k), _zero_bad(v), _zero_bad(g, keep_neg_inf=True), _zero_bad(beta))
 
 
-def _fwd(run, N, seq, q, k, v, g, beta, rest):
-  mask, clean = _clean(seq, N, q, k, v, g, beta)
+def _fwd(run, seqs, q, k, v, g, beta, rest):
+  mask, clean = _clean(seqs, q, k, v, g, beta)
   (o, final_state), vjp = jax.vjp(run, *clean, *rest)
-  return (_poison(mask, o), final_state), (seq, mask, vjp)
+  with steps.scope("confine"):
+    return (_poison(mask, o), final_state), (seqs, mask, vjp)
 
 
-def _bwd(run, N, res, cts):
-  seq, mask, vjp = res
+def _bwd(run, res, cts):
+  seqs, mask, vjp = res
   do, dht = cts
-  mask = mask | _marked(seq, N, do)
-  grads = vjp((_zero_bad(do), dht))
-  return (None, *(_poison(mask, d) for d in grads[:5]), tuple(grads[5:]))
+  with steps.scope("confine"):
+    mask = mask | _marked(seqs, do)
+    do = _zero_bad(do)
+  grads = vjp((do, dht))
+  with steps.scope("confine"):
+    return (None, *(_poison(mask, d) for d in grads[:5]), tuple(grads[5:]))
 
 
 confined.defvjp(_fwd, _bwd)

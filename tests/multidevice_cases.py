@@ -331,15 +331,15 @@ def heads_mosaic_gpu():
 
 CASES = {
     "shard_map-heads-pallas": lambda: heads("pallas"),
-    "shard_map-heads-closed-cu-reference": lambda: heads_closed_cu("reference"),
+    "shard_map-heads-closed-cu-xla": lambda: heads_closed_cu("xla"),
     "shard_map-seqs+heads-reference": lambda: sequences("reference", "model"),
-    "shard_map-seqs+heads-pallas": lambda: sequences("pallas", "model"),
-    "shard_map-segment_ids-pallas": lambda: segments("pallas"),
+    "shard_map-seqs+heads-xla": lambda: sequences("xla", "model"),
+    "shard_map-segment_ids-xla": lambda: segments("xla"),
     "shard_map-heads-recurrence": recurrence,
     "unchecked-region": unchecked_region,
-    "jit-explicit-pallas": lambda: plain_jit("pallas"),
+    "jit-explicit-xla": lambda: plain_jit("xla"),
     "jit-explicit-varlen-reference": lambda: plain_jit_varlen("reference"),
-    "jit-explicit-segment_ids-pallas": lambda: plain_jit_segments("pallas"),
+    "jit-explicit-segment_ids-xla": lambda: plain_jit_segments("xla"),
     "jit-auto-pallas": lambda: plain_jit_auto("pallas"),
     "shard_map-heads-mosaic_gpu": heads_mosaic_gpu,
 }

@@ -8,7 +8,8 @@ in one subprocess with 4 emulated CPU devices (tests/multidevice_cases.py; run i
 - shard_map, heads over "model" (H and HV split together, GVA groups whole, gate in kernel with
   A_log / dt_bias split alike), packed sequences over "data" (each device its own row,
   cu_seqlens and initial states), both at once, and batch rows over "data" with segment_ids;
-  the reference path, the Pallas kernels (interpret mode) and kda.reference.recurrent_kda; also
+  the Pallas kernels (interpret mode) on the heads split, the xla and reference paths and
+  kda.reference.recurrent_kda on the others (the split is the same for every impl); also
   a concrete cu_seqlens placed on the mesh and closed over by the shard_map body;
 - plain jax.jit, explicit mesh axes: chunk_kda partitions itself (no all-gather in the compiled
   program, outputs and gradients sharded like the inputs);
@@ -94,8 +95,8 @@ def test_unchecked_region_runs_per_device_and_refuses_derivatives(results):
   assert "no derivative" in r["checks"]["grad_raised"], r
 
 
-@pytest.mark.parametrize("name", ["jit-explicit-pallas", "jit-explicit-varlen-reference",
-                                  "jit-explicit-segment_ids-pallas"])
+@pytest.mark.parametrize("name", ["jit-explicit-xla", "jit-explicit-varlen-reference",
+                                  "jit-explicit-segment_ids-xla"])
 def test_plain_jit_explicit_axes_partitions_without_gathering(results, name):
   r = _case(results, name)
   _assert_equal_to_unsharded(r)
@@ -105,7 +106,7 @@ def test_plain_jit_explicit_axes_partitions_without_gathering(results, name):
     assert c["o_spec"] == "P(None, None, 'model', None)", c
   else:                                          # rows over data, heads over model
     assert c["o_spec"] == "P('data', None, 'model', None)", c
-  if name == "jit-explicit-pallas":
+  if name == "jit-explicit-xla":
     assert c["final_state_spec"] == "P('data', 'model', None, None)", c
     assert c["dq_spec"] == "P('data', None, 'model', None)", c
 

@@ -90,28 +90,38 @@ def test_segmented_forward_and_gradient_match_the_recurrence(monkeypatch):
     assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), name
 
 
-def test_training_step_lowers_without_while_loops():
-  """jax.grad with impl=None as on an H200 (the platform mocked), many short sequences (the segmented
-  mode) and traced cu_seqlens, and the forward with the final state (grouped walks), lowered for CUDA
-  from the CPU: no while loop in either program (on a GPU each iteration is launched from the host,
-  on the critical path of a call)."""
+def _lowered_for_cuda(f, T, HV, K, N):
+  """f's program for (q, k, v, g, beta, cu_seqlens) lowered for CUDA from the CPU, with impl=None as
+  on an H200 (the platform mocked)."""
   from unittest import mock
   S = jax.ShapeDtypeStruct
-  T, HV, K, N = 1024, 1, 128, 300            # HV = 1: 256 pieces, so N > pieces
   bf = lambda *s: S(s, jnp.bfloat16)
-  args = (bf(1, T, HV, K), bf(1, T, HV, K), bf(1, T, HV, K), S((1, T, HV, K), jnp.float32), bf(1, T, HV))
-  loss = lambda q, k, v, g, beta, cu: jnp.sum(kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0].astype(jnp.float32))
+  args = (bf(1, T, HV, K), bf(1, T, HV, K), bf(1, T, HV, K), S((1, T, HV, K), jnp.float32), bf(1, T, HV),
+          S((N + 1,), jnp.int32))
   with mock.patch("kda.plan.platform_of", lambda device=None: ("gpu", "sm90")):
     plan = planning.make_plan(scale=K ** -0.5, chunk_size=64)
     assert plan.members_select("packed_forward") == "mosaic_gpu"
-    assert pieces.takes(pieces.count(HV, 16, 256), contiguous=True, initial_state=None, output_final_state=False,
-                        N=N, use_gate_in_kernel=False)
-    lower = lambda f: jax.jit(f).trace(*args, S((N + 1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    step = lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    # with the final state: not segmented, and the walks group the sequences (kda._mosaic_gpu.sequence_groups)
-    fwd = lower(lambda *a: kda.chunk_kda(*a[:5], cu_seqlens=a[5], output_final_state=True))
-  for txt in (step, fwd):
-    assert "mosaic_gpu" in txt and "stablehlo.while" not in txt
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_training_step_lowers_without_while_loops():
+  """jax.grad with impl=None, many short sequences (the segmented mode) and traced cu_seqlens,
+  lowered for CUDA: no while loop (on a GPU each iteration is launched from the host, on the
+  critical path of a call)."""
+  T, HV, K, N = 1024, 1, 128, 300            # HV = 1: 256 pieces, so N > pieces
+  assert pieces.takes(pieces.count(HV, 16, 256), contiguous=True, initial_state=None, output_final_state=False,
+                      N=N, use_gate_in_kernel=False)
+  loss = lambda q, k, v, g, beta, cu: jnp.sum(kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0].astype(jnp.float32))
+  txt = _lowered_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), T, HV, K, N)
+  assert "mosaic_gpu" in txt and "stablehlo.while" not in txt
+
+
+def test_forward_with_final_state_lowers_without_while_loops():
+  """The forward with the final state (not segmented: the walks group the sequences,
+  kda._mosaic_gpu.sequence_groups), lowered for CUDA: no while loop."""
+  txt = _lowered_for_cuda(lambda *a: kda.chunk_kda(*a[:5], cu_seqlens=a[5], output_final_state=True),
+                          1024, 1, 128, 300)
+  assert "mosaic_gpu" in txt and "stablehlo.while" not in txt
 
 
 @pytest.mark.parametrize("where", ["v", "q", "g", "do"])
