@@ -62,7 +62,16 @@ def results():
   return _run()
 
 
+@pytest.fixture(scope="module")
+def large_results():
+  return _run(multidevice_cases.LARGE)
+
+
 def _case(results, name):
+  if name in multidevice_cases.LARGE:       # a `large` case: its own subprocess
+    results = results.getfixturevalue("large_results")
+  elif isinstance(results, pytest.FixtureRequest):
+    results = results.getfixturevalue("results")
   found, proc = results
   assert name in found, f"case {name} did not report (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
   r = found[name]
@@ -75,12 +84,16 @@ def _assert_equal_to_unsharded(r, tol=TOL):
   assert not worst, f"{r['case']}: max rel diff vs the unsharded call above {tol}: {worst} (all: {r['diffs']})"
 
 
-SHARD_MAP = [n for n in multidevice_cases.DEFAULT if n.startswith("shard_map")]
+def _params(names):
+  return [pytest.param(n, marks=pytest.mark.large) if n in multidevice_cases.LARGE else n for n in names]
+
+
+SHARD_MAP = _params(n for n in multidevice_cases.CASES if n.startswith("shard_map") and "mosaic_gpu" not in n)
 
 
 @pytest.mark.parametrize("name", SHARD_MAP)
-def test_inside_shard_map_equals_unsharded(results, name):
-  r = _case(results, name)
+def test_inside_shard_map_equals_unsharded(request, name):
+  r = _case(request, name)
   _assert_equal_to_unsharded(r)
   assert "o" in r["diffs"] and any(k.startswith("d") for k in r["diffs"])   # forward and gradients
 
@@ -95,10 +108,10 @@ def test_unchecked_region_runs_per_device_and_refuses_derivatives(results):
   assert "no derivative" in r["checks"]["grad_raised"], r
 
 
-@pytest.mark.parametrize("name", ["jit-explicit-xla", "jit-explicit-varlen-reference",
-                                  "jit-explicit-segment_ids-xla"])
-def test_plain_jit_explicit_axes_partitions_without_gathering(results, name):
-  r = _case(results, name)
+@pytest.mark.parametrize("name", _params(["jit-explicit-xla", "jit-explicit-varlen-reference",
+                                          "jit-explicit-segment_ids-xla"]))
+def test_plain_jit_explicit_axes_partitions_without_gathering(request, name):
+  r = _case(request, name)
   _assert_equal_to_unsharded(r)
   c = r["checks"]
   assert c["collectives"]["all-gather"] == 0 and c["collectives"]["all-to-all"] == 0, c

@@ -12,8 +12,9 @@ of a call (medians of --reps), the device busy time per call, the device's span 
 call with its largest gaps (the profiled calls are dispatched back to back), compile seconds (lower +
 compile), XLA's temporary and output MiB, a table per piece and the largest ops.
 
-  python -m tools.profile [--variants A:plain,B:plain] [--reps 5] [--no-bwd] [--total 32768]
-      [--impl auto] [--dir /tmp/kda-profile] [--command-buffers] [--hlo-dir DIR] [--out FILE.json]
+  python -m tools.profile [--variants A:plain,B:plain] [--reps 5] [--no-bwd | --no-fwd] [--total 32768]
+      [--impl auto] [--config name.field=value,...] [--dir /tmp/kda-profile] [--command-buffers]
+      [--hlo-dir DIR] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -136,9 +137,9 @@ def idle(events, calls, top=6):
   return span / 1e3 / calls, sum(g[0] for g in gaps) / 1e3 / calls, gaps[:top]
 
 
-def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None):
-  args, fwd, loss = bench.calls(name, gate, impl, total)
-  fns = {"fwd": jax.jit(fwd)}
+def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None, config="", do_fwd=True):
+  args, fwd, loss = bench.calls(name, gate, impl, total, config)
+  fns = {"fwd": jax.jit(fwd)} if do_fwd else {}
   if do_bwd:
     # value_and_grad: the loss needs o, so the forward's output kernels run as in a training step
     # (jax.grad of this linear loss, as tools.bench and the jax peer time it, lets XLA drop them)
@@ -197,6 +198,8 @@ def main(argv=None):
   p.add_argument("--impl", default="auto", help="auto (impl=None), mosaic_gpu, pallas or reference")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--no-bwd", action="store_true")
+  p.add_argument("--no-fwd", action="store_true", help="forward + backward alone")
+  p.add_argument("--config", default="", help="configs of the call, name.field=value,... (tools.configs)")
   p.add_argument("--total", type=int, default=bench.TOTAL)
   p.add_argument("--dir", default="/tmp/kda-profile", help="where the traces go")
   p.add_argument("--command-buffers", action="store_true",
@@ -210,8 +213,11 @@ def main(argv=None):
   if a.reps < 1:
     p.error(f"--reps must be >= 1, got {a.reps}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  if a.no_fwd and a.no_bwd:
+    p.error("--no-fwd and --no-bwd leave nothing to profile")
   bench.each_variant(a.variants, lambda name, gate: profile_one(name, gate, a.impl, a.reps, not a.no_bwd, a.total,
-                                                               a.dir, a.hlo_dir), report, a.out)
+                                                               a.dir, a.hlo_dir, a.config, not a.no_fwd),
+                     report, a.out)
   return 0
 
 

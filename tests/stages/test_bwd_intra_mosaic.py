@@ -496,3 +496,17 @@ def test_packed_dq_dk_lower_for_cuda_in_two_ctas():
   smem = lowered_smem_bytes(f, *_abstract(Ta, 16, 128), i32(5), i32(NTa), i32(NTa), i32(2, T // BT + 6))
   print(f"\n  bwd_intra packed dq, dk: SMEM {smem} bytes as lowered")
   assert smem <= SMEM_TWO_CTAS and smem == mgb.smem_bytes(BF16)
+
+
+def test_one_term_dA_stays_within_bf16_rounding():
+  """Config(dA_terms=1): dAqk, dAkk enter their products as one bf16 term (rounded once, 2^-9):
+  another lowered program, and every output within a few bf16 roundings of the reference, outside
+  the two-term bounds (the mode ran)."""
+  cfg = mgb.Config(dA_terms=1)
+  assert _lowered(cfg) != _lowered(mgb.Config())
+  args, _ = make_inputs("K128-HV2-100", "ordinary")
+  scale = 128 ** -0.5
+  got = jax.block_until_ready(_kernel(scale, cfg)(*args))
+  errs = errors(got, bwd_intra.reference.apply(*args, scale=scale, chunk_size=BT))
+  assert all(e[0] <= 1e-2 and e[1] <= 5e-3 for e in errs.values()), fmt(errs)
+  assert errs["dq"][0] > 10 * TOL["dq"][0], fmt(errs)

@@ -46,7 +46,8 @@ bytes, two CTAs per SM. Warpgroup lowering semantics: the body stores many regis
 (kda._mosaic_gpu.params), so Lane runs slower here.
 
 Precision: every wgmma has hi + lo bf16 splits of both float32 operands (kda._mosaic_gpu.split,
-three wgmmas: hi hi, hi lo, lo hi; ~2^-16 relative), float32 accumulation; the decay factors and
+three wgmmas: hi hi, hi lo, lo hi; ~2^-16 relative; Config.dA_terms=1 takes dA as one term, 2^-9,
+two wgmmas), float32 accumulation; the decay factors and
 all sums outside the tensor cores are float32 (Config.approx_math: Mosaic GPU's ex2.approx, ~2^-22
 relative). q, k enter as bf16: `apply` rounds float32 q, k (their float32 accuracy needs the
 reference stage; the predicate refuses them), everything else is float32.
@@ -97,10 +98,15 @@ class Config:
   # with aligned_cu: the chunks at or past aligned_cu[-1] get the accumulators back, nothing else
   # read (no token there, so no term)
   skip_tail: bool = True
+  # bf16 terms of the dA operand: 2 (hi + lo, ~2^-16 relative, three wgmmas a product) or 1 (dA
+  # rounded to bf16 once, 2^-9, two wgmmas: the same rounded dA serves both products of a pair)
+  dA_terms: int = 2
 
   def __post_init__(self):
     if self.bounded not in ("auto", "never"):
       raise ValueError(f"bounded must be 'auto' or 'never', got {self.bounded!r}")
+    if self.dA_terms not in (1, 2):
+      raise ValueError(f"dA_terms must be 1 or 2, got {self.dA_terms!r}")
 
 
 def _scratch(stage_dtype=None):
@@ -191,7 +197,7 @@ def bounded_levels(gc_int, gc_frac):
   return lb.T.reshape(-1).astype(jnp.int32)
 
 
-def _body(flag_g, *refs, scale, bounded, store=None, seg=False):
+def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2):
   """One program. seg: a [2, Ta] float32 input after the flags (kda.pipeline.segment_rows): dA's
   pairs masked to the chunk's segments, gc_int taken without the resets' -128 steps."""
   seg_g, refs = (refs[0], refs[1:]) if seg else (None, refs)
@@ -226,7 +232,16 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False):
     hi_s[...], lo_s[...] = _split(x)
 
   def prod(lhs_h, lhs_l, rhs_h, rhs_l):
+    """dA (left) @ a decayed operand (right) from their bf16 terms: every pair but lo lo."""
+    if dA_terms == 1:
+      return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l)], shape)
     return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l), (lhs_l, rhs_h)], shape)
+
+  def dA_into(x):
+    if dA_terms == 1:
+      dh_s[...] = x.astype(BF16)
+    else:
+      split_into(x, dh_s, dl_s)
 
   def level(ls, carry, both_sides):
     """Level s = 2**ls onto the sums (P, G, W); ls and both_sides may be traced. Exact levels: el on
@@ -251,14 +266,14 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False):
     kx = _load(k_s).astype(F32)
     qx = _load(q_s).astype(F32)
     # dAqk's pairs: dqAs and dkAs
-    split_into(jnp.where(pair, dA(daqk_g) * scale, 0.0), dh_s, dl_s)
+    dA_into(jnp.where(pair, dA(daqk_g) * scale, 0.0))
     split_into(kx * er, rh_s, rl_s)
     split_into(qx * el, xh_s, xl_s)
     plgpu.commit_smem()
     p = prod(dh_s, dl_s, rh_s, rl_s)
     wa = prod(dh_s.T, dl_s.T, xh_s, xl_s)
     # dAkk's pairs (the buffers are free: reading the accumulators waited for the wgmmas)
-    split_into(jnp.where(pair, dA(dakk_g), 0.0), dh_s, dl_s)
+    dA_into(jnp.where(pair, dA(dakk_g), 0.0))
     split_into(beta * kx * el, xh_s, xl_s)
     plgpu.commit_smem()
     g = prod(dh_s, dl_s, rh_s, rl_s)
@@ -301,7 +316,7 @@ def _tail(flag_g, *refs, grads=True, seg=False):
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True, seg=False):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True, seg=False, dA_terms=2):
   """Packed dq, dk (`packed_chunk`, the stage is the last scratch): program (s, h, c) stores its
   chunk's dq, dk rows packed and zeroes the gap pieces c, c + NTa, ... of both at its head and
   columns."""
@@ -311,7 +326,7 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
   dst = lambda o_g: lambda ds: o_g.at[ds, i_h, cols]
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg,
+               lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg, dA_terms=dA_terms,
                                    store=lambda o_g, x: store(dst(o_g), x)),
                (lambda: _tail(*refs, grads=False, seg=seg)) if tail_zeros else None,
                [dst(oq_g), dst(ok_g)], BT)
@@ -322,10 +337,11 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   segkw = dict(seg=True) if seg else {}
-  body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", **segkw)
+  terms = dict(dA_terms=config.dA_terms)
+  body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", **segkw, **terms)
   if packed_T is not None:
     body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto",
-                             **({} if tail_zeros else dict(tail_zeros=False)), **segkw)
+                             **({} if tail_zeros else dict(tail_zeros=False)), **segkw, **terms)
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_tail, **segkw) if tail_zeros else None)
   Tq = Ta if packed_T is None else packed_T

@@ -31,7 +31,8 @@ SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four w
 at K = V = 128, two CTAs per SM.
 
 Precision: every float32 wgmma operand is a hi + lo bf16 split (three wgmmas: hi hi, hi lo, lo hi,
-~2^-16 relative; one term less where a side is bf16-exact: a, L), float32 accumulation; the
+~2^-16 relative; one term less where a side is bf16-exact: a, L; Config.cotangent_terms=1 takes
+du and dw as one term, 2^-9, one wgmma fewer per product), float32 accumulation; the
 exponentials and sums outside the tensor cores are float32 (Config.approx_math: ex2.approx,
 ~2^-22 relative). q, k, v and Ainv enter as bf16 (`apply` rounds float32 ones; the predicate
 refuses them: their float32 accuracy needs the reference). Padding and tail rows go through the
@@ -76,6 +77,14 @@ class Config:
   approx_math: bool = True   # Mosaic GPU's fast exp (ex2.approx): ~2^-22 relative
   # with aligned_cu: the chunks at or past aligned_cu[-1] store zeros and read nothing
   skip_tail: bool = True
+  # bf16 terms of the cotangent operands du, dw: 2 (hi + lo, ~2^-16 relative) or 1 (rounded to
+  # bf16 once, 2^-9: one wgmma fewer in dvb, dkb and in each of their dAinv products); dAinv's own
+  # chain (dAkk) and dg_state keep their splits
+  cotangent_terms: int = 2
+
+  def __post_init__(self):
+    if self.cotangent_terms not in (1, 2):
+      raise ValueError(f"cotangent_terms must be 1 or 2, got {self.cotangent_terms!r}")
 
 
 def _scratch(K, V, stage_dtype=None):
@@ -150,7 +159,7 @@ takes = supports                  # the name kda.stages.bwd_wy registers
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv, store_dv=None):
+          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv, store_dv=None, ct=2):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
@@ -175,12 +184,14 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     plgpu.commit_smem()
 
   aT = a_s.T
+  cts = (t0, t1)[:ct]                # the cotangent's bf16 terms
+  cross = [(t0, t2.T), (t0, t3.T)] + ([(t1, t2.T)] if ct == 2 else [])   # (du or dw) @ (vb or kb)^T
   plgpu.barrier_wait(bar)
   dAinv = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
   dbeta = []
   for j in range(nv):
-    put(_load(at(du_g, j)), t0, t1)                          # du
-    dvb = _acc([(aT, t0), (aT, t1)], shape)
+    put(_load(at(du_g, j)), *cts)                            # du
+    dvb = _acc([(aT, t) for t in cts], shape)
     vx = _load(v_s.at[j]).astype(F32)
     if store_dv is None:
       ov_g[rows, h, slab(j)] = (dvb * beta).astype(ov_g.dtype)
@@ -188,10 +199,10 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
       store_dv(j, dvb * beta)
     dbeta.append(jnp.sum(dvb * vx, axis=1))
     put(beta * vx, t2, t3)                                   # vb
-    dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
+    dAinv = dAinv + _acc(cross, shape)
   for j in range(nk):
-    put(_load(at(dw_g, j)), t0, t1)             # dw
-    dkb = _acc([(aT, t0), (aT, t1)], shape)
+    put(_load(at(dw_g, j)), *cts)               # dw
+    dkb = _acc([(aT, t) for t in cts], shape)
     gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
@@ -204,7 +215,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     og_g[rows, h, slab(j)] = dqg * qx * eg + dkb * kb
     dbeta.append(jnp.sum(dkb * keg, axis=1))
     put(kb, t2, t3)
-    dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T), (t1, t2.T)], shape)
+    dAinv = dAinv + _acc(cross, shape)
     put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
     before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
     dgl = _load(dgl_g.at[c, h, slab(j)], COL)
@@ -232,7 +243,7 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   odb_g[h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, ct=2):
   """Packed dv (`packed_chunk`, the stage is the last scratch): program (h, c) stores its chunk's dv
   rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h."""
   *refs, stage = refs
@@ -240,7 +251,7 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   dst = lambda j: lambda ds: ov_g.at[ds, h, pl.ds(j * SLAB, SLAB)]
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: _body(*refs, nk=nk, nv=nv, store_dv=lambda j, x: store(dst(j), x)),
+               lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, store_dv=lambda j, x: store(dst(j), x)),
                (lambda: _zeros(*refs, nk=nk, nv=nv, dv=False)) if tail_zeros else None,
                [dst(j) for j in range(nv)], BT)
 
@@ -260,12 +271,12 @@ def _in_place(body, n_lead, alias_du):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True):
+            tail_zeros=True, ct=2):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
-  body = functools.partial(_body, nk=nk, nv=nv)
+  body = functools.partial(_body, nk=nk, nv=nv, ct=ct)
   if packed_T is not None:
-    body = functools.partial(_packed_body, nk=nk, nv=nv, **({} if tail_zeros else dict(tail_zeros=False)))
+    body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, **({} if tail_zeros else dict(tail_zeros=False)))
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv) if tail_zeros else None)
   n_lead = 4 if packed_T is not None else int(skip_tail)      # src, count, pieces, aligned_cu
@@ -313,7 +324,8 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
                      f"int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
-              dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed))
+              dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
+              ct=config.cotangent_terms)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
