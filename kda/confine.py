@@ -51,8 +51,12 @@ def _zero_bad(x, keep_neg_inf=False):
 
 
 def _poison(mask, x):
-  """x with NaN at the marked tokens ([1, T, ...])."""
-  return jnp.where(mask.reshape((1, -1) + (1,) * (x.ndim - 2)), jnp.full((), jnp.nan, x.dtype), x)
+  """x with NaN at the marked tokens ([1, T, ...]). A scatter whose indices of unmarked tokens fall
+  out of range and are dropped: in place, it writes the marked rows only (usually none), where a
+  select would read and write all of x."""
+  T = mask.shape[0]
+  idx = jnp.where(mask, jnp.arange(T, dtype=jnp.int32), T)
+  return x.at[0, idx].set(jnp.full((), jnp.nan, x.dtype), mode="drop", indices_are_sorted=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
