@@ -307,3 +307,21 @@ def test_bf16_dots_off_matches_reference():
     assert getattr(got, name).dtype == jnp.float32, name
     cases.report_close(name, getattr(got, name), getattr(want, name), **TOL[name, "float32"])
   check_padding(got, valid, BT)
+
+
+def test_reference_blocks_of_chunks_equal_one_block():
+  """kda.stages.intra.over_chunk_blocks: the references' pair tensors formed over blocks of chunks
+  (lax.map, a remainder block included) give what one block gives, to float32 rounding."""
+  from kda.stages.intra import over_chunk_blocks, reference as intra_ref, to_chunks
+  rng = np.random.default_rng(3)
+  NTa, BT, HV, K = 7, 16, 2, 8
+  q, k = (jnp.asarray(rng.standard_normal((NTa, BT, HV, K)), jnp.float32) for _ in range(2))
+  beta = jnp.asarray(rng.uniform(0.1, 0.9, (NTa, BT, HV)), jnp.float32)
+  g = -jnp.abs(jnp.asarray(rng.standard_normal((NTa * BT, HV, K)), jnp.float32)) / 4
+  gf = to_chunks(jnp.cumsum(g.reshape(NTa, BT, HV, K), axis=1).reshape(1, NTa * BT, HV, K), BT)
+  gi = jnp.zeros_like(gf)
+  whole = intra_ref.chunk_matrices(q, k, beta, gi, gf, 0.5)
+  f = lambda gi, gf, q, k, beta: intra_ref.chunk_matrices(q, k, beta, gi, gf, 0.5)
+  blocked = over_chunk_blocks(f, gi, gf, q, k, beta, limit=3 * BT * BT * HV * K)   # blocks of 3: 3 + 3 + 1
+  for a, b in zip(whole, blocked):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)

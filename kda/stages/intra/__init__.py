@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kda.stages.base import Stage
 from kda.stages.gate import exponent
@@ -62,6 +63,24 @@ def pair_decay(gi, gf, strict):
   mask = ((j < i) if strict else (j <= i))[None, :, :, None, None]
   d = exponent(gi[:, :, None], gf[:, :, None], gi[:, None, :], gf[:, None, :])
   return jnp.where(mask, jnp.exp(jnp.where(mask, d, 0.0)), 0.0)
+
+
+# elements of the pair tensors [n, BT, BT, HV, K] the references form at once (512 MiB in float32)
+PAIR_BLOCK = 2 ** 27
+
+
+def over_chunk_blocks(f, gi, *xs, limit=PAIR_BLOCK):
+  """f(gi, *xs) for a function f of chunked arrays ([NTa, ...] each, chunks independent; gi
+  [NTa, BT, HV, K] sizes the pair tensors), evaluated over blocks of chunks whose pair tensors
+  (`pair_decay`) hold at most `limit` elements: one block where every chunk fits (f itself), else
+  lax.map over blocks. Memory and array indices then stay bounded however many chunks."""
+  xs = (gi,) + xs
+  NTa, BT, HV, K = gi.shape
+  block = max(1, limit // (BT * BT * HV * K))
+  if NTa <= block:
+    return f(*xs)
+  one = lambda ys: jax.tree.map(lambda y: y[0], f(*(y[None] for y in ys)))
+  return lax.map(one, xs, batch_size=block)
 
 
 def chunk_decays(gi, gf):

@@ -5,17 +5,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kda.stages.intra import Out, chunk_decays, from_chunks, pair_decay, to_chunks
+from kda.stages.intra import Out, chunk_decays, from_chunks, over_chunk_blocks, pair_decay, to_chunks
 
 HI = lax.Precision.HIGHEST
 
 
 def chunk_matrices(q, k, beta, gi, gf, scale):
   """Chunked inputs (f32) -> Akk, Aqk as [NTa, HV, BT, BT]."""
-  Akk = jnp.einsum("cihk,cjhk,cijhk->chij", k, k, pair_decay(gi, gf, True), precision=HI)
-  Akk = Akk * jnp.moveaxis(beta, 1, 2)[..., None]
-  Aqk = scale * jnp.einsum("cihk,cjhk,cijhk->chij", q, k, pair_decay(gi, gf, False), precision=HI)
-  return Akk, Aqk
+  def block(gi, gf, q, k, beta):
+    Akk = jnp.einsum("cihk,cjhk,cijhk->chij", k, k, pair_decay(gi, gf, True), precision=HI)
+    Akk = Akk * jnp.moveaxis(beta, 1, 2)[..., None]
+    Aqk = scale * jnp.einsum("cihk,cjhk,cijhk->chij", q, k, pair_decay(gi, gf, False), precision=HI)
+    return Akk, Aqk
+  return over_chunk_blocks(block, gi, gf, q, k, beta)
 
 
 def unit_lower_inverse(A):
