@@ -25,10 +25,10 @@ import time
 log = logging.getLogger(__name__)
 
 
-
 def enabled() -> bool:
   """Whether kernels are compiled ahead (read at each lowering: KDA_PRECOMPILE=0 turns it off)."""
   return os.environ.get("KDA_PRECOMPILE", "1") != "0"
+
 
 WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 KERNEL_PREFIX = "kda_"

@@ -67,11 +67,12 @@ def large_results():
   return _run(multidevice_cases.LARGE)
 
 
+def _results(request, name):
+  """The subprocess results that hold case `name`: a `large` case runs in its own."""
+  return request.getfixturevalue("large_results" if name in multidevice_cases.LARGE else "results")
+
+
 def _case(results, name):
-  if name in multidevice_cases.LARGE:       # a `large` case: its own subprocess
-    results = results.getfixturevalue("large_results")
-  elif isinstance(results, pytest.FixtureRequest):
-    results = results.getfixturevalue("results")
   found, proc = results
   assert name in found, f"case {name} did not report (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
   r = found[name]
@@ -93,7 +94,7 @@ SHARD_MAP = _params(n for n in multidevice_cases.CASES if n.startswith("shard_ma
 
 @pytest.mark.parametrize("name", SHARD_MAP)
 def test_inside_shard_map_equals_unsharded(request, name):
-  r = _case(request, name)
+  r = _case(_results(request, name), name)
   _assert_equal_to_unsharded(r)
   assert "o" in r["diffs"] and any(k.startswith("d") for k in r["diffs"])   # forward and gradients
 
@@ -111,7 +112,7 @@ def test_unchecked_region_runs_per_device_and_refuses_derivatives(results):
 @pytest.mark.parametrize("name", _params(["jit-explicit-xla", "jit-explicit-varlen-reference",
                                           "jit-explicit-segment_ids-xla"]))
 def test_plain_jit_explicit_axes_partitions_without_gathering(request, name):
-  r = _case(request, name)
+  r = _case(_results(request, name), name)
   _assert_equal_to_unsharded(r)
   c = r["checks"]
   assert c["collectives"]["all-gather"] == 0 and c["collectives"]["all-to-all"] == 0, c

@@ -337,11 +337,11 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   segkw = dict(seg=True) if seg else {}
-  terms = dict(dA_terms=config.dA_terms)
-  body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", **segkw, **terms)
+  body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
+                           **segkw)
   if packed_T is not None:
-    body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto",
-                             **({} if tail_zeros else dict(tail_zeros=False)), **segkw, **terms)
+    body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
+                             **({} if tail_zeros else dict(tail_zeros=False)), **segkw)
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_tail, **segkw) if tail_zeros else None)
   Tq = Ta if packed_T is None else packed_T
