@@ -254,8 +254,8 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     # so a non-finite input is confined to its sequence here (kda.confine)
     seqs = confine.sequences(layout.starts, layout.lens, B * T)
     layout, resets = pieces.segmented(layout, P)
-    run = lambda q, k, v, g, beta, h0, A_log, dt_bias: _core(backward, plan, layout, q, k, v, g, beta, h0,
-                                                              A_log, dt_bias, resets)
+    run = jax.jit(lambda q, k, v, g, beta, h0, A_log, dt_bias: _core(backward, plan, layout, q, k, v, g, beta, h0,
+                                                                      A_log, dt_bias, resets))
     o, final_state = confine.confined(run, seqs, pack(q), pack(k), pack(v), g, pack(beta),
                                       (h0[:layout.N], A_log, dt_bias))
   else:

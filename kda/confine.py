@@ -2,17 +2,23 @@
 
 In the segmented layout (kda.padding.pieces) several sequences share a chunk, and the kernels keep
 them apart by decays that are exactly 0 across a reset: NaN * 0 is NaN, so a non-finite input of one
-sequence would reach its neighbours. `confined` runs such a call on inputs whose non-finite values
-are replaced by 0 and marks the sequences that held one:
+sequence would reach its neighbours. `confined` gives such a call this contract:
 
     o[t]      = NaN                 for every token t of a marked sequence
     d{x}[t]   = NaN                 likewise, for x in q, k, v, g, beta
     o, d{x}   = run(inputs with 0)  everywhere else, bit for bit
 
-A sequence is marked by a non-finite q, k, v or beta, a NaN or +inf gate (-inf is a valid gate)
-at one of its tokens (forward), or a non-finite cotangent of o there (backward). Every other sequence gets exactly what the call gives
-with the bad values replaced by 0, as its tokens never read another sequence's values; the marked
-sequence stays non-finite, so the user sees it.
+A sequence is marked by a non-finite q, k, v or beta, a NaN or +inf gate (-inf is a valid gate:
+full decay) at one of its tokens (forward), or a non-finite cotangent of o there (backward). The marked sequence stays non-finite, so
+the user sees it.
+
+Reading every input to find the bad values would cost a pass over q, k, v and g on every call, and
+cleaning them a copy of each. Instead the call runs on the inputs as given and checks what it
+produced: a non-finite input reaches its own token's output (o_t = q_t S_t and S_t holds every
+input of token t), so outputs that are all finite mean every input a sequence reads was finite,
+and the plain result is the contract's. Only when an output is not finite does the call run again
+on the cleaned inputs, marks and all (a branch that, on a GPU, costs one read of its predicate when
+not taken). The backward checks its gradients the same way, which also covers a bad cotangent.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kda import steps
 from kda.padding.layout import search_right
@@ -52,45 +59,75 @@ def _zero_bad(x, keep_neg_inf=False):
 
 def _poison(mask, x):
   """x with NaN at the marked tokens ([1, T, ...]). A scatter whose indices of unmarked tokens fall
-  out of range and are dropped: in place, it writes the marked rows only (usually none), where a
-  select would read and write all of x."""
+  out of range and are dropped: in place, it writes the marked rows only."""
   T = mask.shape[0]
   idx = jnp.where(mask, jnp.arange(T, dtype=jnp.int32), T)
   return x.at[0, idx].set(jnp.full((), jnp.nan, x.dtype), mode="drop", indices_are_sorted=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def confined(run, seqs, q, k, v, g, beta, rest):
-  """run(q, k, v, g, beta, *rest) -> (o [1, T, ...], final_state), with the module's confinement;
-  seqs: `sequences` of the call; rest (states, gate parameters) passes unchanged."""
-  mask, clean = _clean(seqs, q, k, v, g, beta)
-  o, final_state = run(*clean, *rest)
+def _finite(xs) -> jax.Array:
+  """() bool: every element of every array in xs is finite."""
   with steps.scope("confine"):
-    return _poison(mask, o), final_state
+    return functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in xs])
 
 
 def _clean(seqs, q, k, v, g, beta):
+  """(mask, inputs with their bad values replaced by 0), mask `_marked` of the inputs."""
   with steps.scope("confine"):
     mask = _marked(seqs, q, k, v, beta, g=g)
     return mask, (_zero_bad(q), _zero_bad(k), _zero_bad(v), _zero_bad(g, keep_neg_inf=True), _zero_bad(beta))
 
 
-def _fwd(run, seqs, q, k, v, g, beta, rest):
-  mask, clean = _clean(seqs, q, k, v, g, beta)
-  (o, final_state), vjp = jax.vjp(run, *clean, *rest)
+def _poisoned(mask, xs):
   with steps.scope("confine"):
-    return (_poison(mask, o), final_state), (seqs, mask, vjp)
+    return tuple(_poison(mask, x) for x in xs)
+
+
+def _primal(f, *args):
+  return f(*args), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def confined(run, seqs, q, k, v, g, beta, rest):
+  """run(q, k, v, g, beta, *rest) -> (o [1, T, ...], final_state), with the module's confinement;
+  seqs: `sequences` of the call; rest (states, gate parameters) passes unchanged. The final state is
+  passed on unchecked: the segmented layout runs only where the caller drops it."""
+  return _forward(run, seqs, (q, k, v, g, beta), rest, _primal)[0]
+
+
+def _forward(run, seqs, args, rest, call):
+  """(run's outputs under the contract, (ok, call's second result for the plain run)), ok whether the
+  plain run's o was finite; call is jax.vjp or
+  `_primal`, and the same in the branch, so that both trace run alike."""
+  (o, final_state), back = call(run, *args, *rest)
+
+  def slow():
+    mask, clean = _clean(seqs, *args)
+    o, final_state = call(run, *clean, *rest)[0]
+    return _poisoned(mask, (o,))[0], final_state
+  ok = _finite((o,))
+  return lax.cond(ok, lambda: (o, final_state), slow), (ok, back)
+
+
+def _fwd(run, seqs, q, k, v, g, beta, rest):
+  out, (ok, back) = _forward(run, seqs, (q, k, v, g, beta), rest, jax.vjp)
+  return out, (seqs, (q, k, v, g, beta), rest, ok, back)
 
 
 def _bwd(run, res, cts):
-  seqs, mask, vjp = res
-  do, dht = cts
-  with steps.scope("confine"):
-    mask = mask | _marked(seqs, do)
-    do = _zero_bad(do)
-  grads = vjp((do, dht))
-  with steps.scope("confine"):
-    return (None, *(_poison(mask, d) for d in grads[:5]), tuple(grads[5:]))
+  seqs, args, rest, ok, back = res
+  grads = tuple(back(cts))
+
+  def slow():
+    do, dht = cts
+    mask, clean = _clean(seqs, *args)
+    with steps.scope("confine"):
+      mask = mask | _marked(seqs, do)
+      do = _zero_bad(do)
+    again = jax.vjp(run, *clean, *rest)[1]((do, dht))
+    return _poisoned(mask, again[:5]) + tuple(again[5:])
+  grads = lax.cond(ok & _finite(grads[:5]), lambda: grads, slow)
+  return (None, *grads[:5], tuple(grads[5:]))
 
 
 confined.defvjp(_fwd, _bwd)
