@@ -17,8 +17,8 @@ cleaning them a copy of each. Instead the call runs on the inputs as given and c
 produced: a non-finite input reaches its own token's output (o_t = q_t S_t and S_t holds every
 input of token t), so outputs that are all finite mean every input a sequence reads was finite,
 and the plain result is the contract's. Only when an output is not finite does the call run again
-on the cleaned inputs, marks and all (a branch that, on a GPU, costs one read of its predicate when
-not taken). The backward checks its gradients the same way, which also covers a bad cotangent.
+on the cleaned inputs, marks and all (a loop of at most one pass: on a GPU, one read of its
+predicate when it does not run). The backward checks its gradients the same way, which also covers a bad cotangent.
 """
 from __future__ import annotations
 
@@ -83,6 +83,13 @@ def _poisoned(mask, xs):
     return tuple(_poison(mask, x) for x in xs)
 
 
+def _unless(ok, xs, slow):
+  """xs where ok, else slow() (the same structure). A loop of at most one pass rather than a cond:
+  XLA copies an array that a cond's branch returns unchanged, where a loop's carry stays in place."""
+  body = lambda carry: (tuple(slow()), jnp.bool_(True))
+  return lax.while_loop(lambda carry: ~carry[1], body, (tuple(xs), ok))[0]
+
+
 def _primal(f, *args):
   return f(*args), None
 
@@ -106,7 +113,7 @@ def _forward(run, seqs, args, rest, call):
     o, final_state = call(run, *clean, *rest)[0]
     return _poisoned(mask, (o,))[0], final_state
   ok = _finite((o,))
-  return lax.cond(ok, lambda: (o, final_state), slow), (ok, back)
+  return _unless(ok, (o, final_state), slow), (ok, back)
 
 
 def _fwd(run, seqs, q, k, v, g, beta, rest):
@@ -126,7 +133,8 @@ def _bwd(run, res, cts):
       do = _zero_bad(do)
     again = jax.vjp(run, *clean, *rest)[1]((do, dht))
     return _poisoned(mask, again[:5]) + tuple(again[5:])
-  grads = lax.cond(ok & _finite(grads[:5]), lambda: grads, slow)
+  ok = ok & _finite(grads[:5])
+  grads = _unless(ok, grads, slow)
   return (None, *grads[:5], tuple(grads[5:]))
 
 

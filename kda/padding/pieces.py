@@ -61,8 +61,10 @@ def segmented(layout: Layout, pieces: int):
 
 def reset_gates(g, resets):
   """Packed g [1, T, HV, K] with -inf at a segmented layout's resets (`segmented`): what the
-  unpacked paths run on (the gate stage floors it to -128: no decay crosses them)."""
-  return g.at[0, resets].set(-jnp.inf, mode="drop")
+  unpacked paths run on (the gate stage floors it to -128: no decay crosses them). A NaN or +inf
+  there stays, so that kda.confine sees it."""
+  at = g.at[0, resets].get(mode="fill", fill_value=0)
+  return g.at[0, resets].set(jnp.where(jnp.isnan(at) | (at == jnp.inf), at, -jnp.inf), mode="drop")
 
 
 def segment_rows(layout: Layout, resets) -> jax.Array:
