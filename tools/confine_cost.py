@@ -1,0 +1,63 @@
+"""python -m tools.confine_cost: what kda.confine costs a call, measured interleaved in one process.
+
+Separate tools.bench processes move by several percent from one to the next on a GPU, more than
+the cost measured here. This tool compiles tools.bench's forward and forward+backward of one shape
+twice in the same process, as shipped and with `kda.confine.confined` replaced by the plain call
+(the segmented layout run on the raw inputs: what the call would cost without confinement, and
+what it would give for finite inputs), then times them in alternating rounds (tools.bench.timeit,
+median of --reps calls each) and prints the medians and the median of the per-round ratios.
+Only calls that run the segmented layout (shape B: many short sequences) go through kda.confine.
+
+  python -m tools.confine_cost [--shape B] [--rounds 9] [--reps 10] [--total 32768]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+
+from kda import confine
+from tools import bench
+
+
+def _plain(run, seqs, q, k, v, g, beta, rest):
+  del seqs
+  return run(q, k, v, g, beta, *rest)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shape", default="B")
+  p.add_argument("--rounds", type=int, default=9)
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--total", type=int, default=bench.TOTAL, help="tokens of the shape")
+  a = p.parse_args(argv)
+  args, fwd, loss = bench.calls(a.shape, "plain", "auto", total=a.total)
+  shipped, fns = confine.confined, {}
+  try:
+    for name, wrapper in (("confined", shipped), ("plain", _plain)):
+      confine.confined = wrapper       # read when the call is traced, i.e. at the first call below
+      f = jax.jit(lambda *x, _f=fwd: _f(*x))
+      fb = jax.jit(jax.grad(lambda *x, _l=loss: _l(*x), argnums=(0, 1, 2, 3, 4, 5)))
+      jax.block_until_ready(f(*args))
+      jax.block_until_ready(fb(*args))
+      temp = lambda fn: fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
+      fns[name] = (f, fb)
+      print(f"{name}: XLA temp MiB forward {temp(f):.0f}, forward+backward {temp(fb):.0f}", flush=True)
+  finally:
+    confine.confined = shipped
+  times = {name: ([], []) for name in fns}
+  for r in range(a.rounds):
+    for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+      for i, fn in enumerate(fns[name]):
+        times[name][i].append(bench.timeit(fn, *args, reps=a.reps))
+  for i, what in enumerate(("forward", "forward+backward")):
+    c, b = times["confined"][i], times["plain"][i]
+    ratios = [x / y for x, y in zip(c, b)]
+    print(f"{a.shape} {what}: confined {statistics.median(c):.3f} ms, plain {statistics.median(b):.3f} ms, "
+          f"ratio {statistics.median(ratios):.4f} (rounds {min(ratios):.3f}..{max(ratios):.3f})", flush=True)
+
+
+if __name__ == "__main__":
+  main()
