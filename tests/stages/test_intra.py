@@ -311,7 +311,8 @@ def test_bf16_dots_off_matches_reference():
 
 def test_reference_blocks_of_chunks_equal_one_block():
   """kda.stages.intra.over_chunk_blocks: the references' pair tensors formed over blocks of chunks
-  (lax.map, a remainder block included) give what one block gives, to float32 rounding."""
+  (lax.map over equal blocks, the chunks padded to a multiple) give what one block gives, to
+  float32 rounding."""
   from kda.stages.intra import over_chunk_blocks, reference as intra_ref, to_chunks
   rng = np.random.default_rng(3)
   NTa, BT, HV, K = 7, 16, 2, 8
@@ -322,6 +323,6 @@ def test_reference_blocks_of_chunks_equal_one_block():
   gi = jnp.zeros_like(gf)
   whole = intra_ref.chunk_matrices(q, k, beta, gi, gf, 0.5)
   f = lambda gi, gf, q, k, beta: intra_ref.chunk_matrices(q, k, beta, gi, gf, 0.5)
-  blocked = over_chunk_blocks(f, gi, gf, q, k, beta, limit=3 * BT * BT * HV * K)   # blocks of 3: 3 + 3 + 1
+  blocked = over_chunk_blocks(f, gi, gf, q, k, beta, limit=3 * BT * BT * HV * K)   # blocks of 3: 7 chunks + 2 of padding
   for a, b in zip(whole, blocked):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)

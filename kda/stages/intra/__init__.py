@@ -73,14 +73,20 @@ def over_chunk_blocks(f, gi, *xs, limit=PAIR_BLOCK):
   """f(gi, *xs) for a function f of chunked arrays ([NTa, ...] each, chunks independent; gi
   [NTa, BT, HV, K] sizes the pair tensors), evaluated over blocks of chunks whose pair tensors
   (`pair_decay`) hold at most `limit` elements: one block where every chunk fits (f itself), else
-  lax.map over blocks. Memory and array indices then stay bounded however many chunks."""
+  lax.map over equal blocks, the chunks padded with zeros to a multiple of the block (a remainder
+  block would be a second copy of f, concatenated: twice the compile). Memory and array indices
+  then stay bounded however many chunks."""
   xs = (gi,) + xs
   NTa, BT, HV, K = gi.shape
   block = max(1, limit // (BT * BT * HV * K))
   if NTa <= block:
     return f(*xs)
+  blocks = -(-NTa // block)
+  size = -(-NTa // blocks)
+  pad = blocks * size - NTa
+  xs = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in xs)
   one = lambda ys: jax.tree.map(lambda y: y[0], f(*(y[None] for y in ys)))
-  return lax.map(one, xs, batch_size=block)
+  return jax.tree.map(lambda y: y[:NTa], lax.map(one, xs, batch_size=size))
 
 
 def chunk_decays(gi, gf):
