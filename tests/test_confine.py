@@ -1,0 +1,87 @@
+"""kda.confine on its own, with a run that leaks like the segmented kernels (a NaN anywhere reaches
+every token through a product with 0): the run's result as it is when every output is finite (one
+run), the contract when not (a second run on cleaned inputs, the bad sequence NaN), and the same
+for the backward."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda import confine
+
+LENS = np.array([5, 0, 3, 1, 7], np.int32)
+T = 20                                           # 16 tokens of sequences, a tail of 4
+H, K = 2, 3
+STARTS = np.concatenate([[0], np.cumsum(LENS)[:-1]]).astype(np.int32)
+BAD_SEQ = 2                                      # the third sequence, at its second token
+
+
+def _leaky(counter):
+  """run(q, k, v, g, beta, h0) -> (o [1, T, H, K], final_state): each token's own terms, plus 0 times
+  a sum over every token (a NaN anywhere reaches every o); counter counts the runs executed."""
+  def run(q, k, v, g, beta, h0):
+    jax.debug.callback(counter.append, 1)
+    own = q * k + v * jnp.exp(g) + beta[..., None]
+    return own + 0.0 * jnp.sum(own), h0 * jnp.exp(jnp.sum(g))
+  return run
+
+
+def _inputs():
+  r = np.random.default_rng(0)
+  x = [jnp.asarray(r.standard_normal((1, T, H, K)), jnp.float32) for _ in range(3)]
+  g = jnp.asarray(-np.abs(r.standard_normal((1, T, H, K))) / 4, jnp.float32)
+  beta = jnp.asarray(r.uniform(0.1, 0.9, (1, T, H)), jnp.float32)
+  return (*x, g, beta), jnp.asarray(r.standard_normal((1, T, H, K)), jnp.float32)
+
+
+def _call(counter):
+  """jit: (inputs, do) -> (o, gradients of q, k, v, g, beta) through confine.confined."""
+  run = _leaky(counter)
+  seqs = confine.sequences(jnp.asarray(STARTS), jnp.asarray(LENS), T)
+  h0 = jnp.zeros((2, H, K), jnp.float32)
+
+  def f(x, do):
+    fwd = lambda *x: confine.confined(run, seqs, *x, (h0,))[0]
+    o, vjp = jax.vjp(fwd, *x)
+    return o, vjp(do)
+  return jax.jit(f)
+
+
+@pytest.mark.parametrize("where", ["none", "v", "g", "do"])
+def test_reruns_only_for_a_non_finite_value(where):
+  x, do = _inputs()
+  t = STARTS[BAD_SEQ] + 1
+  lo, hi = STARTS[BAD_SEQ], STARTS[BAD_SEQ] + LENS[BAD_SEQ]
+
+  def put(value):
+    xs, d = list(x), do
+    if where == "do":
+      d = d.at[0, t].set(value)
+    elif where != "none":
+      i = "q k v g beta".split().index(where)
+      xs[i] = xs[i].at[0, t].set(value)
+    return xs, d
+
+  counter = []
+  o, grads = jax.block_until_ready(_call(counter)(*put(jnp.nan)))
+  runs = len(counter)
+  # the plain run, once, for the run with the value replaced by 0 (nothing to confine)
+  counter0 = []
+  o0, grads0 = jax.block_until_ready(_call(counter0)(*put(0.0)))
+  assert len(counter0) == 1
+  # a bad input: the plain run, the forward's rerun and the backward's (its residuals must be clean
+  # too); a bad cotangent: the plain run and the backward's
+  assert runs == {"none": 1, "do": 2}.get(where, 3)
+  keep = np.r_[0:lo, hi:T]
+  for name, a, b in [("o", o, o0)] + list(zip("q k v g beta".split(), grads, grads0)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.isfinite(a[:, keep]).all(), name
+    if where == "none":
+      np.testing.assert_array_equal(a, b, err_msg=name)
+    else:   # jnp ops in a loop body may fuse (and round) apart from the plain run's; kernels do not
+      np.testing.assert_allclose(a[:, keep], b[:, keep], rtol=1e-6, atol=1e-7, err_msg=name)
+  if where != "none":
+    assert np.isnan(np.asarray(grads[0])[:, lo:hi]).all()
+    assert np.isnan(np.asarray(o)[:, lo:hi]).all() == (where != "do")
