@@ -251,7 +251,8 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
       P, contiguous=segment_ids is None, initial_state=initial_state, output_final_state=output_final_state,
       N=N, use_gate_in_kernel=use_gate_in_kernel):
     # fewer, longer sequences with resets inside; sharing chunks, they are kept apart by zero decays,
-    # so a non-finite input is confined to its sequence here (kda.confine)
+    # so a non-finite input is confined to its sequence here (kda.confine); run is jitted so that
+    # confine's rerun shares its lowering
     seqs = confine.sequences(layout.starts, layout.lens, B * T)
     layout, resets = pieces.segmented(layout, P)
     run = jax.jit(lambda q, k, v, g, beta, h0, A_log, dt_bias: _core(backward, plan, layout, q, k, v, g, beta, h0,

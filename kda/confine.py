@@ -9,8 +9,8 @@ sequence would reach its neighbours. `confined` gives such a call this contract:
     o, d{x}   = run(inputs with 0)  everywhere else, bit for bit
 
 A sequence is marked by a non-finite q, k, v or beta, a NaN or +inf gate (-inf is a valid gate:
-full decay) at one of its tokens (forward), or a non-finite cotangent of o there (backward). The marked sequence stays non-finite, so
-the user sees it.
+full decay) at one of its tokens (forward), or a non-finite cotangent of o there (backward). The
+marked sequence stays non-finite, so the user sees it.
 
 Reading every input to find the bad values would cost a pass over q, k, v and g on every call, and
 cleaning them a copy of each. Instead the call runs on the inputs as given and checks what it
@@ -18,7 +18,8 @@ produced: a non-finite input reaches its own token's output (o_t = q_t S_t and S
 input of token t), so outputs that are all finite mean every input a sequence reads was finite,
 and the plain result is the contract's. Only when an output is not finite does the call run again
 on the cleaned inputs, marks and all (a loop of at most one pass: on a GPU, one read of its
-predicate when it does not run). The backward checks its gradients the same way, which also covers a bad cotangent.
+predicate when it does not run). The backward checks its gradients the same way, which also
+covers a bad cotangent.
 """
 from __future__ import annotations
 
@@ -103,9 +104,9 @@ def confined(run, seqs, q, k, v, g, beta, rest):
 
 
 def _forward(run, seqs, args, rest, call):
-  """(run's outputs under the contract, (ok, call's second result for the plain run)), ok whether the
-  plain run's o was finite; call is jax.vjp or
-  `_primal`, and the same in the branch, so that both trace run alike."""
+  """(run's outputs under the contract, (ok, call's second result for the plain run)), ok whether
+  the plain run's o was finite; call is jax.vjp or `_primal`, the same for the rerun, so that both
+  trace run alike (and, run being jitted, share its lowering)."""
   (o, final_state), back = call(run, *args, *rest)
 
   def slow():

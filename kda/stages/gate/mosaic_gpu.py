@@ -379,10 +379,10 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   from the kernel's per-(chunk, column) stats. The activated g is not written. tail_zeros=False
   leaves gc_int, gc_frac unwritten at the tail chunks (rows.count 0: past aligned_cu[-1]), for
   callers whose consumers never read them there; the stats are the same. seg (kda.pipeline.segment_rows
-  of a segmented layout): the gate is -inf at its resets (`reset_rows`), unless g holds a NaN or +inf
-  there (it stays, so that kda.confine sees it), and bounded and two_part are as if each reset's -128 step were not in gc_int (the intra
-  kernel takes seg and masks its pairs instead): the ceil(g)**2 sums less GATE_FLOOR**2 per reset
-  (exact integers), bounded from gc_int + 128 n."""
+  of a segmented layout): the gate is -inf at its resets (`reset_rows`), unless g holds a NaN or
+  +inf there (it stays, so that kda.confine sees it), and bounded and two_part are as if each
+  reset's -128 step were not in gc_int (the intra kernel takes seg and masks its pairs instead):
+  the ceil(g)**2 sums less GATE_FLOOR**2 per reset (exact integers), bounded from gc_int + 128 n."""
   config = config or Config()
   reason = packed_supports(g, rows, A_log, dt_bias, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
                            lower_bound=lower_bound, config=config, seg=seg)
