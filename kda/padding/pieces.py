@@ -59,12 +59,17 @@ def segmented(layout: Layout, pieces: int):
   return make_layout(first, lens, layout.T, layout.chunk_size), reset.astype(jnp.int32)
 
 
+def at_reset(g):
+  """The gate at a reset: -inf (the gate stage floors it to -128: no decay crosses it), but a NaN or
+  +inf stays, so that kda.confine sees it. Selects only, so the gate kernels take it as it is."""
+  inf = jnp.float32(jnp.inf)
+  return jnp.where(g == g, jnp.where(g == inf, g, -inf), g)
+
+
 def reset_gates(g, resets):
-  """Packed g [1, T, HV, K] with -inf at a segmented layout's resets (`segmented`): what the
-  unpacked paths run on (the gate stage floors it to -128: no decay crosses them). A NaN or +inf
-  there stays, so that kda.confine sees it."""
-  at = g.at[0, resets].get(mode="fill", fill_value=0)
-  return g.at[0, resets].set(jnp.where(jnp.isnan(at) | (at == jnp.inf), at, -jnp.inf), mode="drop")
+  """Packed g [1, T, HV, K] with `at_reset` at a segmented layout's resets (`segmented`): what the
+  unpacked paths run on."""
+  return g.at[0, resets].set(at_reset(g.at[0, resets].get(mode="fill", fill_value=0)), mode="drop")
 
 
 def segment_rows(layout: Layout, resets) -> jax.Array:

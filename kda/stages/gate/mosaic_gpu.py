@@ -54,6 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, smem_bytes as _smem_bytes, smem_reason
 from kda._mosaic_gpu import params as _params
+from kda.padding.pieces import at_reset
 from kda.stages.gate import GATE_FLOOR, Out, exponent, floor
 
 BT = 64
@@ -230,10 +231,9 @@ def _body(*refs, BT, act, lower_bound, has_a, has_bias, stage_stores, unroll, pa
   def step(r, carry):
     acc_i, acc_f, *nz = carry
     x = plgpu.load(g_s.at[r], layout=LINE, optimized=False)
-    if resets:    # as a gate of -inf there (floored to -128 next); a NaN or +inf stays, for kda.confine
+    if resets:
       x = x.astype(F32)
-      at_reset = jnp.where(x == x, jnp.where(x == jnp.float32(jnp.inf), x, jnp.float32(-jnp.inf)), x)
-      x = jnp.where(lax.broadcast(valid_s[r] > 0.0, (COLS,)), at_reset, x)
+      x = jnp.where(lax.broadcast(valid_s[r] > 0.0, (COLS,)), at_reset(x), x)
     real = (lambda: r < count) if packed else (lambda: valid_s[r] > 0.0)
     x, whole = row_parts(x, real, a, bias, act=act, lower_bound=lower_bound)
     acc_i = acc_i + whole
@@ -379,8 +379,8 @@ def packed(g, rows, A_log, dt_bias, *, chunk_size, use_gate_in_kernel, lower_bou
   from the kernel's per-(chunk, column) stats. The activated g is not written. tail_zeros=False
   leaves gc_int, gc_frac unwritten at the tail chunks (rows.count 0: past aligned_cu[-1]), for
   callers whose consumers never read them there; the stats are the same. seg (kda.pipeline.segment_rows
-  of a segmented layout): the gate is -inf at its resets (`reset_rows`), unless g holds a NaN or
-  +inf there (it stays, so that kda.confine sees it), and bounded and two_part are as if each
+  of a segmented layout): the gate is kda.padding.pieces.at_reset at its resets (`reset_rows`: -inf,
+  a NaN or +inf kept), and bounded and two_part are as if each
   reset's -128 step were not in gc_int (the intra kernel takes seg and masks its pairs instead):
   the ceil(g)**2 sums less GATE_FLOOR**2 per reset (exact integers), bounded from gc_int + 128 n."""
   config = config or Config()
