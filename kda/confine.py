@@ -18,8 +18,8 @@ produced: a non-finite input reaches its own token's output (o_t = q_t S_t and S
 input of token t), so outputs that are all finite mean every input a sequence reads was finite,
 and the plain result is the contract's. Only when an output is not finite does the call run again
 on the cleaned inputs, marks and all (a loop of at most one pass: on a GPU, one read of its
-predicate when it does not run). The backward checks its gradients the same way, which also
-covers a bad cotangent.
+predicate when it does not run). The backward reruns, forward and backward on the cleaned inputs
+and cotangent, only if the forward's o was not finite or the cotangent of o is not.
 """
 from __future__ import annotations
 
@@ -124,17 +124,19 @@ def _fwd(run, seqs, q, k, v, g, beta, rest):
 
 def _bwd(run, res, cts):
   seqs, args, rest, ok, back = res
+  do, dht = cts
   grads = tuple(back(cts))
 
   def slow():
-    do, dht = cts
     mask, clean = _clean(seqs, *args)
     with steps.scope("confine"):
       mask = mask | _marked(seqs, do)
-      do = _zero_bad(do)
-    again = jax.vjp(run, *clean, *rest)[1]((do, dht))
+      cdo = _zero_bad(do)
+    again = jax.vjp(run, *clean, *rest)[1]((cdo, dht))
     return _poisoned(mask, again[:5]) + tuple(again[5:])
-  ok = ok & _finite(grads[:5])
+  # finite inputs (the forward's o was finite) and a finite do leave nothing to confine: reading do
+  # is a fifth of reading the gradients, and a gradient that overflows would rerun to the same value
+  ok = ok & _finite((do,))
   grads = _unless(ok, grads, slow)
   return (None, *grads[:5], tuple(grads[5:]))
 
