@@ -7,8 +7,11 @@ twice in the same process, as shipped and with `kda.confine.confined` replaced b
 what it would give for finite inputs), then times them in alternating rounds (tools.bench.timeit,
 median of --reps calls each) and prints the medians and the median of the per-round ratios.
 Only calls that run the segmented layout (shape B: many short sequences) go through kda.confine.
+The forward + backward is jax.grad of tools.bench's loss (tools.bench's program: the forward's o is
+then dead and XLA drops the forward's check), or with --value jax.value_and_grad (a training step:
+the loss uses o, both checks run).
 
-  python -m tools.confine_cost [--shape B] [--rounds 9] [--reps 10] [--total 32768]
+  python -m tools.confine_cost [--shape B] [--rounds 9] [--reps 10] [--total 32768] [--value]
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=9)
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--total", type=int, default=bench.TOTAL, help="tokens of the shape")
+  p.add_argument("--value", action="store_true", help="forward + backward as jax.value_and_grad")
   a = p.parse_args(argv)
   args, fwd, loss = bench.calls(a.shape, "plain", "auto", total=a.total)
   shipped, fns = confine.confined, {}
@@ -39,7 +43,8 @@ def main(argv=None):
     for name, wrapper in (("confined", shipped), ("plain", _plain)):
       confine.confined = wrapper       # read when the call is traced, i.e. at the first call below
       f = jax.jit(lambda *x, _f=fwd: _f(*x))
-      fb = jax.jit(jax.grad(lambda *x, _l=loss: _l(*x), argnums=(0, 1, 2, 3, 4, 5)))
+      diff = jax.value_and_grad if a.value else jax.grad
+      fb = jax.jit(diff(lambda *x, _l=loss: _l(*x), argnums=(0, 1, 2, 3, 4, 5)))
       jax.block_until_ready(f(*args))
       jax.block_until_ready(fb(*args))
       temp = lambda fn: fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
