@@ -8,8 +8,10 @@ impl dict named the stage, else the next backend of the platform's order runs.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 
@@ -220,17 +222,53 @@ def candidates(plan: Plan, name: str) -> tuple[str, ...]:
   return (impl,) + tuple(i for i in ("xla", "reference") if i != impl)
 
 
+class Choice(NamedTuple):
+  """One decision made while a call traced: stage or fused group `name` runs `backend` (None: a
+  group that does not take the call, so its members run) after the backends in `refused`, each
+  with its predicate's reason."""
+  name: str
+  backend: str | None
+  refused: tuple[tuple[str, str], ...] = ()
+
+
+_choices: contextvars.ContextVar = contextvars.ContextVar("kda_plan_choices", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+  """`with kda.plan.recording() as choices:` around the tracing of a call (`jax.make_jaxpr`,
+  `.lower`, or its first call) lists in `choices` every `Choice` made, in order, the probes of a
+  fused group's predicate included. It observes only: results and the jit key do not change, and a
+  call jax has already traced makes no choice again."""
+  log: list[Choice] = []
+  token = _choices.set(log)
+  try:
+    yield log
+  finally:
+    _choices.reset(token)
+
+
+def _record(choice: Choice) -> None:
+  log = _choices.get()
+  if log is not None:
+    log.append(choice)
+
+
 def choose(plan: Plan, name: str, *args, **kwargs) -> str:
   """The implementation stage `name` runs on these arguments (module docstring)."""
   st = stages.get(name)
+  refused = []
   for cand in candidates(plan, name):
     if getattr(st, cand) is None:
       continue
     why = st.supports(cand, *args, config=plan.config(name, cand), **kwargs)
     if why is None:
+      _record(Choice(name, cand, tuple(refused)))
       return cand
+    refused.append((cand, why))
     if name in plan.strict:
       raise ValueError(f"impl[{name!r}] = {plan.impl(name)!r}: {why}")
+  _record(Choice(name, "reference", tuple(refused)))
   return "reference"
 
 
@@ -247,9 +285,9 @@ def group_backend(plan: Plan, name: str, *args, **kwargs) -> str | None:
   impl = plan.members_select(name)
   if impl is None:
     return None
-  if g.supports(impl, *args, config=plan.config(name, impl), **kwargs) is not None:
-    return None
-  return impl
+  why = g.supports(impl, *args, config=plan.config(name, impl), **kwargs)
+  _record(Choice(name, None, ((impl, why),)) if why is not None else Choice(name, impl))
+  return None if why is not None else impl
 
 
 def unchecked_kernels(plan: Plan, names) -> bool:

@@ -384,3 +384,37 @@ def test_cpu_check_smoke():
   assert [r.get("measure") for r in rows[:3]] == ["recurrence", "forward", "fwdbwd"], out.stdout + out.stderr
   assert all("error" not in r and r["median_s"] > 0 for r in rows[:3]), rows
   assert rows[1]["impls"] == ["reference", "xla"] and rows[-1]["forward_over_recurrence"] > 0
+
+
+def test_backends_records_each_choice_and_the_refusals():
+  """tools.backends (kda.plan.recording): with Mosaic GPU asked for on a CPU, HV * K = 64 is refused
+  by the gate kernels with their reason and the next backend runs; HV * K = 128 takes them."""
+  from tools import backends
+  kw = dict(heads=1, dtype=jnp.bfloat16, states=True, raw_gate=False, chunk_size=64, impl="mosaic_gpu",
+            backward=True)
+  by_name = lambda log: {c.name: c for c in log}
+  small = by_name(backends.choices([3, 70, 1], K=64, V=64, **kw))
+  for name in ("gate", "bwd_recompute", "bwd_gate"):
+    assert small[name].backend != "mosaic_gpu", name
+    (backend, why), = small[name].refused
+    assert backend == "mosaic_gpu" and "multiple of 128" in why, (name, why)
+  assert small["intra"] == planning.Choice("intra", "mosaic_gpu", ())
+  assert small["packed_forward"].backend is None            # a member refused: the group does not run
+  wide = by_name(backends.choices([3, 70, 1], K=128, V=128, **kw))
+  assert wide["gate"] == planning.Choice("gate", "mosaic_gpu", ())
+  lines = backends.summary(backends.choices([3, 70, 1], K=64, V=64, **kw))
+  assert "gate             xla" in lines and any("refused mosaic_gpu: mosaic_gpu gate" in l for l in lines)
+
+
+def test_recording_sees_only_what_traces_inside_it():
+  import kda
+  x = jnp.ones((1, 8, 1, 16), jnp.float32)
+  call = lambda x: kda.chunk_kda(x, x, x, -jnp.abs(x), x[..., 0], chunk_size=16)[0]
+  with planning.recording() as log:
+    pass
+  jax.make_jaxpr(call)(x)
+  assert log == []
+  with planning.recording() as outer:
+    with planning.recording() as inner:
+      jax.make_jaxpr(call)(x[:, :5])             # another shape: a call traced before is cached
+  assert outer == [] and [c.name for c in inner][:2] == ["gate", "intra"]   # the innermost block records
