@@ -418,3 +418,14 @@ def test_recording_sees_only_what_traces_inside_it():
     with planning.recording() as inner:
       jax.make_jaxpr(call)(x[:, :5])             # another shape: a call traced before is cached
   assert outer == [] and [c.name for c in inner][:2] == ["gate", "intra"]   # the innermost block records
+
+
+def test_backends_main_prints_the_layout_and_the_choices(capsys):
+  from tools import backends
+  assert backends.main(["--many", "20x3", "--heads", "1", "--head-dim", "64", "--states", "--no-bwd"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith("20 sequences, 60 tokens, H = 1, K = 64")
+  assert "1280 rows for 60 tokens" in out[1]                 # 20 chunks of 64 rows
+  assert any(l.startswith("gate ") for l in out[2:])
+  with pytest.raises(SystemExit):
+    backends.main(["--many", "20by3"])

@@ -3,9 +3,10 @@
 Traces the call (its forward, and by default jax.grad of it) with jax.make_jaxpr on abstract inputs:
 nothing is compiled or run, so it takes seconds even for large shapes, and on any machine. For each
 stage and fused group it prints the backend that runs and, before it, every backend whose predicate
-refused the call with the predicate's reason (kda.plan.recording). The backends are this machine's
-(a GPU's on a GPU); `--impl mosaic_gpu` on a CPU shows what the Mosaic GPU predicates take, as the
-simulator would run it.
+refused the call with the predicate's reason (kda.plan.recording), after the aligned layout's
+length (each sequence padded to the chunk: what many short sequences with states cost). The
+backends are this machine's (a GPU's on a GPU); `--impl mosaic_gpu` on a CPU shows what the Mosaic
+GPU predicates take, as the simulator would run it.
 
   python -m tools.backends [--seq-lens 100,50 | --many 200000x1] [--heads 1] [--head-dim 64]
       [--value-dim V] [--dtype bfloat16] [--states] [--raw-gate] [--chunk-size 64] [--impl auto]
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda
-from kda import plan as planning
+from kda import padding, plan as planning
 
 
 def lens_of(seq_lens: str, many: str | None) -> list[int]:
@@ -97,6 +98,9 @@ def main(argv=None):
   print(f"{len(lens)} sequences, {sum(lens)} tokens, H = {a.heads}, K = {a.head_dim}, "
         f"V = {a.value_dim or a.head_dim}, {a.dtype}, states {'in and out' if a.states else 'none'}, "
         f"impl {a.impl}, on {platform} ({generation})")
+  T, Ta = sum(lens), padding.aligned_length(sum(lens), len(lens), a.chunk_size, lens)
+  print(f"each sequence padded to the chunk: {Ta} rows for {T} tokens ({Ta / max(T, 1):.1f}x), the length of "
+        f"the per-row tensors between stages (unless the segmented layout runs: no states, many sequences)")
   print("\n".join(summary(log)) if log else "no stage chose a backend (nothing to compute)")
   return 0
 
