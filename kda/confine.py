@@ -66,10 +66,14 @@ def _poison(mask, x):
   return x.at[0, idx].set(jnp.full((), jnp.nan, x.dtype), mode="drop", indices_are_sorted=True)
 
 
-def _finite(xs) -> jax.Array:
-  """() bool: every element of every array in xs is finite."""
+def _finite(xs, real=None) -> jax.Array:
+  """() bool: every element of every array in xs ([1, T, ...]) is finite; with real ([T] bool), at
+  those tokens only."""
+  def ok(x):
+    f = jnp.isfinite(x)
+    return (f if real is None else f | ~real.reshape((1, -1) + (1,) * (x.ndim - 2))).all()
   with steps.scope("confine"):
-    return functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in xs])
+    return functools.reduce(jnp.logical_and, [ok(x) for x in xs])
 
 
 def _clean(seqs, q, k, v, g, beta):
@@ -135,8 +139,10 @@ def _bwd(run, res, cts):
     again = jax.vjp(run, *clean, *rest)[1]((cdo, dht))
     return _poisoned(mask, again[:5]) + tuple(again[5:])
   # finite inputs (the forward's o was finite) and a finite do leave nothing to confine: reading do
-  # is a fifth of reading the gradients, and a gradient that overflows would rerun to the same value
-  ok = ok & _finite((do,))
+  # is a fifth of reading the gradients, and a gradient that overflows would rerun to the same value.
+  # do at tokens of no sequence is never read, whatever it holds.
+  seq, starts, _ = seqs
+  ok = ok & _finite((do,), real=seq < starts.shape[0])
   grads = _unless(ok, grads, slow)
   return (None, *grads[:5], tuple(grads[5:]))
 
