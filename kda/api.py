@@ -251,18 +251,25 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
       P, contiguous=segment_ids is None, initial_state=initial_state, output_final_state=output_final_state,
       N=N, use_gate_in_kernel=use_gate_in_kernel):
     # fewer, longer sequences with resets inside; sharing chunks, they are kept apart by zero decays,
-    # so a non-finite input is confined to its sequence here (kda.confine); run is jitted so that
-    # confine's rerun shares its lowering
+    # so a non-finite input is confined to its sequence here (kda.confine)
     seqs = confine.sequences(layout.starts, layout.lens, B * T)
     layout, resets = pieces.segmented(layout, P)
-    run = jax.jit(lambda q, k, v, g, beta, h0, A_log, dt_bias: _core(backward, plan, layout, q, k, v, g, beta, h0,
-                                                                      A_log, dt_bias, resets))
+    run = functools.partial(_segmented, ints=(layout.starts, layout.lens, layout.aligned_cu, resets),
+                            backward=backward, plan=plan, static=(layout.T, layout.Ta, layout.chunk_size))
     o, final_state = confine.confined(run, seqs, pack(q), pack(k), pack(v), g, pack(beta),
                                       (h0[:layout.N], A_log, dt_bias))
   else:
     o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)
   o = o.reshape(B, T, HV, V)
   return o, (final_state if output_final_state else None)
+
+
+@functools.partial(jax.jit, static_argnames=("backward", "plan", "static"))
+def _segmented(q, k, v, g, beta, h0, A_log, dt_bias, *, ints, backward, plan, static):
+  """_core on a segmented layout (ints: its starts, lens, aligned_cu and resets; static: T, Ta,
+  chunk_size). Jitted at module level: kda.confine's rerun shares its lowering, and an eager call
+  its compile with the calls before."""
+  return _core(backward, plan, _layout_of(ints, static), q, k, v, g, beta, h0, A_log, dt_bias, ints[3])
 
 
 def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None):
