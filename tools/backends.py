@@ -23,6 +23,7 @@ import numpy as np
 
 import kda
 from kda import padding, plan as planning
+from tools.trace import parse_lens
 
 
 def lens_of(seq_lens: str, many: str | None) -> list[int]:
@@ -32,10 +33,7 @@ def lens_of(seq_lens: str, many: str | None) -> list[int]:
     if not (n.isdigit() and length.isdigit()):
       raise ValueError(f"--many must look like 200000x1 (sequences x tokens), got {many!r}")
     return [int(length)] * int(n)
-  lens = [int(x) for x in seq_lens.split(",") if x.strip()]
-  if not lens or any(n < 0 for n in lens):
-    raise ValueError(f"--seq-lens must be non-negative integers like 100,50, got {seq_lens!r}")
-  return lens
+  return parse_lens(seq_lens)
 
 
 def choices(lens, *, heads, K, V, dtype, states, raw_gate, chunk_size, impl, backward):
