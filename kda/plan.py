@@ -254,8 +254,7 @@ def _record(choice: Choice) -> None:
     log.append(choice)
 
 
-def choose(plan: Plan, name: str, *args, **kwargs) -> str:
-  """The implementation stage `name` runs on these arguments (module docstring)."""
+def _choice(plan: Plan, name: str, *args, **kwargs) -> Choice:
   st = stages.get(name)
   refused = []
   for cand in candidates(plan, name):
@@ -263,19 +262,46 @@ def choose(plan: Plan, name: str, *args, **kwargs) -> str:
       continue
     why = st.supports(cand, *args, config=plan.config(name, cand), **kwargs)
     if why is None:
-      _record(Choice(name, cand, tuple(refused)))
-      return cand
+      choice = Choice(name, cand, tuple(refused))
+      _record(choice)
+      return choice
     refused.append((cand, why))
     if name in plan.strict:
       raise ValueError(f"impl[{name!r}] = {plan.impl(name)!r}: {why}")
-  _record(Choice(name, "reference", tuple(refused)))
-  return "reference"
+  choice = Choice(name, "reference", tuple(refused))
+  _record(choice)
+  return choice
+
+
+def choose(plan: Plan, name: str, *args, **kwargs) -> str:
+  """The implementation stage `name` runs on these arguments (module docstring)."""
+  return _choice(plan, name, *args, **kwargs).backend
 
 
 def run(plan: Plan, name: str, *args, **kwargs):
-  """Stage `name` on these arguments, with the implementation `choose` picks."""
-  impl = choose(plan, name, *args, **kwargs)
-  return stages.get(name)(impl, *args, interpret=plan.interpret, config=plan.config(name, impl), **kwargs)
+  """Stage `name` on these arguments, with the implementation `choose` picks.
+
+  Where that is a fallback (a backend before it refused), its record is rounded to the dtypes the
+  first refused backend that declares `stores` (kda.stages.base) would have stored for these
+  arguments: with bf16 inputs a Mosaic GPU kernel stores its intermediates in bf16 and the next
+  stages' kernels take only those (float32 ones would have come from float32 inputs, which keep
+  float32: `stores` names nothing for them). So a plan that mixes kernels and fallbacks hands each
+  kernel the operands the all-kernel plan would, at the accuracy the kernels already have. A plan
+  without refusals (impl="reference", "xla", the CPU's default) is never rounded."""
+  choice = _choice(plan, name, *args, **kwargs)
+  st, impl = stages.get(name), choice.backend
+  out = st(impl, *args, interpret=plan.interpret, config=plan.config(name, impl), **kwargs)
+  for refused, _ in choice.refused:
+    dtypes = st.stores(refused, *args, config=plan.config(name, refused), **kwargs)
+    if dtypes is not None:
+      return _rounded(out, dtypes)
+  return out
+
+
+def _rounded(out, dtypes):
+  """Record `out` with each field named in `dtypes` cast to that dtype (None fields kept)."""
+  cast = {f: getattr(out, f).astype(d) for f, d in dtypes.items() if getattr(out, f) is not None}
+  return out._replace(**cast) if cast else out
 
 
 def group_backend(plan: Plan, name: str, *args, **kwargs) -> str | None:

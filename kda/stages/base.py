@@ -7,6 +7,10 @@ A backend of stage `s` is the module `kda/stages/<s>/<backend>.py`:
 - `supports(*args, config, **stage_kwargs) -> None | str` (kernel backends): None if it takes the
   call, else the reason in words (a dtype it does not implement, the shared memory or VMEM its tiles
   need against what the device has).
+- `stores(*args, config, **stage_kwargs) -> None | {field: dtype}` (optional, kernel backends): the
+  dtypes `apply` stores its record's fields in for these arguments' dtypes, whether or not it takes
+  the call. kda.plan.run rounds a fallback's record to them, so the next stages' kernels get the
+  operands they take (None or {}: nothing to round).
 - `Config`: a frozen, hashable dataclass of the backend's variant choices (tiles, modes). The plan
   carries one per stage and passes it down, so it is part of the jit cache key.
 
@@ -56,6 +60,11 @@ class Stage:
     """None if backend `impl` takes these arguments, else why not."""
     mod = self.backend(impl)
     fn = getattr(mod, "takes", None) or getattr(mod, "supports", None)
+    return None if fn is None else _call(fn, *args, config=config, **kwargs)
+
+  def stores(self, impl: str, *args, config=None, **kwargs) -> Optional[Mapping[str, Any]]:
+    """The dtypes backend `impl` stores its record's fields in for these arguments, where it says."""
+    fn = getattr(self.backend(impl), "stores", None)
     return None if fn is None else _call(fn, *args, config=config, **kwargs)
 
   def __call__(self, impl: str, *args, interpret: bool = False, config=None, **kwargs):

@@ -82,6 +82,33 @@ def test_impl_none_picks_by_platform_and_falls_back_when_refused(monkeypatch):
   assert planning.run(loose, "state", "bad") == "reference"
 
 
+def test_a_fallback_hands_on_the_dtypes_the_refused_kernel_stores(monkeypatch):
+  """kda.plan.run rounds a fallback's record to what the first refused kernel declares in `stores`
+  (fields it does not name, and None fields, kept); a backend that runs without a refusal is never
+  rounded, and a kernel that declares nothing leaves the record as it is."""
+  import jax.numpy as jnp
+  from typing import NamedTuple
+
+  class Out(NamedTuple):
+    a: object
+    b: object
+    c: object
+
+  f32 = lambda: jnp.ones((2,), jnp.float32)
+  ref = types.SimpleNamespace(apply=lambda x, **kw: Out(f32(), f32(), None))
+  mgpu = types.SimpleNamespace(apply=lambda x, interpret=False, **kw: Out(f32(), f32(), None),
+                               supports=lambda x, **kw: None if x == "ok" else "refused",
+                               stores=lambda x, **kw: {"a": jnp.bfloat16, "c": jnp.bfloat16} if x == "bf" else {})
+  monkeypatch.setitem(stages.STAGES, "state", Stage("state", reference=ref, mosaic_gpu=mgpu))
+  plan = planning.make_plan(scale=1.0, chunk_size=64, impl="mosaic_gpu")
+  dtypes = lambda out: [None if x is None else x.dtype for x in out]
+  assert dtypes(planning.run(plan, "state", "bf")) == [jnp.bfloat16, jnp.float32, None]
+  assert dtypes(planning.run(plan, "state", "f32")) == [jnp.float32, jnp.float32, None]
+  assert dtypes(planning.run(plan, "state", "ok")) == [jnp.float32, jnp.float32, None]
+  ref_plan = planning.make_plan(scale=1.0, chunk_size=64, impl="reference")
+  assert dtypes(planning.run(ref_plan, "state", "bf")) == [jnp.float32, jnp.float32, None]
+
+
 def test_triton_kernels_are_never_the_default_off_a_gpu():
   """A TPU host must not pick the Triton kernels (their lowering fails there)."""
   for platform, gen in (("tpu", "v5e"), ("tpu", "v7x"), ("cpu", "cpu")):

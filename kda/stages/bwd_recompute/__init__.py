@@ -13,8 +13,10 @@ In:  q, k [1, Ta, HV, K], v [1, Ta, HV, V], g [1, Ta, HV, K] raw, beta [1, Ta, H
      returns them: aligned, l2-normalised, head-mapped, gate-neutralised), valid [1, Ta] bool,
      A_log [HV] or None, dt_bias [HV*K] or None, Ainv [1, Ta, HV, BT] float32,
      initial_state [N, HV, K, V] float32, aligned_cu [N+1] int32.
-Out: gc_int, gc_frac, w, qg, kg [1, Ta, HV, K], u, v_new [1, Ta, HV, V], h [1, NTa, HV, K, V]; all
-     float32.
+Out: gc_int, gc_frac, w, qg, kg [1, Ta, HV, K], u, v_new [1, Ta, HV, V], h [1, NTa, HV, K, V];
+     float32 from the references; w, u, qg, kg, h, v_new bf16 from the Mosaic GPU kernels for bf16
+     inputs (the dtype policy), and from a fallback where they refuse such a call at their head
+     dims and chunk size (kda.plan.run rounds it: mosaic_gpu.stores).
 Padding: identical to the forward stages: gc is flat after a sequence's last real token and
 w = u = qg = kg = v_new = 0 at padding tokens (k = v = q = beta = 0 there, Ainv's rows are one-hot).
 """

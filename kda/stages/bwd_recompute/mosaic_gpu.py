@@ -113,6 +113,22 @@ def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, align
 
 takes = supports                  # the name kda.stages.bwd_recompute registers
 
+_BF16_FIELDS = ("w", "u", "qg", "kg", "h", "v_new")
+
+
+def stores(q, k, v, *_, chunk_size, config=None, **__) -> dict:
+  """The dtypes `apply` stores Out's fields in for these arguments (kda.stages.base): for bf16 q, k,
+  v at the kernels' chunk and head dims, w, u, qg, kg (the wy kernel) and h, v_new (the state
+  kernel) in bf16, gc in float32; otherwise nothing, since no kernel of the chain runs there and
+  float32 keeps float32. A refusal by the gate kernel alone (HV * K not a multiple of 128) still
+  names the bf16 fields: bwd_dav and bwd_dh take them."""
+  del config
+  if tile_shapes(chunk_size, "k", k, "v", v)[0] is not None:
+    return {}
+  if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for x in (q, k, v)):
+    return {}
+  return dict.fromkeys(_BF16_FIELDS, BF16)
+
 
 def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True):
   if skip_tail:                # aligned_cu's ref first: the chunks at or past aligned_cu[-1] store zeros
