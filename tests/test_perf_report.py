@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import shutil
 
@@ -86,3 +87,19 @@ def test_no_benchmarks(tmp_path):
 def test_committed_page_is_generated():
   """docs/performance.md is what `python -m tools.perf_report` makes of benchmarks/."""
   assert perf_report.main(["--check"]) == 0, "run python -m tools.perf_report and commit the page"
+
+
+def test_fidelity_table(tmp_path):
+  folder = tmp_path / "bench"
+  shutil.copytree(DATA, folder)
+  err = lambda m, r: {"max_rel": m, "rms_rel": r}
+  (folder / "fid").mkdir()
+  (folder / "fid" / "fidelity.json").write_text(json.dumps(
+      {"kda[default]": {"o": err(0.0058, 0.0041), "dq": err(0.0031, 0.003)},
+       "jla": {"dq": err(0.0039, 0.0037)}}))
+  out, _, _ = report(tmp_path, folder, png=False)
+  page = out.read_text()
+  assert "## bf16 fidelity" in page
+  assert "| kda[default] | 5.80e-03 / 4.10e-03 | 3.10e-03 / 3.00e-03 |" in page
+  assert "| jla | - | 3.90e-03 / 3.70e-03 |" in page
+  assert "| `fid/fidelity.json` | fidelity |" in page

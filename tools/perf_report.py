@@ -8,6 +8,8 @@ what wrote it:
   jla  jla_bench.py --out:  {"shapes": {"A": {"fwd": {"ms_median", ...}, "fwdbwd": {...}}}}
   tpu  tools.tpu_aot / tools.tpu_program --out: {"tool": ..., "run": {...}, "rows": [{...}, ...]}
        (or any file named tpu_aot*.json with a "rows" list; its rows are shown as they are)
+  fidelity  the peers' fidelity.py --out: {"kda[...]" | "fla" | "jla": {"o": {"max_rel", "rms_rel"},
+       "dq": {...}, ...}} (errors against a float32 truth on identical bf16 inputs)
 Every kda file is one run, named by its commit and device (tools.bench records them). Its peer
 figures are those tools.bench embedded (--peer, --jla: the same device call), completed by the
 fla / jla files of the same folder. Runs are listed newest first; the chart shows the newest.
@@ -41,6 +43,9 @@ def classify(path: pathlib.Path, data) -> str | None:
     return "fla"
   if isinstance(data.get("shapes"), dict):
     return "jla"
+  if data and all(isinstance(v, dict) and all(isinstance(e, dict) and "max_rel" in e for e in v.values())
+                  for v in data.values()):
+    return "fidelity"
   return None
 
 
@@ -257,6 +262,24 @@ faster.
 """
 
 
+def fidelity_section(files, folder=None) -> list[str]:
+  """One table per fidelity file: each implementation's max and rms error of every output."""
+  fid = [(p, d) for p, k, d in files if k == "fidelity"]
+  if not fid:
+    return []
+  lines = ["## bf16 fidelity", "",
+           "Errors against a float32 truth on identical bf16 inputs (the peers' `fidelity.py`): "
+           "max|x - truth| / max|truth|, then the rms ratio; the folder's README names the shape and truth.", ""]
+  for path, data in fid:
+    outs = list(dict.fromkeys(o for errs in data.values() for o in errs))
+    name = path.relative_to(folder) if folder is not None and path.is_relative_to(folder) else path
+    lines += [f"`{name}`", ""]
+    lines += table(["implementation"] + outs,
+                   [[who] + [f"{errs[o]['max_rel']:.2e} / {errs[o]['rms_rel']:.2e}" if o in errs else "-"
+                             for o in outs] for who, errs in data.items()])
+  return lines
+
+
 def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> str:
   rs = runs(files)
   lines = INTRO.splitlines() + [""]
@@ -269,6 +292,7 @@ def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> s
   for r in rs:
     lines += run_section(r)
   lines += tpu_section(files)
+  lines += fidelity_section(files, folder)
   if files:
     lines += ["## Files read", ""]
     rel = lambda p: p.relative_to(folder) if folder is not None and p.is_relative_to(folder) else p
