@@ -103,3 +103,29 @@ def test_fidelity_table(tmp_path):
   assert "| kda[default] | 5.80e-03 / 4.10e-03 | 3.10e-03 / 3.00e-03 |" in page
   assert "| jla | - | 3.90e-03 / 3.70e-03 |" in page
   assert "| `fid/fidelity.json` | fidelity |" in page
+
+
+def test_stage_budget_table(tmp_path):
+  """tools.profile's pieces beside FLA's kernels by stage: a kernel's launches beyond the forward's
+  count to its backward stage, unknown pieces and kernels to the other row."""
+  folder = tmp_path / "bench"
+  (folder / "run").mkdir(parents=True)
+  (folder / "run" / "profile.json").write_text(json.dumps(
+      {"A:plain": {"fwdbwd": {"pieces_ms": {"intra": 0.5, "bwd_wy": 2.0, "prepare": 0.25, "(no kda scope)": 0.5},
+                              "wall_ms": 9.0}}}))
+  k = lambda name, ms: {"kernel": name, "ms": ms, "launches": 1}
+  (folder / "run" / "fla_profile.json").write_text(json.dumps(
+      {"A:plain": {"fwd": [k("recompute_w_u_fwd_kda_kernel", 0.25), k("chunk_local_cumsum_vector_kernel", 0.125)],
+                   "fwd+bwd": [k("recompute_w_u_fwd_kda_kernel", 0.625), k("chunk_kda_bwd_kernel_wy_dqkg_fused", 2.5),
+                               k("chunk_local_cumsum_vector_kernel", 0.25), k("void at::native::fill", 0.0625)]}}))
+  out, _, _ = report(tmp_path, folder, png=False)
+  page = out.read_text()
+  assert "## Where the time goes, by stage" in page
+  assert "### A:plain: `run/profile.json`, `run/fla_profile.json`" in page
+  assert "| intra | 0.500 | 0.250 |" in page
+  assert "| bwd_recompute | 0.000 | 0.375 |" in page
+  assert "| gate | 0.000 | 0.125 |" in page and "| bwd_gate | 0.000 | 0.125 |" in page
+  assert "| bwd_wy | 2.000 | 2.500 |" in page
+  assert "| other (layout, XLA ops, copies) | 0.750 | 0.062 |" in page
+  assert "| total | 3.250 | 3.438 |" in page
+  assert "| `run/fla_profile.json` | kernels |" in page and "| `run/profile.json` | profile |" in page

@@ -10,6 +10,9 @@ what wrote it:
        (or any file named tpu_aot*.json with a "rows" list; its rows are shown as they are)
   fidelity  the peers' fidelity.py --out: {"kda[...]" | "fla" | "jla": {"o": {"max_rel", "rms_rel"},
        "dq": {...}, ...}} (errors against a float32 truth on identical bf16 inputs)
+  profile  tools.profile --out: {"A:plain": {"fwd" | "fwdbwd": {"pieces_ms": {piece: ms}, ...}}}
+  kernels  a peer's kernels per call, in a file named fla_profile*.json or jla_profile*.json:
+       {"A:plain": {"fwd" | "fwd+bwd" | "fwdbwd": [{"kernel": name, "ms": ms per call}, ...]}}
 Every kda file is one run, named by its commit and device (tools.bench records them). Its peer
 figures are those tools.bench embedded (--peer, --jla: the same device call), completed by the
 fla / jla files of the same folder. Runs are listed newest first; the chart shows the newest.
@@ -39,6 +42,12 @@ def classify(path: pathlib.Path, data) -> str | None:
     return "tpu"
   if isinstance(data.get("rows"), list):
     return "kda"
+  if path.name.startswith(("fla_profile", "jla_profile")) and data and all(
+      isinstance(v, dict) and all(isinstance(x, list) for x in v.values()) for v in data.values()):
+    return "kernels"
+  if data and all(isinstance(v, dict) and v and all(isinstance(x, dict) and "pieces_ms" in x for x in v.values())
+                  for v in data.values()):
+    return "profile"
   if isinstance(data.get("variants"), dict):
     return "fla"
   if isinstance(data.get("shapes"), dict):
@@ -280,6 +289,75 @@ def fidelity_section(files, folder=None) -> list[str]:
   return lines
 
 
+# The peers' kernels by the kda stage doing the same work: name prefix -> (stage of its launches in
+# the forward, stage of the launches the forward + backward adds). FLA's from fla_profile.py's names.
+PEER_STAGES = {
+    "fla": {"chunk_local_cumsum_vector_kernel": ("gate", "bwd_gate"),
+            "chunk_kda_fwd_kernel_intra_token_parallel": ("intra", "intra"),
+            "chunk_kda_fwd_kernel_inter_solve_fused": ("intra", "intra"),
+            "recompute_w_u_fwd_kda_kernel": ("intra", "bwd_recompute"),
+            "chunk_gated_delta_rule_fwd_kernel_h": ("state+output", "bwd_recompute"),
+            "chunk_gla_fwd_kernel_o": ("state+output", "state+output"),
+            "chunk_kda_bwd_kernel_dAv": ("bwd_dav", "bwd_dav"),
+            "chunk_gated_delta_rule_bwd_kernel_dhu": ("bwd_dh", "bwd_dh"),
+            "chunk_kda_bwd_kernel_wy_dqkg_fused": ("bwd_wy", "bwd_wy"),
+            "chunk_kda_bwd_kernel_intra": ("bwd_intra", "bwd_intra")},
+    "jla": {},
+}
+STAGE_ROWS = ("gate", "intra", "state+output", "bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra",
+              "bwd_gate")
+OTHER = "other (layout, XLA ops, copies)"
+
+
+def peer_stages(peer, kernels) -> dict:
+  """{stage: ms} of a peer's forward + backward: each kernel's launches beyond its forward's time go
+  to the backward stage of PEER_STAGES; kernels of no known prefix to OTHER."""
+  fwd = {}
+  for x in kernels.get("fwd", []):
+    fwd[x["kernel"]] = fwd.get(x["kernel"], 0.0) + x["ms"]
+  both = kernels.get("fwd+bwd", kernels.get("fwdbwd", []))
+  out = dict.fromkeys(STAGE_ROWS + (OTHER,), 0.0)
+  prefixes = sorted(PEER_STAGES.get(peer, {}).items(), key=lambda kv: -len(kv[0]))
+  for x in both:
+    stage = next((st for pre, st in prefixes if x["kernel"].startswith(pre)), (OTHER, OTHER))
+    in_fwd = min(fwd.get(x["kernel"], 0.0), x["ms"])
+    out[stage[0]] += in_fwd
+    out[stage[1]] += x["ms"] - in_fwd
+  return out
+
+
+def budget_section(files, folder=None) -> list[str]:
+  """Per folder with a tools.profile file: device ms per call of one forward + backward by stage,
+  kda's pieces beside the peers' kernels of the same folder."""
+  profiles = [(p, d) for p, k, d in files if k == "profile"]
+  if not profiles:
+    return []
+  lines = ["## Where the time goes, by stage", "",
+           "Device busy time per call (ms) of one forward + backward, by stage: kda's from `tools.profile` "
+           "(`value_and_grad`, kernels and XLA ops attributed to the stage's name scope), the peers' "
+           "kernels by the stage doing the same work (a kernel launched in the forward and again in "
+           "the backward counts its extra launches to the backward's stage: FLA's forward intra and "
+           "state kernels rerun as S0). kda's `state+output` is one kernel; FLA's state and output "
+           "kernels are summed there.", ""]
+  rel = lambda p: p.relative_to(folder) if folder is not None and p.is_relative_to(folder) else p
+  for path, data in profiles:
+    peers = {p.name.split("_")[0]: (p, d) for p, k, d in files if k == "kernels" and p.parent == path.parent}
+    for variant, labels in data.items():
+      both = labels.get("fwdbwd")
+      if not both:
+        continue
+      ours = dict.fromkeys(STAGE_ROWS + (OTHER,), 0.0)
+      for piece, ms in both["pieces_ms"].items():
+        ours[piece if piece in ours else OTHER] += ms
+      have = [p for p in PEERS if variant in peers.get(p, (None, {}))[1]]
+      cols = [(PEER_NAME[p], peer_stages(p, peers[p][1][variant])) for p in have]
+      lines += [f"### {variant}: " + ", ".join(f"`{rel(x)}`" for x in [path] + [peers[p][0] for p in have]), ""]
+      rows = [[st, num(ours[st])] + [num(c[st]) for _, c in cols] for st in STAGE_ROWS + (OTHER,)]
+      rows.append(["total", num(sum(ours.values()))] + [num(sum(c.values())) for _, c in cols])
+      lines += table(["stage", "kda"] + [n for n, _ in cols], rows)
+  return lines
+
+
 def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> str:
   rs = runs(files)
   lines = INTRO.splitlines() + [""]
@@ -293,6 +371,7 @@ def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> s
     lines += run_section(r)
   lines += tpu_section(files)
   lines += fidelity_section(files, folder)
+  lines += budget_section(files, folder)
   if files:
     lines += ["## Files read", ""]
     rel = lambda p: p.relative_to(folder) if folder is not None and p.is_relative_to(folder) else p
