@@ -94,3 +94,17 @@ def test_reruns_only_for_a_non_finite_value(where):
   if where != "none":
     assert np.isnan(np.asarray(grads[0])[:, lo:hi]).all()
     assert np.isnan(np.asarray(o)[:, lo:hi]).all() == (where != "do")
+
+
+@pytest.mark.large      # four lowerings for an H200 (~60 s on a 2-core machine)
+def test_confined_grad_keeps_the_forward_output_kernel_the_plain_program_drops():
+  """Under jax.grad of a loss linear in o, JAX drops the kernel that computes the dead o from the
+  plain program; confinement's backward check reads o's flag, so it keeps that kernel (what the
+  confined call costs there). With value_and_grad both programs hold it."""
+  from tools import confine_cost
+  found = confine_cost.lowered_kernels("B", 4096)
+  assert "kda_state_output" not in found[("plain", "grad")]
+  assert found[("plain", "value_and_grad")]["kda_state_output"] == 1
+  assert found[("confined", "grad")].get("kda_state_output", 0) >= 1
+  # the rerun lives in the same program: every kernel of the plain call appears there too
+  assert set(found[("plain", "value_and_grad")]) <= set(found[("confined", "grad")])

@@ -11,12 +11,21 @@ The forward + backward is jax.grad of tools.bench's loss (tools.bench's program:
 then dead and XLA drops the forward's check), or with --value jax.value_and_grad (a training step:
 the loss uses o, both checks run).
 
-  python -m tools.confine_cost [--shape B] [--rounds 9] [--reps 10] [--total 32768] [--value]
+--kernels (any machine, no GPU): instead of timing, lowers the four forward + backward programs
+(confined and plain, jax.grad and jax.value_and_grad) for an H200 and prints the kda kernels each
+holds: under jax.grad of the linear loss the plain program has no state+output kernel (JAX drops
+what computes the dead o before XLA sees the program), the confined one keeps it for its check.
+
+  python -m tools.confine_cost [--shape B] [--rounds 9] [--reps 10] [--total 32768] [--value] [--kernels]
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import os
+import re
 import statistics
+from unittest import mock
 
 import jax
 
@@ -29,6 +38,37 @@ def _plain(run, seqs, q, k, v, g, beta, rest):
   return run(q, k, v, g, beta, *rest)
 
 
+def kernels(text: str) -> dict:
+  """{kda kernel name: Mosaic GPU custom calls of it} in a lowered program's text."""
+  calls = text.split("stablehlo.custom_call @mosaic_gpu_v2")[1:]
+  found = collections.Counter()
+  for call in calls:
+    m = re.search(r"kda_[a-z_]+?(?=_*mosaic_gpu|_*\W)", call)
+    found[m.group(0).rstrip("_") if m else "?"] += 1
+  return dict(sorted(found.items()))
+
+
+def lowered_kernels(shape, total, diffs=(jax.grad, jax.value_and_grad)) -> dict:
+  """{(wrapper, diff name): kernels()} of the forward + backward lowered for an H200 from this
+  machine (kda's plan taking the platform for one; no GPU needed)."""
+  from tools import compile_report
+  with compile_report.as_hopper(True):
+    args, _, loss = bench.calls(shape, "plain", "auto", total=total)
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  shipped, out = confine.confined, {}
+  try:
+    for name, wrapper in (("confined", shipped), ("plain", _plain)):
+      confine.confined = wrapper
+      for diff in diffs:
+        fb = jax.jit(diff(lambda *x, _l=loss: _l(*x), argnums=(0, 1, 2, 3, 4, 5)))
+        with compile_report.as_hopper(True), mock.patch.dict(os.environ, {"KDA_PRECOMPILE": "0"}):
+          text = fb.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        out[(name, diff.__name__)] = kernels(text)
+  finally:
+    confine.confined = shipped
+  return out
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shape", default="B")
@@ -36,7 +76,14 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--total", type=int, default=bench.TOTAL, help="tokens of the shape")
   p.add_argument("--value", action="store_true", help="forward + backward as jax.value_and_grad")
+  p.add_argument("--kernels", action="store_true",
+                 help="print the kda kernels of each lowered forward + backward program instead of timing")
   a = p.parse_args(argv)
+  if a.kernels:
+    for (name, diff), found in lowered_kernels(a.shape, a.total).items():
+      print(f"{a.shape} {name} {diff}: {sum(found.values())} kernels: "
+            + ", ".join(f"{k} x{n}" for k, n in found.items()), flush=True)
+    return
   args, fwd, loss = bench.calls(a.shape, "plain", "auto", total=a.total)
   shipped, fns = confine.confined, {}
   try:
