@@ -15,10 +15,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda import _precompile
+from kda import _lowering_cache, _precompile
 from kda.padding.layout import search_left
 
-_precompile.install()   # kda's kernels compile on worker threads while the program lowers
+_lowering_cache.install()   # each kda kernel lowered once per process, whatever program calls it
+_precompile.install()       # kda's kernels compile on worker threads while the program lowers
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 WG = plgpu.Layout.WGMMA              # register layout of a [M, N] wgmma tile (M % 64 == 0)
