@@ -6,12 +6,13 @@ kernel's CUDA compile) and the first call. With --kernels it also records each M
 the program calls (its plgpu.kernel function and abstract arguments, while tracing) and lowers and
 compiles each one alone: a kernel's own compile time is then its CUDA compile (its program holds
 nothing else), and the whole compile less their sum is XLA's share. Mosaic GPU's kernel cache does
-not carry over from one lowering to the next (each names its module apart), so nothing measured
-here reuses another measurement's compile; but the Python and XLA caches of the process do, so run
-one variant per process for cold figures.
+carries over from one lowering to the next only through kda._lowering_cache (a kernel lowered
+once per process), which this tool turns off for the per-kernel lowerings (each is measured cold)
+and, with --no-lowering-cache, for the program too; the Python and XLA caches of the process still
+carry over, so run one variant per process for cold figures.
 
   python -m tools.compile_report [--variants A:plain] [--no-bwd] [--kernels] [--total 32768]
-      [--lower-only] [--no-precompile] [--ptxas] [--out FILE.json]
+      [--lower-only] [--no-precompile] [--no-lowering-cache] [--ptxas] [--out FILE.json]
 
 --ptxas: each kernel's registers per thread and spills, from ptxas's log (Mosaic GPU's dumps,
 MOSAIC_GPU_DUMP_TO, into a temporary folder).
@@ -159,7 +160,7 @@ def report_one(name, gate, total, do_bwd, kernels, lower_only, ptxas=False, conf
   if kernels:
     rows = []
     # each kernel's own compile: not taken early from its lowering
-    with as_hopper(lower_only), mock.patch.dict(os.environ, {"KDA_PRECOMPILE": "0"}):
+    with as_hopper(lower_only), mock.patch.dict(os.environ, {"KDA_PRECOMPILE": "0", "KDA_LOWERING_CACHE": "0"}):
       for kname, f, avals in calls:
         r = {"kernel": kname, **phases(f, avals, lower_only, run=False)}   # abstract arguments
         rows.append(r)
@@ -182,11 +183,15 @@ def main(argv=None):
                  help="each kernel's registers and spills from ptxas's log (Mosaic GPU's dumps, in a temporary folder)")
   p.add_argument("--no-precompile", action="store_true",
                  help="kda._precompile off: every kernel compiles inside XLA's compile of the program")
+  p.add_argument("--no-lowering-cache", action="store_true",
+                 help="kda._lowering_cache off: every program lowers each of its kernels")
   p.add_argument("--config", default="", help="configs of the call, name.field=value,... (tools.configs)")
   p.add_argument("--out")
   a = p.parse_args(argv)
   if a.no_precompile:
     os.environ["KDA_PRECOMPILE"] = "0"
+  if a.no_lowering_cache:
+    os.environ["KDA_LOWERING_CACHE"] = "0"
   rows = []
   for var in filter(None, a.variants.split(",")):
     name, gate = var.split(":")
