@@ -224,8 +224,9 @@ def test_config_field_changes_the_program(field):
   """Each Config field gives another lowered program (5 sequences in 8 chunks: the default
   group_chunks groups them); the simulator runs each against the references or the default's bits
   (test_fused_matches_composed_references_*, test_fused_bf16_output_*, test_fused_variants_same_bits,
-  test_fused_grouped_walk_same_bits, test_fused_single_sequence). Lowerings of one kernel carry the
-  same module (kda._lowering_cache), so programs differ only where the field changes something."""
+  test_fused_grouped_walk_same_bits, test_fused_single_sequence). With kda's lowering cache (on in the
+  tests, conftest.py) lowerings of one kernel carry the same module, so programs differ only where
+  the field changes something."""
   base = BASE.get(field, {})
   assert _lowered_text(so.Config(**base, **{field: FIELDS[field]})) != _lowered_text(so.Config(**base))
 
