@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import logging
 import os
 import threading
-
-log = logging.getLogger(__name__)
 
 KERNEL_PREFIX = "kda_"
 MAX_ENTRIES = 256              # kernels kept (least recently used dropped); a kda program holds ~20

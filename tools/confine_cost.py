@@ -8,7 +8,7 @@ what it would give for finite inputs), then times them in alternating rounds (to
 median of --reps calls each) and prints the medians and the median of the per-round ratios.
 Only calls that run the segmented layout (shape B: many short sequences) go through kda.confine.
 The forward + backward is jax.grad of tools.bench's loss (tools.bench's program: the forward's o is
-then dead and XLA drops the forward's check), or with --value jax.value_and_grad (a training step:
+then dead and JAX drops the kernel computing it, where nothing checks it), or with --value jax.value_and_grad (a training step:
 the loss uses o, both checks run).
 
 --kernels (any machine, no GPU): instead of timing, lowers the four forward + backward programs

@@ -140,6 +140,11 @@ def cell(x) -> str:
   return str(x).replace("|", "\\|").replace("\n", " ")
 
 
+def relative(path: pathlib.Path, folder: pathlib.Path | None) -> pathlib.Path:
+  """path as named on the page: relative to the benchmark folder where it lies inside it."""
+  return path.relative_to(folder) if folder is not None and path.is_relative_to(folder) else path
+
+
 def table(header, rows) -> list[str]:
   return (["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
           + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows] + [""])
@@ -281,7 +286,7 @@ def fidelity_section(files, folder=None) -> list[str]:
            "max|x - truth| / max|truth|, then the rms ratio; the folder's README names the shape and truth.", ""]
   for path, data in fid:
     outs = list(dict.fromkeys(o for errs in data.values() for o in errs))
-    name = path.relative_to(folder) if folder is not None and path.is_relative_to(folder) else path
+    name = relative(path, folder)
     lines += [f"`{name}`", ""]
     lines += table(["implementation"] + outs,
                    [[who] + [f"{errs[o]['max_rel']:.2e} / {errs[o]['rms_rel']:.2e}" if o in errs else "-"
@@ -339,7 +344,7 @@ def budget_section(files, folder=None) -> list[str]:
            "the backward counts its extra launches to the backward's stage: FLA's forward intra and "
            "state kernels rerun as S0). kda's `state+output` is one kernel; FLA's state and output "
            "kernels are summed there.", ""]
-  rel = lambda p: p.relative_to(folder) if folder is not None and p.is_relative_to(folder) else p
+  rel = lambda p: relative(p, folder)
   for path, data in profiles:
     peers = {p.name.split("_")[0]: (p, d) for p, k, d in files if k == "kernels" and p.parent == path.parent}
     for variant, labels in data.items():
@@ -374,7 +379,7 @@ def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> s
   lines += budget_section(files, folder)
   if files:
     lines += ["## Files read", ""]
-    rel = lambda p: p.relative_to(folder) if folder is not None and p.is_relative_to(folder) else p
+    rel = lambda p: relative(p, folder)
     lines += table(["file", "kind"], [[f"`{rel(p)}`", k or "not a benchmark file"] for p, k, _ in files])
   return "\n".join(lines).rstrip() + "\n"
 
