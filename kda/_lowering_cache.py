@@ -17,9 +17,8 @@ attributes (tests/test_lowering_cache.py compares them for every kernel of a for
 its locations those of the first program that lowered it.
 
 Hooks jax 0.11.2's `jax._src.pallas.mosaic_gpu.lowering.lower_unpipelined_jaxpr_to_module`; only
-kernels named `kda_*` are cached. Opt-in for now: it runs only while the environment has
-KDA_LOWERING_CACHE=1 (`enabled()`, read at each lowering), because the cached modules have been
-compared with fresh lowerings for an H200 from a CPU but not yet compiled and run on a GPU.
+kernels named `kda_*` are cached. On unless the environment has KDA_LOWERING_CACHE=0 (`enabled()`,
+read at each lowering): every lowering then runs, as jax does it.
 """
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ stats = collections.Counter()  # "hits", "misses": lowerings served from the cac
 
 
 def enabled() -> bool:
-  """Whether lowered kernels are reused (KDA_LOWERING_CACHE=1 turns it on)."""
-  return os.environ.get("KDA_LOWERING_CACHE", "0") == "1"
+  """Whether lowered kernels are reused (KDA_LOWERING_CACHE=0 turns it off)."""
+  return os.environ.get("KDA_LOWERING_CACHE", "1") != "0"
 
 
 def clear():

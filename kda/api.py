@@ -256,8 +256,9 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     layout, resets = pieces.segmented(layout, P)
     run = functools.partial(_segmented, ints=(layout.starts, layout.lens, layout.aligned_cu, resets),
                             backward=backward, plan=plan, static=(layout.T, layout.Ta, layout.chunk_size))
-    o, final_state = confine.confined(run, seqs, pack(q), pack(k), pack(v), g, pack(beta),
-                                      (h0[:layout.N], A_log, dt_bias))
+    probed = backward == "custom_vjp"    # the staged backward reports whether its inputs were finite
+    rest = (h0[:layout.N], A_log, dt_bias) + ((jnp.zeros((), jnp.float32),) if probed else ())
+    o, final_state = confine.confined(run, probed, seqs, pack(q), pack(k), pack(v), g, pack(beta), rest)
   else:
     o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)
   o = o.reshape(B, T, HV, V)
@@ -265,16 +266,17 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
 
 
 @functools.partial(jax.jit, static_argnames=("backward", "plan", "static"))
-def _segmented(q, k, v, g, beta, h0, A_log, dt_bias, *, ints, backward, plan, static):
+def _segmented(q, k, v, g, beta, h0, A_log, dt_bias, probe=None, *, ints, backward, plan, static):
   """_core on a segmented layout (ints: its starts, lens, aligned_cu and resets; static: T, Ta,
   chunk_size). Jitted at module level: kda.confine's rerun shares its lowering, and an eager call
-  its compile with the calls before."""
-  return _core(backward, plan, _layout_of(ints, static), q, k, v, g, beta, h0, A_log, dt_bias, ints[3])
+  its compile with the calls before. probe (custom_vjp): a () float32 whose cotangent is 0 where
+  the backward found its inputs finite, else 1 (kda.confine)."""
+  return _core(backward, plan, _layout_of(ints, static), q, k, v, g, beta, h0, A_log, dt_bias, ints[3], probe)
 
 
-def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None):
+def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None, probe=None):
   """Packed inputs -> (o [1, T, HV, V], final_state [N, HV, K, V]), differentiable. resets: a
-  segmented layout's (kda.padding.pieces)."""
+  segmented layout's (kda.padding.pieces); probe: `_segmented`'s (custom_vjp only)."""
   # Inside shard_map every input varies over the same mesh axes, so each gradient has its input's
   # type; where an input was invariant (zeros made here, a replicated A_log) the cast's transpose
   # sums its gradient over the devices.
@@ -285,20 +287,22 @@ def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=N
     return o, final_state
   static = (layout.T, layout.Ta, layout.chunk_size)
   ints = (layout.starts, layout.lens, layout.aligned_cu) + (() if resets is None else (resets,))
-  return _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias)
+  return _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe)
 
 
 # The Layout's int arrays may be traced (jit over cu_seqlens), so they travel as primal arguments
-# with no cotangent; the plan and the static sizes are hashable nondiff arguments.
+# with no cotangent; the plan and the static sizes are hashable nondiff arguments. probe (None or a
+# () float32 nothing reads) gets the cotangent 0 if the backward's inputs were all finite, else 1.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias):
+def _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe):
   o, final_state, _ = _forward(plan, static, ints, (q, k, v, g, beta, h0, A_log, dt_bias), keep=False)
   return o, final_state
 
 
 def _staged_fwd(plan, static, ints, *args):
+  *args, probe = args
   o, final_state, saved = _forward(plan, static, ints, args, keep=True)
-  return (o, final_state), (ints, args, saved)
+  return (o, final_state), (ints, args, saved, probe is not None)
 
 
 def _forward(plan, static, ints, args, *, keep):
@@ -313,15 +317,17 @@ def _forward(plan, static, ints, args, *, keep):
 
 
 def _staged_bwd(plan, static, res, cts):
-  ints, args, saved = res
+  ints, args, saved, probe = res
   do, dht = cts
   def run(ints, args, saved, do, dht):
-    return pipeline.backward(plan, _layout_of(ints, static), *args, saved, do, dht, resets=_resets(ints))[0]
+    return pipeline.backward(plan, _layout_of(ints, static), *args, saved, do, dht, resets=_resets(ints),
+                             probe=probe)[0]
   if planning.unchecked_kernels(plan, planning.BACKWARD):
     grads = unchecked(run, ints, args, saved, do, dht)
   else:
     grads = run(ints, args, saved, do, dht)
-  return ((None,) * len(ints), *grads)
+  dprobe = jnp.where(grads.finite, 0.0, 1.0).astype(jnp.float32) if probe else None
+  return ((None,) * len(ints), *grads[:8], dprobe)
 
 
 def _layout_of(ints, static):

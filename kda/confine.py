@@ -19,7 +19,10 @@ input of token t), so outputs that are all finite mean every input a sequence re
 and the plain result is the contract's. Only when an output is not finite does the call run again
 on the cleaned inputs, marks and all (a loop of at most one pass: on a GPU, one read of its
 predicate when it does not run). The backward reruns, forward and backward on the cleaned inputs
-and cotangent, only if the forward's o was not finite or the cotangent of o is not.
+and cotangent, only if the cotangent of o is not finite or the inputs were not: with a probed run,
+as the backward itself reports it (the cotangent of its probe, from values its first stage forms at
+every token anyway: so a program that never uses o, jax.grad of a loss linear in o, need not compute
+o for the check), else as the forward's o showed it.
 """
 from __future__ import annotations
 
@@ -99,11 +102,13 @@ def _primal(f, *args):
   return f(*args), None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def confined(run, seqs, q, k, v, g, beta, rest):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def confined(run, probed, seqs, q, k, v, g, beta, rest):
   """run(q, k, v, g, beta, *rest) -> (o [1, T, ...], final_state), with the module's confinement;
   seqs: `sequences` of the call; rest (states, gate parameters) passes unchanged. The final state is
-  passed on unchecked: the segmented layout runs only where the caller drops it."""
+  passed on unchecked: the segmented layout runs only where the caller drops it. probed: rest's
+  last entry is a () float32 probe whose cotangent, in run's backward, is 0 if every input that
+  backward read was finite and non-zero otherwise."""
   return _forward(run, seqs, (q, k, v, g, beta), rest, _primal)[0]
 
 
@@ -121,24 +126,28 @@ def _forward(run, seqs, args, rest, call):
   return _unless(ok, (o, final_state), slow), (ok, back)
 
 
-def _fwd(run, seqs, q, k, v, g, beta, rest):
+def _fwd(run, probed, seqs, q, k, v, g, beta, rest):
   out, (ok, back) = _forward(run, seqs, (q, k, v, g, beta), rest, jax.vjp)
-  return out, (seqs, (q, k, v, g, beta), rest, ok, back)
+  return out, (seqs, (q, k, v, g, beta), rest, None if probed else ok, back)
 
 
-def _bwd(run, res, cts):
+def _bwd(run, probed, res, cts):
   seqs, args, rest, ok, back = res
   do, dht = cts
   grads = tuple(back(cts))
+  if probed:                   # the backward's own report; the probe's cotangent is 0 outward
+    ok, grads = grads[-1] == 0, grads[:-1] + (jnp.zeros_like(grads[-1]),)
 
   def slow():
     mask, clean = _clean(seqs, *args)
     with steps.scope("confine"):
       mask = mask | _marked(seqs, do)
       cdo = _zero_bad(do)
-    again = jax.vjp(run, *clean, *rest)[1]((cdo, dht))
-    return _poisoned(mask, again[:5]) + tuple(again[5:])
-  # finite inputs (the forward's o was finite) and a finite do leave nothing to confine: reading do
+    again = tuple(jax.vjp(run, *clean, *rest)[1]((cdo, dht)))
+    if probed:
+      again = again[:-1] + (jnp.zeros_like(again[-1]),)
+    return _poisoned(mask, again[:5]) + again[5:]
+  # finite inputs (as the probe or the forward's o showed) and a finite do leave nothing to confine: reading do
   # is a fifth of reading the gradients, and a gradient that overflows would rerun to the same value.
   # do at tokens of no sequence is never read, whatever it holds.
   seq, starts, _ = seqs

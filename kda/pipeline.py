@@ -99,7 +99,7 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
 
 
 def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved: Saved,
-             do, dht, *, record: bool = False, resets=None):
+             do, dht, *, record: bool = False, resets=None, probe: bool = False):
   """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
 
   Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the
@@ -109,10 +109,12 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   O(NTa * K) ones (dgc_last). `do` may hold anything (even NaN) at tokens of no sequence: they are
   never read. records as in forward (stage outputs and "inputs") with `record`, else empty.
   packed_backward runs where it takes the call unless the pipeline config says packed=False.
+  probe: Grads.finite is set (kda.confine), from S0's kernel where packed_backward runs, else from
+  S0's outputs.
   """
   args = (q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht)
   if plan.config("pipeline").packed and not record:
-    out = _group(plan, "packed_backward", plan, layout, *args, resets)
+    out = _group(plan, "packed_backward", plan, layout, *args, resets, **(dict(probe=True) if probe else {}))
     if out is not None:
       return out, {}
   if resets is not None:
@@ -132,6 +134,10 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
              layout.aligned_cu)
   av = stage("bwd_dav", rc.v_new, saved.Aqk, do, layout.aligned_cu)
   gc = (rc.gc_int, rc.gc_frac)
+  finite = None
+  if probe:                    # padding and tail rows hold zeros: only the inputs can make them non-finite
+    with scope("confine"):
+      finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in (rc.w, rc.u, rc.qg, rc.kg)]))
   # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes
   # (prepare_vjp rounds them there anyway). Record mode keeps float32 stage outputs (what
   # tools.stages and the checks compare).
@@ -157,7 +163,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   with scope("prepare_vjp"):
     dq, dk, dv, dg, dbeta = prepare_vjp(tuple(like(d, x) for d, x in zip((dq, dk, dv, dg, dbeta),
                                                                          (qa, ka, va, ga, ba))))
-  grads = Grads(dq, dk, dv, dg, dbeta, dh0, like(dA_log, A_log), like(ddt_bias, dt_bias))
+  grads = Grads(dq, dk, dv, dg, dbeta, dh0, like(dA_log, A_log), like(ddt_bias, dt_bias), finite)
   records: dict[str, Any] = {}
   if record:
     records = {"valid": valid, "bwd_recompute": rc, "bwd_dav": av, "bwd_dh": ds, "bwd_wy": wy,

@@ -58,7 +58,9 @@ class Saved(NamedTuple):
 
 
 class Grads(NamedTuple):
-  """Cotangents of forward's inputs, each like its input (None where the input is None)."""
+  """Cotangents of forward's inputs, each like its input (None where the input is None); `finite`,
+  where the backward was asked for it (kda.confine), a () bool: whether everything S0 recomputed
+  from the inputs (w, u, qg, kg at every token) was finite, so every input was."""
   q: jax.Array              # [1, T, H, K]
   k: jax.Array              # [1, T, H, K]
   v: jax.Array              # [1, T, HV, V]
@@ -67,3 +69,4 @@ class Grads(NamedTuple):
   initial_state: jax.Array  # [N, HV, K, V] float32
   A_log: jax.Array | None   # [HV]
   dt_bias: jax.Array | None  # [HV * K]
+  finite: jax.Array | None = None

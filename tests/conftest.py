@@ -14,10 +14,10 @@ import pytest
 if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-# kda's lowering cache on (opt-in for users until it has run on a GPU): the CUDA lowerings of the
-# tests then exercise it, and the tests that compare two configs' lowered programs compare kernels
-# (without it every lowering names its module apart, so any two programs differ).
-os.environ.setdefault("KDA_LOWERING_CACHE", "1")
+# kda's lowering cache on (the default), whatever the environment says: the tests that compare two
+# configs' lowered programs compare kernels (without it every lowering names its module apart, so
+# any two programs differ).
+os.environ["KDA_LOWERING_CACHE"] = "1"
 
 CI_BUDGET_LARGE = {
     # id: seconds on the 2-core CPU (pytest --durations), and what stays in the default run

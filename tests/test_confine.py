@@ -40,21 +40,46 @@ def _inputs():
   return (*x, g, beta), jnp.asarray(r.standard_normal((1, T, H, K)), jnp.float32)
 
 
-def _call(counter):
-  """jit: (inputs, do) -> (o, gradients of q, k, v, g, beta) through confine.confined."""
+def _probed(run):
+  """run with a probe last: its cotangent is 0 where the inputs at tokens of a sequence were all
+  finite, else 1 (what kda's staged backward reports)."""
+  real = jnp.asarray(np.arange(T) < LENS.sum())
+
+  @jax.custom_vjp
+  def f(q, k, v, g, beta, h0, probe):
+    return run(q, k, v, g, beta, h0)
+
+  def fwd(*x):
+    out, back = jax.vjp(run, *x[:6])
+    return out, (x[:5], back)
+
+  def bwd(res, cts):
+    x, back = res
+    ok = jnp.all(jnp.stack([jnp.isfinite(a[0][real]).all() for a in x]))
+    return (*back(cts), jnp.where(ok, 0.0, 1.0))
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def _call(counter, probed=False):
+  """jit: (inputs, do) -> (o, gradients of q, k, v, g, beta) through confine.confined; probed: the
+  run reports its inputs' finiteness through a probe's cotangent."""
   run = _leaky(counter)
   seqs = confine.sequences(jnp.asarray(STARTS), jnp.asarray(LENS), T)
   h0 = jnp.zeros((2, H, K), jnp.float32)
+  rest = (h0, jnp.zeros((), jnp.float32)) if probed else (h0,)
+  run = _probed(run) if probed else run
 
   def f(x, do):
-    fwd = lambda *x: confine.confined(run, seqs, *x, (h0,))[0]
+    fwd = lambda *x: confine.confined(run, probed, seqs, *x, rest)[0]
     o, vjp = jax.vjp(fwd, *x)
     return o, vjp(do)
   return jax.jit(f)
 
 
+@pytest.mark.parametrize("probed", [False, True])
 @pytest.mark.parametrize("where", ["none", "v", "g", "do", "do-tail", "q-tail"])
-def test_reruns_only_for_a_non_finite_value(where):
+def test_reruns_only_for_a_non_finite_value(where, probed):
   x, do = _inputs()
   t = T - 2 if where.endswith("-tail") else STARTS[BAD_SEQ] + 1   # a token of no sequence, or of one
   where, tail = where.removesuffix("-tail"), where.endswith("-tail")
@@ -70,11 +95,11 @@ def test_reruns_only_for_a_non_finite_value(where):
     return xs, d
 
   counter = []
-  o, grads = jax.block_until_ready(_call(counter)(*put(jnp.nan)))
+  o, grads = jax.block_until_ready(_call(counter, probed)(*put(jnp.nan)))
   runs = len(counter)
   # the plain run, once, for the run with the value replaced by 0 (nothing to confine)
   counter0 = []
-  o0, grads0 = jax.block_until_ready(_call(counter0)(*put(0.0)))
+  o0, grads0 = jax.block_until_ready(_call(counter0, probed)(*put(0.0)))
   assert len(counter0) == 1
   # a bad input: the plain run, the forward's rerun and the backward's (its residuals must be clean
   # too); a bad cotangent: the plain run and the backward's
@@ -97,14 +122,16 @@ def test_reruns_only_for_a_non_finite_value(where):
 
 
 @pytest.mark.large      # four lowerings for an H200 (~60 s on a 2-core machine)
-def test_confined_grad_keeps_the_forward_output_kernel_the_plain_program_drops():
+def test_confined_grad_drops_the_forward_output_kernel_as_the_plain_program_does():
   """Under jax.grad of a loss linear in o, JAX drops the kernel that computes the dead o from the
-  plain program; confinement's backward check reads o's flag, so it keeps that kernel (what the
-  confined call costs there). With value_and_grad both programs hold it."""
+  plain program, and from the confined one too: its backward decides on the probe S0's kernel
+  reports, not on o. With value_and_grad both programs hold that kernel."""
   from tools import confine_cost
   found = confine_cost.lowered_kernels("B", 4096)
   assert "kda_state_output" not in found[("plain", "grad")]
   assert found[("plain", "value_and_grad")]["kda_state_output"] == 1
-  assert found[("confined", "grad")].get("kda_state_output", 0) >= 1
+  # the backward's rerun (forward and backward on the cleaned inputs) keeps one in its loop body
+  assert found[("confined", "grad")]["kda_state_output"] == 1
+  assert found[("confined", "value_and_grad")]["kda_state_output"] == 2
   # the rerun lives in the same program: every kernel of the plain call appears there too
   assert set(found[("plain", "value_and_grad")]) <= set(found[("confined", "grad")])

@@ -7,7 +7,7 @@ the program calls (its plgpu.kernel function and abstract arguments, while traci
 compiles each one alone: a kernel's own compile time is then its CUDA compile (its program holds
 nothing else), and the whole compile less their sum is XLA's share. Mosaic GPU's kernel cache does
 carries over from one lowering to the next only through kda._lowering_cache (a kernel lowered
-once per process, opt-in: KDA_LOWERING_CACHE=1), which this tool turns off for the per-kernel
+once per process unless KDA_LOWERING_CACHE=0), which this tool turns off for the per-kernel
 lowerings (each is measured cold) and, with --no-lowering-cache, for the program too; the Python and XLA caches of the process still
 carry over, so run one variant per process for cold figures.
 

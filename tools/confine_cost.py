@@ -8,13 +8,13 @@ what it would give for finite inputs), then times them in alternating rounds (to
 median of --reps calls each) and prints the medians and the median of the per-round ratios.
 Only calls that run the segmented layout (shape B: many short sequences) go through kda.confine.
 The forward + backward is jax.grad of tools.bench's loss (tools.bench's program: the forward's o is
-then dead and JAX drops the kernel computing it, where nothing checks it), or with --value jax.value_and_grad (a training step:
-the loss uses o, both checks run).
+then dead and JAX drops the kernel computing it, from both programs: the backward's check reads
+its probe, not o), or with --value jax.value_and_grad (a training step: the loss uses o).
 
 --kernels (any machine, no GPU): instead of timing, lowers the four forward + backward programs
 (confined and plain, jax.grad and jax.value_and_grad) for an H200 and prints the kda kernels each
-holds: under jax.grad of the linear loss the plain program has no state+output kernel (JAX drops
-what computes the dead o before XLA sees the program), the confined one keeps it for its check.
+holds: under jax.grad of the linear loss neither has the state+output kernel outside the confined
+backward's rerun (JAX drops what computes the dead o before XLA sees the program).
 
   python -m tools.confine_cost [--shape B] [--rounds 9] [--reps 10] [--total 32768] [--value] [--kernels]
 """
@@ -33,9 +33,9 @@ from kda import confine
 from tools import bench
 
 
-def _plain(run, seqs, q, k, v, g, beta, rest):
+def _plain(run, probed, seqs, q, k, v, g, beta, rest):
   del seqs
-  return run(q, k, v, g, beta, *rest)
+  return run(q, k, v, g, beta, *(rest[:-1] if probed else rest))   # no probe: the unconfined backward
 
 
 def kernels(text: str) -> dict:

@@ -192,3 +192,40 @@ def test_wy_skip_tail_reads_nothing_there():
   for name, x, y in zip(("w", "u", "qg", "kg"), flipped, want):
     x, y = np.asarray(x.astype(jnp.float32)), np.asarray(y)
     assert np.abs(x - y).max() <= 8e-3 * np.abs(y).max(), name
+
+
+def test_wy_probe_marks_every_non_finite_input():
+  """wy_from_saved(probe=True): 0 at every row for finite inputs; a NaN or inf in q, k, v, beta or
+  gc at one token makes the probe non-zero inside that token's chunk only; the tail (with
+  aligned_cu, left unwritten or not) reads 0 whatever it holds; the outputs are those without it."""
+  from tests.stages import bwd_setup
+  Ta, HV, K, V = 256, 2, 64, 64
+  tail = (jnp.arange(Ta) >= 192)
+  at_tail = lambda x: tail.reshape((1, Ta) + (1,) * (x.ndim - 2))
+  q, k, v, A, gi = bwd_setup.randn(5, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT), (1, Ta, HV, K))
+  (b,) = bwd_setup.randn(6, (1, Ta, HV))
+  gc = jnp.cumsum((-jnp.abs(gi) * 0.05).reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
+  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False)
+  args = [jnp.where(at_tail(x), 0.0, x) for x in (q, k, v, jax.nn.sigmoid(b), gc, jnp.zeros_like(gc), A)]
+  args = [x.astype(jnp.bfloat16) if i in (0, 1, 2, 3, 6) else x for i, x in enumerate(args)]
+  acu = jnp.asarray([0, 64, 100 + 28, 192], jnp.int32)
+  run = lambda *a, **kw: jax.block_until_ready(jax.jit(functools.partial(mgr.wy_from_saved, interpret=True, probe=True,
+                                                                         **kw))(*a))
+  plain = jax.jit(functools.partial(mgr.wy_from_saved, interpret=True))(*args, acu)
+  got = run(*args, acu)
+  assert got[4].shape == (HV, Ta) and not np.asarray(got[4]).any()
+  for x, y in zip(got[:4], plain):
+    np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+  t, head = 150, 1                 # chunk 2
+  for i, name in enumerate(("q", "k", "v", "beta", "gc_int")):
+    for bad in (jnp.nan, jnp.inf):
+      x = args[i]
+      at = (0, t, head) if x.ndim == 3 else (0, t, head, 3)
+      hit = list(args)
+      hit[i] = x.at[at].set(bad)
+      p = np.asarray(run(*hit, acu)[4])
+      assert not np.isfinite(p[head, t]), (name, bad)
+      assert not p[:, :128].any() and not p[:, 192:].any() and not p[1 - head].any(), (name, bad)
+  nan_tail = [jnp.where(at_tail(x), jnp.nan, x).astype(x.dtype) for x in args]
+  for tz in (True, False):
+    assert not np.asarray(run(*nan_tail, acu, tail_zeros=tz)[4]).any(), tz

@@ -5,7 +5,7 @@ stages whose kernels take the call store their gradients packed (S3 dv, S4 dq an
 unaligns them; q, k, v, beta and do are aligned once, as in the aligned backward. The same
 gradients as the stages on the aligned layout.
 
-apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None)
-  -> kda.pipeline.Grads.
+apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None, probe=False)
+  -> kda.pipeline.Grads (probe: with `finite`, from S0's kernel).
 """
 from kda.fused.packed_backward import mosaic_gpu  # noqa: E402,F401  (the group's backend)

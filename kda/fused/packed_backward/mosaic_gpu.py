@@ -37,7 +37,7 @@ def supports(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, save
 
 
 def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None, *,
-          config=None, interpret=None):
+          config=None, interpret=None, probe=False):
   interpret = plan.interpret if interpret is None else interpret
   rows = padding.chunk_rows(layout)
   pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
@@ -69,7 +69,8 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   with scope("bwd_recompute"):
     rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows,
                                      config=plan.config("bwd_recompute", "mosaic_gpu"),
-                                     **kw("bwd_recompute"), **tail, **seg)
+                                     **kw("bwd_recompute"), **tail, **seg, probe=probe)
+    rc, finite = rc if probe else (rc, None)
   av_args = (rc.v_new, saved.Aqk, do, layout.aligned_cu)
   av = stage("bwd_dav", *av_args, **packed_kw("bwd_dav", *av_args))
   gc = (rc.gc_int, rc.gc_frac)
@@ -100,4 +101,4 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
       dq, dk = (jnp.where(owned, d, jnp.zeros((), d.dtype)) for d in (dq, dk))
     dv = like(unalign(wy.dv, wy_kw), v)
     dg, dbeta = like(gt.dg, g), like(unalign(it.dbeta, {}), beta)
-  return Grads(dq, dk, dv, dg, dbeta, ds.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias))
+  return Grads(dq, dk, dv, dg, dbeta, ds.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias), finite)

@@ -60,9 +60,10 @@ def _wy_scratch(K, V):
           plgpu.Barrier(num_arrivals=2 * nk + nv + 1)]
 
 
-def smem_bytes(K, V):
-  """Shared memory per wy program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates)."""
-  return _smem_bytes(_wy_scratch(K, V))
+def smem_bytes(K, V, probe=False):
+  """Shared memory per wy program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates;
+  the probe's row sums reserve the reduction scratch)."""
+  return _smem_bytes(_wy_scratch(K, V), reduction=probe)
 
 
 def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
@@ -85,7 +86,7 @@ def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
          if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
   if bad:
     return f"mosaic_gpu bwd_recompute takes bfloat16 q, k, v, got {', '.join(bad)}"
-  return smem_reason(smem_bytes(K, V), "bwd_recompute wy")
+  return smem_reason(smem_bytes(K, V, probe=True), "bwd_recompute wy")
 
 
 def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
@@ -130,10 +131,12 @@ def stores(q, k, v, *_, chunk_size, config=None, **__) -> dict:
   return dict.fromkeys(_BF16_FIELDS, BF16)
 
 
-def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True):
+def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False):
   if skip_tail:                # aligned_cu's ref first: the chunks at or past aligned_cu[-1] store zeros
     cu_g, refs = refs[0], refs[1:]
-  (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
+  if not probe:                # no probe output: a stand-in nothing writes
+    refs = refs[:11] + (None,) + refs[11:]
+  (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
    q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
@@ -148,15 +151,25 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True):
       plgpu.copy_smem_to_gmem(u_s.at[j], u_g.at[rows, h, slab(j)])
     plgpu.wait_smem_to_gmem(0)
 
+  def compute():
+    _wy_compute(h, c, rows, slab, refs, nk, nv)
+
   if skip_tail and not tail_zeros:   # the tail left unwritten (callers that never read it)
-    @pl.when(live_chunk(cu_g, c, BT))
+    live = live_chunk(cu_g, c, BT)
+
+    @pl.when(live)
     def _():
-      _wy_compute(h, c, rows, slab, refs, nk, nv)
+      compute()
       store()
+    if probe:                  # the probe's tail is read: zeros there
+
+      @pl.when(jnp.logical_not(live))
+      def _():
+        p_g[h, rows] = zeros((BT,), ROW)
     return
   if skip_tail:
     live = live_chunk(cu_g, c, BT)
-    pl.when(live)(lambda: _wy_compute(h, c, rows, slab, refs, nk, nv))
+    pl.when(live)(compute)
 
     @pl.when(jnp.logical_not(live))
     def _():
@@ -167,20 +180,30 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True):
         k_s.at[j][...] = z
       for j in range(nv):
         u_s.at[j][...] = z
+      if probe:
+        p_g[h, rows] = zeros((BT,), ROW)
   else:
-    _wy_compute(h, c, rows, slab, refs, nk, nv)
+    compute()
   store()
 
 
 def _wy_compute(h, c, rows, slab, refs, nk, nv):
-  """The wy kernel's loads and arithmetic for chunk c: w, u, qg, kg into their SMEM tiles."""
-  (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g,
+  """The wy kernel's loads and arithmetic for chunk c: w, u, qg, kg into their SMEM tiles; with a
+  probe ref, its rows get sum(0 * x) over the row's w, u, qg, kg (float32, before rounding): 0
+  where they are all finite, NaN where one is not."""
+  (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
    q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
   copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
   shape = (BT, SLAB)
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
+  seen = []                    # 0 * x of every output (probe): NaN exactly where x is not finite
+
+  def kept(x):
+    if p_g is not None:
+      seen.append(x * 0.0)
+    return x
 
   def times_a(x):              # Ainv @ x, x float32 as a hi + lo split (Ainv is bf16: exact)
     t0[...], t1[...] = _split(x)
@@ -189,23 +212,27 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv):
 
   plgpu.barrier_wait(bar)
   for j in range(nv):
-    u_s.at[j][...] = times_a(beta * _load(v_s.at[j]).astype(F32)).astype(BF16)
+    u_s.at[j][...] = kept(times_a(beta * _load(v_s.at[j]).astype(F32))).astype(BF16)
   for j in range(nk):
     gi, gf = _load(gi_g.at[rows, h, slab(j)]), _load(gf_g.at[rows, h, slab(j)])
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
-    w_s.at[j][...] = times_a(beta * kx * eg).astype(BF16)
-    q_s.at[j][...] = (qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
-    k_s.at[j][...] = (kx * el).astype(BF16)
+    w_s.at[j][...] = kept(times_a(beta * kx * eg)).astype(BF16)
+    q_s.at[j][...] = kept(qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
+    k_s.at[j][...] = kept(kx * el).astype(BF16)
+  if p_g is not None:
+    p_g[h, rows] = jnp.sum(functools.reduce(jnp.add, seen), axis=1)
 
 
 @functools.lru_cache(maxsize=None)
-def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True):
+def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True, probe=False):
   out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
   return plgpu.kernel(
-      functools.partial(_wy_body, nk=K // SLAB, nv=V // SLAB, skip_tail=skip_tail, tail_zeros=tail_zeros),
-      out_type=(out(K), out(V), out(K), out(K)),                  # w, u, qg, kg
+      functools.partial(_wy_body, nk=K // SLAB, nv=V // SLAB, skip_tail=skip_tail, tail_zeros=tail_zeros,
+                        probe=probe),
+      out_type=(out(K), out(V), out(K), out(K))                   # w, u, qg, kg
+      + ((jax.ShapeDtypeStruct((HV, Ta), F32),) if probe else ()),   # the finiteness probe
       grid=(HV, Ta // BT), grid_names=("h", "c"),
       scratch_types=_wy_scratch(K, V),
       compiler_params=_params(lane=True, approx_math=approx_math),
@@ -214,26 +241,27 @@ def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_ze
 
 
 def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, interpret=False, config=None,
-                  tail_zeros=True):
+                  tail_zeros=True, probe=False):
   """(w, u, qg, kg) [1, Ta, HV, D] bf16 from the saved Ainv: reference.wy_from_inverse's formulas
   on the wy kernel (module docstring). q, k, v, Ainv are cast to bf16. With aligned_cu and
   Config.skip_tail the chunks at or past aligned_cu[-1] store zeros (tail_zeros=False: nothing),
-  nothing of them read."""
+  nothing of them read. probe: a fifth output, [HV, Ta] float32, 0 at the rows whose w, u, qg, kg
+  are all finite and NaN elsewhere (0 at the tail)."""
   config = config or Config()
   _, Ta, HV, K = k.shape
   V = v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   skip = config.skip_tail and aligned_cu is not None
   f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
-                 tail_zeros=bool(tail_zeros) or not skip)
+                 tail_zeros=bool(tail_zeros) or not skip, probe=bool(probe))
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   outs = f(*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
-  return tuple(x[None] for x in outs)
+  return tuple(x[None] for x in outs[:4]) + tuple(outs[4:])
 
 
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
           use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False, rows=None,
-          tail_zeros=True, seg=None):
+          tail_zeros=True, seg=None, probe=False):
   """The stage on the gate, wy and state kernels (Ainv required: the forward's saved inverse).
   zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores the
   final state (the stage never returns it). rows (a padding.ChunkRows): g is PACKED [1, T, HV, K]
@@ -242,7 +270,10 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   kg and (with rows) the gate kernel gc_int, gc_frac unwritten at the chunks at or past
   aligned_cu[-1] (callers that never read them there: the packed backward). seg (with rows;
   kda.pipeline.segment_rows of a segmented layout): the gate kernel takes the gate as -inf at its
-  resets, as the packed forward does (the wy kernel reads the saved Ainv, which has them)."""
+  resets, as the packed forward does (the wy kernel reads the saved Ainv, which has them).
+  probe=True: (Out, finite) with finite a () bool, whether every w, u, qg, kg the wy kernel formed
+  was finite before rounding (kda.confine: they hold every input of every token), at one row sum per
+  token and head."""
   config = config or Config()
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if rows is not None:       # the packed g stands in for the aligned one in the shape checks
@@ -258,9 +289,10 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
                           **({} if seg is None else dict(seg=seg)), **gkw)
   else:
     gt = gate_mgpu.apply(g, valid, A_log, dt_bias, interpret=interpret, **gkw)
-  w, u, qg, kg = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, aligned_cu, interpret=interpret,
-                               config=config, tail_zeros=tail_zeros)
+  w, u, qg, kg, *pr = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, aligned_cu, interpret=interpret,
+                                    config=config, tail_zeros=tail_zeros, probe=probe)
   elide = dict(zero_h0=True, store_final=False) if zero_h0 else {}
   st = state_mgpu.apply(kg, w, u, gt.gc_int, gt.gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
                         interpret=interpret, **elide)
-  return Out(gt.gc_int, gt.gc_frac, w, u, qg, kg, st.h, st.v_new)
+  out = Out(gt.gc_int, gt.gc_frac, w, u, qg, kg, st.h, st.v_new)
+  return (out, jnp.all(pr[0] == 0)) if probe else out
