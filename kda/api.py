@@ -302,7 +302,7 @@ def _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe):
 def _staged_fwd(plan, static, ints, *args):
   *args, probe = args
   o, final_state, saved = _forward(plan, static, ints, args, keep=True)
-  return (o, final_state), (ints, args, saved, probe is not None)
+  return (o, final_state), (ints, args, saved, None if probe is None else ())   # no leaf either way
 
 
 def _forward(plan, static, ints, args, *, keep):
@@ -318,6 +318,7 @@ def _forward(plan, static, ints, args, *, keep):
 
 def _staged_bwd(plan, static, res, cts):
   ints, args, saved, probe = res
+  probe = probe is not None
   do, dht = cts
   def run(ints, args, saved, do, dht):
     return pipeline.backward(plan, _layout_of(ints, static), *args, saved, do, dht, resets=_resets(ints),
