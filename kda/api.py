@@ -317,8 +317,8 @@ def _forward(plan, static, ints, args, *, keep):
 
 
 def _staged_bwd(plan, static, res, cts):
-  ints, args, saved, probe = res
-  probe = probe is not None
+  ints, args, saved, marker = res
+  probe = marker is not None      # the call passed a probe: its cotangent reports finiteness
   do, dht = cts
   def run(ints, args, saved, do, dht):
     return pipeline.backward(plan, _layout_of(ints, static), *args, saved, do, dht, resets=_resets(ints),

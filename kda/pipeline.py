@@ -114,7 +114,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   """
   args = (q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht)
   if plan.config("pipeline").packed and not record:
-    out = _group(plan, "packed_backward", plan, layout, *args, resets, **(dict(probe=True) if probe else {}))
+    out = _group(plan, "packed_backward", plan, layout, *args, resets, probe=probe)
     if out is not None:
       return out, {}
   if resets is not None:

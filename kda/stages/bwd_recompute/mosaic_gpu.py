@@ -154,21 +154,20 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False):
   def compute():
     _wy_compute(h, c, rows, slab, refs, nk, nv)
 
+  live = live_chunk(cu_g, c, BT) if skip_tail else None
+  if skip_tail and probe:      # the probe's tail is read, whatever the other outputs': zeros there
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+      p_g[h, rows] = zeros((BT,), ROW)
   if skip_tail and not tail_zeros:   # the tail left unwritten (callers that never read it)
-    live = live_chunk(cu_g, c, BT)
 
     @pl.when(live)
     def _():
       compute()
       store()
-    if probe:                  # the probe's tail is read: zeros there
-
-      @pl.when(jnp.logical_not(live))
-      def _():
-        p_g[h, rows] = zeros((BT,), ROW)
     return
   if skip_tail:
-    live = live_chunk(cu_g, c, BT)
     pl.when(live)(compute)
 
     @pl.when(jnp.logical_not(live))
@@ -180,8 +179,6 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False):
         k_s.at[j][...] = z
       for j in range(nv):
         u_s.at[j][...] = z
-      if probe:
-        p_g[h, rows] = zeros((BT,), ROW)
   else:
     compute()
   store()
