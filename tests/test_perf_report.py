@@ -118,14 +118,19 @@ def test_stage_budget_table(tmp_path):
       {"A:plain": {"fwd": [k("recompute_w_u_fwd_kda_kernel", 0.25), k("chunk_local_cumsum_vector_kernel", 0.125)],
                    "fwd+bwd": [k("recompute_w_u_fwd_kda_kernel", 0.625), k("chunk_kda_bwd_kernel_wy_dqkg_fused", 2.5),
                                k("chunk_local_cumsum_vector_kernel", 0.25), k("void at::native::fill", 0.0625)]}}))
+  (folder / "run" / "jla_profile.json").write_text(json.dumps(
+      {"A:plain": {"fwd": [k("vg_wy_kernel", 0.5)],
+                   "fwd+bwd": [k("vg_wy_kernel", 0.5), k("vg_bwd_wy_kernel", 1.5), k("vg_bwd_dakk", 0.25),
+                               k("vg_rev_cumsum", 0.125), k("input_fusion", 0.25)]}}))
   out, _, _ = report(tmp_path, folder, png=False)
   page = out.read_text()
   assert "## Where the time goes, by stage" in page
-  assert "### A:plain: `run/profile.json`, `run/fla_profile.json`" in page
-  assert "| intra | 0.500 | 0.250 |" in page
-  assert "| bwd_recompute | 0.000 | 0.375 |" in page
-  assert "| gate | 0.000 | 0.125 |" in page and "| bwd_gate | 0.000 | 0.125 |" in page
-  assert "| bwd_wy | 2.000 | 2.500 |" in page
-  assert "| other (layout, XLA ops, copies) | 0.750 | 0.062 |" in page
-  assert "| total | 3.250 | 3.438 |" in page
+  assert "### A:plain: `run/profile.json`, `run/fla_profile.json`, `run/jla_profile.json`" in page
+  assert "| stage | kda | FLA | jla |" in page
+  assert "| intra | 0.500 | 0.250 | 0.500 |" in page
+  assert "| bwd_recompute | 0.000 | 0.375 | 0.000 |" in page
+  assert "| gate | 0.000 | 0.125 | 0.000 |" in page and "| bwd_gate | 0.000 | 0.125 | 0.125 |" in page
+  assert "| bwd_wy | 2.000 | 2.500 | 1.750 |" in page      # jla's bwd_wy and bwd_dakk: S3's work
+  assert "| other (layout, XLA ops, copies) | 0.750 | 0.062 | 0.250 |" in page
+  assert "| total | 3.250 | 3.438 | 2.625 |" in page
   assert "| `run/fla_profile.json` | kernels |" in page and "| `run/profile.json` | profile |" in page

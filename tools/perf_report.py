@@ -307,7 +307,19 @@ PEER_STAGES = {
             "chunk_gated_delta_rule_bwd_kernel_dhu": ("bwd_dh", "bwd_dh"),
             "chunk_kda_bwd_kernel_wy_dqkg_fused": ("bwd_wy", "bwd_wy"),
             "chunk_kda_bwd_kernel_intra": ("bwd_intra", "bwd_intra")},
-    "jla": {},
+    # jla 0.1.0's Mosaic GPU kernel names (jla/ops/mosaic_gpu/vector_gate*.py); its backward reads
+    # the forward's saved w, kg, states and v_new, so a forward kernel launched again counts to S0
+    "jla": {"vg_cumsum": ("gate", "bwd_recompute"),
+            "vg_intra": ("intra", "bwd_recompute"),
+            "vg_solve": ("intra", "bwd_recompute"),
+            "vg_wy": ("intra", "bwd_recompute"),
+            "vg_state_output": ("state+output", "bwd_recompute"),
+            "vg_bwd_dav": ("bwd_dav", "bwd_dav"),
+            "vg_bwd_state": ("bwd_dh", "bwd_dh"),
+            "vg_bwd_wy": ("bwd_wy", "bwd_wy"),
+            "vg_bwd_dakk": ("bwd_wy", "bwd_wy"),
+            "vg_bwd_intra": ("bwd_intra", "bwd_intra"),
+            "vg_rev_cumsum": ("bwd_gate", "bwd_gate")},
 }
 STAGE_ROWS = ("gate", "intra", "state+output", "bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra",
               "bwd_gate")
@@ -316,7 +328,8 @@ OTHER = "other (layout, XLA ops, copies)"
 
 def peer_stages(peer, kernels) -> dict:
   """{stage: ms} of a peer's forward + backward: each kernel's launches beyond its forward's time go
-  to the backward stage of PEER_STAGES; kernels of no known prefix to OTHER."""
+  to the backward stage of PEER_STAGES (the longest known name the kernel's name holds); others to
+  OTHER."""
   fwd = {}
   for x in kernels.get("fwd", []):
     fwd[x["kernel"]] = fwd.get(x["kernel"], 0.0) + x["ms"]
@@ -324,7 +337,7 @@ def peer_stages(peer, kernels) -> dict:
   out = dict.fromkeys(STAGE_ROWS + (OTHER,), 0.0)
   prefixes = sorted(PEER_STAGES.get(peer, {}).items(), key=lambda kv: -len(kv[0]))
   for x in both:
-    stage = next((st for pre, st in prefixes if x["kernel"].startswith(pre)), (OTHER, OTHER))
+    stage = next((st for pre, st in prefixes if pre in x["kernel"]), (OTHER, OTHER))   # any decoration around
     in_fwd = min(fwd.get(x["kernel"], 0.0), x["ms"])
     out[stage[0]] += in_fwd
     out[stage[1]] += x["ms"] - in_fwd

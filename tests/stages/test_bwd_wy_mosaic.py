@@ -10,6 +10,7 @@ rounding: hi + lo bf16 splits of the float32 wgmma operands and float32 order of
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -69,9 +70,13 @@ def make_inputs(case, gates, seed=60):
   return (q, k, v, beta, gi, gf, Ainv, dqg, dkg, dw, du, dgc_last), valid
 
 
+# TOL is the two-term cotangents' (~2^-16); test_one_term_cotangents_stay_within_bf16_rounding takes one
+EXACT = mgw.Config(cotangent_terms=2)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
-  return jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True))
+  return jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=EXACT))
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,7 +281,8 @@ def test_skip_tail_reads_nothing_there():
   tail = (jnp.arange(192) >= 128)
   poison = lambda x: jnp.where(tail.reshape((1, 192) + (1,) * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)
   bad = tuple(poison(x) for x in args[:11]) + (args[11].at[:, 2].set(jnp.nan),)
-  skip = jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=mgw.Config(skip_tail=True)))
+  skip = jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
+                                   config=dataclasses.replace(EXACT, skip_tail=True)))
   out = jax.block_until_ready(skip(*bad, acu))
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(plain, name)), name)
@@ -298,7 +304,8 @@ def _lowered_text(config, K, V):
   return txt
 
 
-FLIPPED = {"approx_math": False, "skip_tail": False}    # every Config field off its default
+# every Config field off its default
+FLIPPED = {"approx_math": False, "skip_tail": False, "cotangent_terms": 3 - mgw.Config().cotangent_terms}
 
 
 @pytest.mark.parametrize("field", sorted(FLIPPED))
@@ -309,11 +316,12 @@ def test_config_fields_change_the_program(field):
 
 def test_flipped_config_matches_the_reference():
   """Every Config field off its default (exp without ex2.approx, the tail chunk computed from its
-  zero inputs): the outputs still match the reference (simulator)."""
+  zero inputs), with two-term cotangents (TOL's): the outputs still match the reference (simulator)."""
   args, _ = make_inputs("K64-V64-HV2-40_64", "strong")
   acu = jnp.asarray([0, 64, 128], jnp.int32)
   args = args[:11] + (args[11].at[:, 2].set(0.0),)         # dgc_last 0 past aligned_cu[-1], as bwd_dh hands it
-  got = jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=mgw.Config(**FLIPPED)))(*args, acu)
+  cfg = mgw.Config(**{**FLIPPED, "cotangent_terms": 2})
+  got = jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=cfg))(*args, acu)
   errs = errors(got, bwd_wy.reference.apply(*args, acu, chunk_size=BT))
   assert not failures(errs), fmt(errs)
 
@@ -323,7 +331,7 @@ def test_dv_dtype_rounds_dv_alone():
   other output the same bits; the reference does the same."""
   args, _, got, want = run_case("K64-V64-HV2-40_64", "ordinary")
   out = jax.block_until_ready(jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
-                                                        dv_dtype=BF16))(*args))
+                                                        dv_dtype=BF16, config=EXACT))(*args))
   assert out.dv.dtype == BF16 and got.dv.dtype == F32
   np.testing.assert_array_equal(np.asarray(out.dv.astype(F32)), np.asarray(got.dv.astype(BF16).astype(F32)))
   for name in FIELDS:
@@ -397,7 +405,7 @@ def test_one_term_cotangents_stay_within_bf16_rounding():
   2^-9): another lowered program, and every output within a few bf16 roundings of the reference;
   dv misses the two-term bounds (the mode ran), dq and dg_state do not change."""
   cfg = mgw.Config(cotangent_terms=1)
-  assert _lowered(cfg) != _lowered(mgw.Config())
+  assert _lowered(cfg) != _lowered(EXACT)
   args, _, exact, want = run_case("K128-V128-HV1-130", "ordinary")
   got = jax.block_until_ready(jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=cfg))(*args))
   errs = errors(got, want)
