@@ -6,7 +6,9 @@ cases, H = 16, K = V = 128 by default):
   2. every backward stage that has a mosaic_gpu kernel, on the recorded inputs of its stage, against
      the recorded reference output: max |d| / max |ref| per field, and the median ms of both;
   3. jax.grad of sum(o * do) with impl="mosaic_gpu" against impl="reference" (max relative error
-     per gradient) and both timed.
+     per gradient) and both timed;
+  4. determinism: that compiled jax.grad called --repeat more times gives the first call's
+     gradients bit for bit (the elements that differ are counted per gradient).
 `--interpret --total 256 --heads 1 --head-dim 64` runs it in the simulator on a CPU (a smoke run).
 Writes everything to --out as JSON; exit status 1 if a check fails (a field above --tol).
 """
@@ -51,7 +53,18 @@ def _rel(got, want):
   return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30)) if want.size else 0.0
 
 
-def check_case(lens, *, heads, head_dim, gate, reps, interpret):
+def bit_differences(first, again) -> dict:
+  """{gradient: elements whose bits differ between `first` and any call of `again`}."""
+  names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+  bits = lambda a: np.asarray(a).reshape(-1).view(np.uint8).reshape(np.size(a), -1)
+  out = {}
+  for i, (n, a) in enumerate(zip(names, first)):
+    ref = bits(a)
+    out[n] = int(sum(np.any(bits(run[i]) != ref, axis=1) for run in again).astype(bool).sum()) if again else 0
+  return out
+
+
+def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
   inp = make_inputs(0, lens, H=heads, K=head_dim, V=head_dim, gate=gate, dtype=jnp.bfloat16)
   raw = gate == "raw"
   T = inp.q.shape[1]
@@ -114,7 +127,8 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret):
   out["grad_max_rel"] = {n: _rel(a, b) for n, a, b in zip(names, got, want)}
   out["grad_finite"] = bool(all(np.isfinite(np.asarray(jnp.asarray(a, jnp.float32))).all() for a in got))
   out["grad_ms"] = {i: bench.timeit(grads[i], *x, reps=reps) for i in grads}
-  return out, ok and out["grad_finite"]
+  out["grad_bits_differ"] = bit_differences(got, [grads["mosaic_gpu"](*x) for _ in range(repeat)])
+  return out, ok and out["grad_finite"] and not any(out["grad_bits_differ"].values())
 
 
 def main(argv=None):
@@ -126,6 +140,7 @@ def main(argv=None):
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--tol", type=float, default=2e-2, help="max rel error per field and per gradient")
+  p.add_argument("--repeat", type=int, default=3, help="calls of the kernel gradient compared bit for bit")
   p.add_argument("--interpret", action="store_true", help="simulator (CPU smoke run)")
   p.add_argument("--out")
   a = p.parse_args(argv)
@@ -137,7 +152,7 @@ def main(argv=None):
       key = f"{case}:{gate}"
       try:
         r, good = check_case(lens, heads=a.heads, head_dim=a.head_dim, gate=gate, reps=a.reps,
-                             interpret=a.interpret)
+                             interpret=a.interpret, repeat=a.repeat)
         worst = [e for s in r["stages"].values() for e in s.get("max_rel", {}).values()]
         worst += list(r["grad_max_rel"].values())
         ok &= good and all(e <= a.tol for e in worst)
