@@ -335,9 +335,9 @@ def peer_stages(peer, kernels) -> dict:
     fwd[x["kernel"]] = fwd.get(x["kernel"], 0.0) + x["ms"]
   both = kernels.get("fwd+bwd", kernels.get("fwdbwd", []))
   out = dict.fromkeys(STAGE_ROWS + (OTHER,), 0.0)
-  prefixes = sorted(PEER_STAGES.get(peer, {}).items(), key=lambda kv: -len(kv[0]))
+  known = sorted(PEER_STAGES.get(peer, {}).items(), key=lambda kv: -len(kv[0]))
   for x in both:
-    stage = next((st for pre, st in prefixes if pre in x["kernel"]), (OTHER, OTHER))   # any decoration around
+    stage = next((st for name, st in known if name in x["kernel"]), (OTHER, OTHER))   # any decoration around
     in_fwd = min(fwd.get(x["kernel"], 0.0), x["ms"])
     out[stage[0]] += in_fwd
     out[stage[1]] += x["ms"] - in_fwd
