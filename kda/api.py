@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import confine, padding, pipeline, plan as planning, shapes, sharding, validate as runtime_checks
+from kda import confine, padding, pipeline, plan as planning, shapes, sharding, short, validate as runtime_checks
 from kda.padding import pieces
 from kda._vma import unchecked, vary_like
 from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
@@ -259,6 +259,9 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
     probed = backward == "custom_vjp"    # the staged backward reports whether its inputs were finite
     rest = (h0[:layout.N], A_log, dt_bias) + ((jnp.zeros((), jnp.float32),) if probed else ())
     o, final_state = confine.confined(run, probed, seqs, pack(q), pack(k), pack(v), g, pack(beta), rest)
+  elif short.takes(pc.short_len, initial_state=initial_state, output_final_state=output_final_state, N=N):
+    o, final_state = _with_short(backward, plan, layout, pc.short_len, _known_lens(B, T, cu_seqlens, segment_ids),
+                                 pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)
   else:
     o, final_state = _core(backward, plan, layout, pack(q), pack(k), pack(v), g, pack(beta), h0, A_log, dt_bias)
   o = o.reshape(B, T, HV, V)
@@ -272,6 +275,28 @@ def _segmented(q, k, v, g, beta, h0, A_log, dt_bias, probe=None, *, ints, backwa
   its compile with the calls before. probe (custom_vjp): a () float32 whose cotangent is 0 where
   the backward found its inputs finite, else 1 (kda.confine)."""
   return _core(backward, plan, _layout_of(ints, static), q, k, v, g, beta, h0, A_log, dt_bias, ints[3], probe)
+
+
+def _known_lens(B, T, cu_seqlens, segment_ids):
+  """The sequence lengths as numpy where the call fixes them (no cu_seqlens, or a concrete one), else
+  None."""
+  if segment_ids is not None:
+    return None
+  if cu_seqlens is None:
+    return np.full((B,), T, np.int32)
+  return np.diff(np.asarray(cu_seqlens).astype(np.int64)) if is_concrete(cu_seqlens) else None
+
+
+def _with_short(backward, plan, layout, L, lens, q, k, v, g, beta, h0, A_log, dt_bias):
+  """_core on the sequences longer than L, the recurrence (kda.short) on the others; lens: as
+  kda.short.split's."""
+  rest, is_short, steps, any_long = short.split(layout, L, lens)
+  o, wrote, states = short.run(plan, layout, is_short, steps, q, k, v, g, beta, h0, A_log, dt_bias)
+  if not any_long:
+    return o, states
+  at_short = is_short[:, None, None, None]
+  o_long, final_long = _core(backward, plan, rest, q, k, v, g, beta, jnp.where(at_short, 0.0, h0), A_log, dt_bias)
+  return jnp.where(wrote[None, :, None, None], o, o_long), jnp.where(at_short, states, final_long)
 
 
 def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None, probe=None):

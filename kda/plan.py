@@ -39,13 +39,16 @@ class PipelineConfig:
     fewer chunks and less memory for many short sequences. 0 turns it off.
   segment_walks: at least this many serial walks (pieces x value heads), so that few heads do not
     serialise the state kernels.
+  short_len: in a call with initial or final states, the sequences of at most this many tokens run
+    the recurrence token by token (kda.short), not a chunk each. 0 turns it off.
   """
   packed: bool = True
   segment_pieces: int = 16
   segment_walks: int = 256
+  short_len: int = 4
 
   def __post_init__(self):
-    for f in ("segment_pieces", "segment_walks"):
+    for f in ("segment_pieces", "segment_walks", "short_len"):
       x = getattr(self, f)
       if not isinstance(x, int) or isinstance(x, bool) or x < 0:
         raise ValueError(f"{f} must be an int >= 0, got {x!r}")

@@ -422,10 +422,14 @@ def test_recording_sees_only_what_traces_inside_it():
 
 def test_backends_main_prints_the_layout_and_the_choices(capsys):
   from tools import backends
+  assert backends.main(["--many", "20x5", "--heads", "1", "--head-dim", "64", "--states", "--no-bwd"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith("20 sequences, 100 tokens, H = 1, K = 64")
+  assert "1280 rows for 100 tokens" in out[1]                # 20 chunks of 64 rows
+  assert any(l.startswith("gate ") for l in out[2:])
   assert backends.main(["--many", "20x3", "--heads", "1", "--head-dim", "64", "--states", "--no-bwd"]) == 0
   out = capsys.readouterr().out.splitlines()
-  assert out[0].startswith("20 sequences, 60 tokens, H = 1, K = 64")
-  assert "1280 rows for 60 tokens" in out[1]                 # 20 chunks of 64 rows
-  assert any(l.startswith("gate ") for l in out[2:])
+  assert out[1] == "20 sequences of at most 4 tokens run the recurrence (kda.short), 0 the chunks"
+  assert out[2] == "no stage chose a backend (nothing to compute)"
   with pytest.raises(SystemExit):
     backends.main(["--many", "20by3"])

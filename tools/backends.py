@@ -4,7 +4,8 @@ Traces the call (its forward, and by default jax.grad of it) with jax.make_jaxpr
 nothing is compiled or run, so it takes seconds even for large shapes, and on any machine. For each
 stage and fused group it prints the backend that runs and, before it, every backend whose predicate
 refused the call with the predicate's reason (kda.plan.recording), after the aligned layout's
-length (each sequence padded to the chunk: what many short sequences with states cost). The
+length (each sequence padded to the chunk: what many sequences with states cost, past the short ones
+that run the recurrence). The
 backends are this machine's (a GPU's on a GPU); `--impl mosaic_gpu` on a CPU shows what the Mosaic
 GPU predicates take, as the simulator would run it.
 
@@ -96,9 +97,15 @@ def main(argv=None):
   print(f"{len(lens)} sequences, {sum(lens)} tokens, H = {a.heads}, K = {a.head_dim}, "
         f"V = {a.value_dim or a.head_dim}, {a.dtype}, states {'in and out' if a.states else 'none'}, "
         f"impl {a.impl}, on {platform} ({generation})")
-  T, Ta = sum(lens), padding.aligned_length(sum(lens), len(lens), a.chunk_size, lens)
-  print(f"each sequence padded to the chunk: {Ta} rows for {T} tokens ({Ta / max(T, 1):.1f}x), the length of "
-        f"the per-row tensors between stages (unless the segmented layout runs: no states, many sequences)")
+  L = planning.PipelineConfig().short_len if a.states else 0
+  chunked = [n for n in lens if n > L]
+  if len(chunked) < len(lens):
+    print(f"{len(lens) - len(chunked)} sequences of at most {L} tokens run the recurrence (kda.short), "
+          f"{len(chunked)} the chunks")
+  T, Ta = sum(chunked), padding.aligned_length(sum(chunked), len(chunked), a.chunk_size, chunked)
+  if chunked:
+      print(f"each sequence padded to the chunk: {Ta} rows for {T} tokens ({Ta / max(T, 1):.1f}x), the length of "
+          f"the per-row tensors between stages (unless the segmented layout runs: no states, many sequences)")
   print("\n".join(summary(log)) if log else "no stage chose a backend (nothing to compute)")
   return 0
 

@@ -1,0 +1,89 @@
+"""Short sequences of a call with states: the recurrence token by token, every sequence at once.
+
+The aligned layout pads each sequence to the chunk, so N one-token sequences with initial or final
+states cost N chunks of BT rows (the segmented layout, which packs them, takes no states). In such a
+call the sequences of at most L tokens (PipelineConfig.short_len) skip the chunks: L steps of
+
+    S = diag(exp(g_t)) S;   S = S + k_t (beta_t (v_t - k_t^T S))^T;   o_t = scale S^T q_t
+
+over all N sequences at once, state [N, HV, K, V] float32 (step t reads token starts[n] + t of a
+short sequence n; elsewhere q, k, g, beta are 0 there and the step leaves S as it is), differentiated
+by JAX. The other sequences run the chunked pipeline on the layout without the short ones (`split`):
+where the lengths are traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a
+sequence there has more than L tokens), not T + N * (BT - 1). Each step reads and writes every
+sequence's state; a chunk of the pipeline costs several states' traffic, so a few steps are cheaper
+than one chunk.
+
+Inputs enter the steps masked (a token of no short sequence reads 0 before any arithmetic, a long
+sequence's state starts at 0 here), so a NaN in one sequence reaches no other sequence's results
+or gradients.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kda import shapes
+from kda.padding.layout import Layout, aligned_cu_seqlens, make_layout
+from kda.stages.gate import activate
+from kda.steps import query_keys
+
+HI = lax.Precision.HIGHEST
+
+
+def takes(L: int, *, initial_state, output_final_state: bool, N: int) -> bool:
+  """Whether a call's short sequences may run the recurrence: L > 0 and states in or out."""
+  return L > 0 and N > 0 and (initial_state is not None or bool(output_final_state))
+
+
+def split(layout: Layout, L: int, lens=None):
+  """-> (the layout of the sequences longer than L, the short ones empty there; short [N] bool;
+  steps: the static number of recurrence steps; long: whether any sequence is longer than L).
+  lens: the lengths as numpy where the caller knows them (concrete cu_seqlens): then steps is the
+  longest short sequence's length and the layout's length exact; else L and the traced bound."""
+  BT, T = layout.chunk_size, layout.T
+  if lens is not None:
+    lens = np.asarray(lens)
+    short = lens <= L
+    rest = np.where(short, 0, lens).astype(np.int32)
+    steps = int(lens[short].max()) if short.any() else 0
+    return make_layout(layout.starts, rest, T, BT), jnp.asarray(short), steps, bool((~short).any())
+  short = layout.lens <= L
+  rest = jnp.where(short, 0, layout.lens).astype(jnp.int32)
+  longest = min(layout.N, T // (L + 1))          # sequences of more than L tokens among T
+  Ta = shapes.round_up(T + longest * (BT - 1), BT) if longest else BT
+  return Layout(layout.starts, rest, aligned_cu_seqlens(rest, BT), T, Ta, BT), short, L, True
+
+
+def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt_bias):
+  """The recurrence on the short sequences: packed q, k [1, T, H, K], v [1, T, HV, V], g [1, T, HV, K],
+  beta [1, T, HV], h0 [N, HV, K, V] -> (o [1, T, HV, V] in v's dtype, 0 at other tokens; the
+  tokens it wrote [T] bool; the states after the steps [N, HV, K, V] float32, 0 at long sequences)."""
+  T, HV = q.shape[1], v.shape[2]
+  F32 = jnp.float32
+  t = jnp.arange(max(steps, 1), dtype=jnp.int32)
+  active = short[:, None] & (t[None] < layout.lens[:, None])            # [N, steps]
+  at = jnp.where(active, layout.starts[:, None] + t[None], T)           # T: no token
+  take = lambda x: jnp.take(x[0], jnp.minimum(at, T - 1), axis=0)       # [N, steps, ...]
+  on = lambda x, d=0: jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 2)), x, d)
+  qs, ks = query_keys(plan, on(take(q)), on(take(k)), HV)
+  gs = on(take(g))
+  if plan.use_gate_in_kernel:       # a raw 0 where inactive keeps activate's derivative finite
+    gs = on(activate(gs, A_log, dt_bias, use_gate_in_kernel=True, lower_bound=plan.lower_bound))
+  qs, ks, gs, vs, bs = (x.astype(F32) for x in (qs, ks, gs, on(take(v)), on(take(beta))))
+  S = jnp.where(short[:, None, None, None], h0.astype(F32), 0.0)
+  outs = []
+  for i in range(steps):
+    S = S * jnp.exp(gs[:, i])[..., None]
+    err = bs[:, i, :, None] * (vs[:, i] - jnp.einsum("nhk,nhkv->nhv", ks[:, i], S, precision=HI))
+    S = S + ks[:, i, :, :, None] * err[:, :, None, :]
+    outs.append(plan.scale * jnp.einsum("nhk,nhkv->nhv", qs[:, i], S, precision=HI))
+  o = jnp.zeros((T,) + v.shape[2:], v.dtype)
+  wrote = jnp.zeros((T,), jnp.bool_)
+  if steps:
+    idx = at[:, :steps].reshape(-1)
+    o = o.at[idx].set(jnp.stack(outs, 1).reshape((-1,) + v.shape[2:]).astype(v.dtype), mode="drop")
+    wrote = wrote.at[idx].set(True, mode="drop")
+  return o[None], wrote, S
