@@ -8,7 +8,7 @@ call the sequences of at most L tokens (PipelineConfig.short_len) skip the chunk
 
 over all N sequences at once, state [N, HV, K, V] float32 (step t reads token starts[n] + t of a
 short sequence n; elsewhere q, k, g, beta are 0 there and the step leaves S as it is), differentiated
-by JAX. The other sequences run the chunked pipeline on the layout without the short ones (`split`):
+by JAX through a checkpoint per step (the backward keeps one state per step). The other sequences run the chunked pipeline on the layout without the short ones (`split`):
 where the lengths are traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a
 sequence there has more than L tokens), not T + N * (BT - 1). Each step reads and writes every
 sequence's state; a chunk of the pipeline costs several states' traffic, so a few steps are cheaper
@@ -76,10 +76,8 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
   S = jnp.where(short[:, None, None, None], h0.astype(F32), 0.0)
   outs = []
   for i in range(steps):
-    S = S * jnp.exp(gs[:, i])[..., None]
-    err = bs[:, i, :, None] * (vs[:, i] - jnp.einsum("nhk,nhkv->nhv", ks[:, i], S, precision=HI))
-    S = S + ks[:, i, :, :, None] * err[:, :, None, :]
-    outs.append(plan.scale * jnp.einsum("nhk,nhkv->nhv", qs[:, i], S, precision=HI))
+    S, o_i = _step(S, qs[:, i], ks[:, i], vs[:, i], gs[:, i], bs[:, i], plan.scale)
+    outs.append(o_i)
   o = jnp.zeros((T,) + v.shape[2:], v.dtype)
   wrote = jnp.zeros((T,), jnp.bool_)
   if steps:
@@ -87,3 +85,12 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
     o = o.at[idx].set(jnp.stack(outs, 1).reshape((-1,) + v.shape[2:]).astype(v.dtype), mode="drop")
     wrote = wrote.at[idx].set(True, mode="drop")
   return o[None], wrote, S
+
+
+@jax.checkpoint      # the backward keeps the state entering each step, not the step's temporaries
+def _step(S, q, k, v, g, beta, scale):
+  """One token of every sequence: S [N, HV, K, V], q, k, g [N, HV, K], v [N, HV, V], beta [N, HV]."""
+  S = S * jnp.exp(g)[..., None]
+  err = beta[..., None] * (v - jnp.einsum("nhk,nhkv->nhv", k, S, precision=HI))
+  S = S + k[..., None] * err[:, :, None, :]
+  return S, scale * jnp.einsum("nhk,nhkv->nhv", q, S, precision=HI)
