@@ -105,6 +105,21 @@ def test_fidelity_table(tmp_path):
   assert "| `fid/fidelity.json` | fidelity |" in page
 
 
+def test_states_table(tmp_path):
+  folder = tmp_path / "bench"
+  shutil.copytree(DATA, folder)
+  run = lambda ms, mb: {"compile_s": 1.0, "fwdbwd_ms": ms, "mem_mb": mb, "temp_mb": mb}
+  (folder / "st").mkdir()
+  (folder / "st" / "states.json").write_text(json.dumps(
+      {"many": "200000x1", "heads": 1, "head_dim": 64, "concrete": False, "device": "NVIDIA H200",
+       "stateless": run(140.0, 900.4), "states": run(280.5, 4100.6), "ratio": 280.5 / 140.0}))
+  page = report(tmp_path, folder, png=False)[0].read_text()
+  assert "## Many short sequences with states" in page
+  assert ("| `st/states.json` | NVIDIA H200 | 200000x1 | 1 x 64 | traced | 140.000 | 280.500 | 2.00x | 900 | 4101 |"
+          in page)
+  assert "| `st/states.json` | states |" in page
+
+
 def test_stage_budget_table(tmp_path):
   """tools.profile's pieces beside FLA's kernels by stage: a kernel's launches beyond the forward's
   count to its backward stage, unknown pieces and kernels to the other row."""

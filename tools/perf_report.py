@@ -11,6 +11,7 @@ what wrote it:
   fidelity  the peers' fidelity.py --out: {"kda[...]" | "fla" | "jla": {"o": {"max_rel", "rms_rel"},
        "dq": {...}, ...}} (errors against a float32 truth on identical bf16 inputs)
   profile  tools.profile --out: {"A:plain": {"fwd" | "fwdbwd": {"pieces_ms": {piece: ms}, ...}}}
+  states  tools.bench_states --out: {"many": "NxL", "stateless": {...}, "states": {...}, "ratio": x}
   kernels  a peer's kernels per call, in a file named fla_profile*.json or jla_profile*.json:
        {"A:plain": {"fwd" | "fwd+bwd" | "fwdbwd": [{"kernel": name, "ms": ms per call}, ...]}}
 Every kda file is one run, named by its commit and device (tools.bench records them). Its peer
@@ -42,6 +43,8 @@ def classify(path: pathlib.Path, data) -> str | None:
     return "tpu"
   if isinstance(data.get("rows"), list):
     return "kda"
+  if isinstance(data.get("states"), dict) and isinstance(data.get("stateless"), dict) and "many" in data:
+    return "states"
   if path.name.startswith(("fla_profile", "jla_profile")) and data and all(
       isinstance(v, dict) and all(isinstance(x, list) for x in v.values()) for v in data.values()):
     return "kernels"
@@ -294,6 +297,24 @@ def fidelity_section(files, folder=None) -> list[str]:
   return lines
 
 
+def states_section(files, folder=None) -> list[str]:
+  """One row per tools.bench_states file: forward + backward with and without states."""
+  got = [(p, d) for p, k, d in files if k == "states"]
+  if not got:
+    return []
+  lines = ["## Many short sequences with states", "",
+           "`tools.bench_states`: N sequences of L tokens, forward + backward (`jax.grad`) with and without "
+           "initial and final states (medians, ms; XLA temp memory, MiB); cu_seqlens traced unless concrete.", ""]
+  rows = []
+  for path, d in got:
+    a, b = d["stateless"], d["states"]
+    rows.append([f"`{relative(path, folder)}`", d.get("device", "-"), d["many"], f"{d.get('heads')} x {d.get('head_dim')}",
+                 "concrete" if d.get("concrete") else "traced", num(a.get("fwdbwd_ms")), num(b.get("fwdbwd_ms")),
+                 f"{d['ratio']:.2f}x", num(a.get("temp_mb"), 0), num(b.get("temp_mb"), 0)])
+  return lines + table(["file", "device", "N x L", "H x K", "cu_seqlens", "stateless f+b", "states f+b",
+                        "states / stateless", "temp stateless", "temp states"], rows) + [""]
+
+
 # The peers' kernels by the kda stage doing the same work: name prefix -> (stage of its launches in
 # the forward, stage of the launches the forward + backward adds). FLA's from fla_profile.py's names.
 PEER_STAGES = {
@@ -389,6 +410,7 @@ def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> s
     lines += run_section(r)
   lines += tpu_section(files)
   lines += fidelity_section(files, folder)
+  lines += states_section(files, folder)
   lines += budget_section(files, folder)
   if files:
     lines += ["## Files read", ""]
