@@ -8,11 +8,11 @@ call the sequences of at most L tokens (PipelineConfig.short_len) skip the chunk
 
 over all N sequences at once, state [N, HV, K, V] float32 (step t reads token starts[n] + t of a
 short sequence n; elsewhere q, k, g, beta are 0 there and the step leaves S as it is), differentiated
-by JAX through a checkpoint per step (the backward keeps one state per step). The other sequences run the chunked pipeline on the layout without the short ones (`split`):
-where the lengths are traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a
-sequence there has more than L tokens), not T + N * (BT - 1). Each step reads and writes every
-sequence's state; a chunk of the pipeline costs several states' traffic, so a few steps are cheaper
-than one chunk.
+by JAX through a checkpoint per step (the backward keeps one state per step). The other sequences
+run the chunked pipeline on the layout without the short ones (`split`): where the lengths are
+traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a sequence there has more
+than L tokens), not T + N * (BT - 1). Each step reads and writes every sequence's state; a chunk of
+the pipeline costs several states' traffic, so a few steps are cheaper than one chunk.
 
 Inputs enter the steps masked (a token of no short sequence reads 0 before any arithmetic, a long
 sequence's state starts at 0 here), so a NaN in one sequence reaches no other sequence's results
@@ -66,8 +66,8 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
   t = jnp.arange(max(steps, 1), dtype=jnp.int32)
   active = short[:, None] & (t[None] < layout.lens[:, None])            # [N, steps]
   at = jnp.where(active, layout.starts[:, None] + t[None], T)           # T: no token
-  take = lambda x: jnp.take(x[0], jnp.minimum(at, T - 1), axis=0)       # [N, steps, ...]
-  on = lambda x, d=0: jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 2)), x, d)
+  take = lambda x: jnp.take(x[0], jnp.minimum(at, T - 1), axis=0)       # [N, steps, ...], masked by `on`
+  on = lambda x: jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 2)), x, 0)
   qs, ks = query_keys(plan, on(take(q)), on(take(k)), HV)
   gs = on(take(g))
   if plan.use_gate_in_kernel:       # a raw 0 where inactive keeps activate's derivative finite
