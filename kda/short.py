@@ -66,13 +66,14 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
   t = jnp.arange(max(steps, 1), dtype=jnp.int32)
   active = short[:, None] & (t[None] < layout.lens[:, None])            # [N, steps]
   at = jnp.where(active, layout.starts[:, None] + t[None], T)           # T: no token
-  take = lambda x: jnp.take(x[0], jnp.minimum(at, T - 1), axis=0)       # [N, steps, ...], masked by `on`
-  on = lambda x: jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 2)), x, 0)
-  qs, ks = query_keys(plan, on(take(q)), on(take(k)), HV)
-  gs = on(take(g))
-  if plan.use_gate_in_kernel:       # a raw 0 where inactive keeps activate's derivative finite
-    gs = on(activate(gs, A_log, dt_bias, use_gate_in_kernel=True, lower_bound=plan.lower_bound))
-  qs, ks, gs, vs, bs = (x.astype(F32) for x in (qs, ks, gs, on(take(v)), on(take(beta))))
+  # [N, steps, ...]; no token reads an explicit 0 (kda.padding's gathers), never a neighbour's value
+  take = lambda x: jnp.take(x[0], at, axis=0, mode="fill", fill_value=0)
+  qs, ks = query_keys(plan, take(q), take(k), HV)
+  gs = take(g)
+  if plan.use_gate_in_kernel:       # the raw 0 keeps activate's derivative finite; its value is dropped
+    gs = activate(gs, A_log, dt_bias, use_gate_in_kernel=True, lower_bound=plan.lower_bound)
+    gs = jnp.where(active[..., None, None], gs, 0.0)
+  qs, ks, gs, vs, bs = (x.astype(F32) for x in (qs, ks, gs, take(v), take(beta)))
   S = jnp.where(short[:, None, None, None], h0.astype(F32), 0.0)
   outs = []
   for i in range(steps):

@@ -5,9 +5,8 @@ nothing is compiled or run, so it takes seconds even for large shapes, and on an
 stage and fused group it prints the backend that runs and, before it, every backend whose predicate
 refused the call with the predicate's reason (kda.plan.recording), after the aligned layout's
 length (each sequence padded to the chunk: what many sequences with states cost, past the short ones
-that run the recurrence). The
-backends are this machine's (a GPU's on a GPU); `--impl mosaic_gpu` on a CPU shows what the Mosaic
-GPU predicates take, as the simulator would run it.
+that run the recurrence). The backends are this machine's (a GPU's on a GPU); `--impl mosaic_gpu`
+on a CPU shows what the Mosaic GPU predicates take, as the simulator would run it.
 
   python -m tools.backends [--seq-lens 100,50 | --many 200000x1] [--heads 1] [--head-dim 64]
       [--value-dim V] [--dtype bfloat16] [--states] [--raw-gate] [--chunk-size 64] [--impl auto]
@@ -104,7 +103,7 @@ def main(argv=None):
           f"{len(chunked)} the chunks")
   T, Ta = sum(chunked), padding.aligned_length(sum(chunked), len(chunked), a.chunk_size, chunked)
   if chunked:
-      print(f"each sequence padded to the chunk: {Ta} rows for {T} tokens ({Ta / max(T, 1):.1f}x), the length of "
+    print(f"each sequence padded to the chunk: {Ta} rows for {T} tokens ({Ta / max(T, 1):.1f}x), the length of "
           f"the per-row tensors between stages (unless the segmented layout runs: no states, many sequences)")
   print("\n".join(summary(log)) if log else "no stage chose a backend (nothing to compute)")
   return 0
