@@ -96,12 +96,13 @@ def test_fidelity_table(tmp_path):
   (folder / "fid").mkdir()
   (folder / "fid" / "fidelity.json").write_text(json.dumps(
       {"kda[default]": {"o": err(0.0058, 0.0041), "dq": err(0.0031, 0.003)},
-       "jla": {"dq": err(0.0039, 0.0037)}}))
+       "jla": {"dq": err(0.0039, 0.0037)}, "kda[other]": {"dq": {"max_rel": 0.0045}}}))
   out, _, _ = report(tmp_path, folder, png=False)
   page = out.read_text()
   assert "## bf16 fidelity" in page
   assert "| kda[default] | 5.80e-03 / 4.10e-03 | 3.10e-03 / 3.00e-03 |" in page
   assert "| jla | - | 3.90e-03 / 3.70e-03 |" in page
+  assert "| kda[other] | - | 4.50e-03 |" in page                 # max_rel alone where rms is not measured
   assert "| `fid/fidelity.json` | fidelity |" in page
 
 
@@ -120,13 +121,31 @@ def test_states_table(tmp_path):
   assert "| `st/states.json` | states |" in page
 
 
+def test_dtype_table(tmp_path):
+  folder = tmp_path / "bench"
+  shutil.copytree(DATA, folder)
+  run = lambda fwd, fb, mb, ran: {"fwd_ms": fwd, "fwdbwd_ms": fb, "compile_s": 6.25, "temp_mb": mb, "backends": ran}
+  (folder / "dt").mkdir()
+  (folder / "dt" / "f32.json").write_text(json.dumps(
+      {"shape": "A", "device": "NVIDIA H200", "bfloat16": run(1.5, 9.5, 2840.2, ["bwd_wy:mosaic_gpu"]),
+       "float32": run(12.0, 76.0, 9353.4, ["bwd_wy:reference", "intra:pallas"]), "ratio_fwdbwd": 8.0}))
+  page = report(tmp_path, folder, png=False)[0].read_text()
+  assert "## float32 inputs" in page
+  assert "`dt/f32.json` (shape A, NVIDIA H200)" in page
+  assert "| bfloat16 | 1.500 | 9.500 | 6.2 | 2840 | bwd_wy:mosaic_gpu |" in page
+  assert "| float32 | 12.000 | 76.000 | 6.2 | 9353 | bwd_wy:reference, intra:pallas |" in page
+  assert "float32 / bf16 forward + backward: 8.00x" in page
+  assert "| `dt/f32.json` | dtype |" in page
+
+
 def test_stage_budget_table(tmp_path):
   """tools.profile's pieces beside FLA's kernels by stage: a kernel's launches beyond the forward's
   count to its backward stage, unknown pieces and kernels to the other row."""
   folder = tmp_path / "bench"
   (folder / "run").mkdir(parents=True)
   (folder / "run" / "profile.json").write_text(json.dumps(
-      {"A:plain": {"fwdbwd": {"pieces_ms": {"intra": 0.5, "bwd_wy": 2.0, "prepare": 0.25, "(no kda scope)": 0.5},
+      {"A:plain": {"fwdbwd": {"pieces_ms": {"intra": 0.5, "gate+intra": 0.25, "bwd_wy": 2.0, "prepare": 0.25,
+                                            "(no kda scope)": 0.5},
                               "wall_ms": 9.0}}}))
   k = lambda name, ms: {"kernel": name, "ms": ms, "launches": 1}
   (folder / "run" / "fla_profile.json").write_text(json.dumps(
@@ -142,10 +161,11 @@ def test_stage_budget_table(tmp_path):
   assert "## Where the time goes, by stage" in page
   assert "### A:plain: `run/profile.json`, `run/fla_profile.json`, `run/jla_profile.json`" in page
   assert "| stage | kda | FLA | jla |" in page
-  assert "| intra | 0.500 | 0.250 | 0.500 |" in page
+  assert "| intra | 0.750 | 0.250 | 0.500 |" in page           # kda's fused gate+intra counts here
+  assert "kda's `gate+intra` is one kernel here: its time is in the intra row." in page
   assert "| bwd_recompute | 0.000 | 0.375 | 0.000 |" in page
   assert "| gate | 0.000 | 0.125 | 0.000 |" in page and "| bwd_gate | 0.000 | 0.125 | 0.125 |" in page
   assert "| bwd_wy | 2.000 | 2.500 | 1.750 |" in page      # jla's bwd_wy and bwd_dakk: S3's work
   assert "| other (layout, XLA ops, copies) | 0.750 | 0.062 | 0.250 |" in page
-  assert "| total | 3.250 | 3.438 | 2.625 |" in page
+  assert "| total | 3.500 | 3.438 | 2.625 |" in page
   assert "| `run/fla_profile.json` | kernels |" in page and "| `run/profile.json` | profile |" in page

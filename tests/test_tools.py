@@ -220,6 +220,21 @@ def test_bench_smoke_table_and_pieces(tmp_path, capsys):
   assert {"prepare", "unalign"} <= set(pieces) and any(p.startswith("intra (") for p in pieces)
 
 
+def test_bench_dtype_smoke(tmp_path):
+  """tools.bench_dtype on a tiny CPU run: both dtypes timed, the backends recorded, a file
+  tools.perf_report reads as the dtype kind."""
+  import pathlib
+  from tools import bench_dtype, perf_report
+  out = tmp_path / "f32.json"
+  bench_dtype.main(["--shape", "B", "--total", "96", "--reps", "1", "--out", str(out)])
+  res = json.loads(out.read_text())
+  for dtype in ("bfloat16", "float32"):
+    assert res[dtype]["fwd_ms"] > 0 and res[dtype]["fwdbwd_ms"] > 0, res[dtype]
+    assert "bwd_wy:reference" in res[dtype]["backends"], res[dtype]["backends"]
+  assert res["ratio_fwdbwd"] == res["float32"]["fwdbwd_ms"] / res["bfloat16"]["fwdbwd_ms"]
+  assert perf_report.classify(pathlib.Path(out), res) == "dtype"
+
+
 def test_bench_backward_pieces():
   """tools.bench's backward pieces on a tiny CPU run: every backward stage with the implementation
   the pipeline picks (on a CPU its xla implementation where it has one, else its reference), the

@@ -12,6 +12,7 @@ what wrote it:
        "dq": {...}, ...}} (errors against a float32 truth on identical bf16 inputs)
   profile  tools.profile --out: {"A:plain": {"fwd" | "fwdbwd": {"pieces_ms": {piece: ms}, ...}}}
   states  tools.bench_states --out: {"many": "NxL", "stateless": {...}, "states": {...}, "ratio": x}
+  dtype  tools.bench_dtype --out: {"bfloat16": {...}, "float32": {...}, "ratio_fwdbwd": x}
   kernels  a peer's kernels per call, in a file named fla_profile*.json or jla_profile*.json:
        {"A:plain": {"fwd" | "fwd+bwd" | "fwdbwd": [{"kernel": name, "ms": ms per call}, ...]}}
 Every kda file is one run, named by its commit and device (tools.bench records them). Its peer
@@ -45,6 +46,8 @@ def classify(path: pathlib.Path, data) -> str | None:
     return "kda"
   if isinstance(data.get("states"), dict) and isinstance(data.get("stateless"), dict) and "many" in data:
     return "states"
+  if isinstance(data.get("bfloat16"), dict) and isinstance(data.get("float32"), dict) and "ratio_fwdbwd" in data:
+    return "dtype"
   if path.name.startswith(("fla_profile", "jla_profile")) and data and all(
       isinstance(v, dict) and all(isinstance(x, list) for x in v.values()) for v in data.values()):
     return "kernels"
@@ -279,6 +282,13 @@ faster.
 """
 
 
+def fid_cell(e) -> str:
+  """max_rel / rms_rel (the rms where the file has it), or - where the output is missing."""
+  if e is None:
+    return "-"
+  return f"{e['max_rel']:.2e}" + (f" / {e['rms_rel']:.2e}" if "rms_rel" in e else "")
+
+
 def fidelity_section(files, folder=None) -> list[str]:
   """One table per fidelity file: each implementation's max and rms error of every output."""
   fid = [(p, d) for p, k, d in files if k == "fidelity"]
@@ -286,14 +296,14 @@ def fidelity_section(files, folder=None) -> list[str]:
     return []
   lines = ["## bf16 fidelity", "",
            "Errors against a float32 truth on identical bf16 inputs (the peers' `fidelity.py`): "
-           "max|x - truth| / max|truth|, then the rms ratio; the folder's README names the shape and truth.", ""]
+           "max|x - truth| / max|truth|, then the rms ratio where measured; the folder's README names the shape "
+           "and truth.", ""]
   for path, data in fid:
     outs = list(dict.fromkeys(o for errs in data.values() for o in errs))
     name = relative(path, folder)
     lines += [f"`{name}`", ""]
     lines += table(["implementation"] + outs,
-                   [[who] + [f"{errs[o]['max_rel']:.2e} / {errs[o]['rms_rel']:.2e}" if o in errs else "-"
-                             for o in outs] for who, errs in data.items()])
+                   [[who] + [fid_cell(errs.get(o)) for o in outs] for who, errs in data.items()])
   return lines
 
 
@@ -312,7 +322,26 @@ def states_section(files, folder=None) -> list[str]:
                  "concrete" if d.get("concrete") else "traced", num(a.get("fwdbwd_ms")), num(b.get("fwdbwd_ms")),
                  f"{d['ratio']:.2f}x", num(a.get("temp_mb"), 0), num(b.get("temp_mb"), 0)])
   return lines + table(["file", "device", "N x L", "H x K", "cu_seqlens", "stateless f+b", "states f+b",
-                        "states / stateless", "temp stateless", "temp states"], rows) + [""]
+                        "states / stateless", "temp stateless", "temp states"], rows)
+
+
+def dtype_section(files, folder=None) -> list[str]:
+  """One table per tools.bench_dtype file: the same shape with bf16 and with float32 inputs."""
+  got = [(p, d) for p, k, d in files if k == "dtype"]
+  if not got:
+    return []
+  lines = ["## float32 inputs", "",
+           "`tools.bench_dtype`: one shape of `tools.bench` with bf16 inputs and with q, k, v, beta in float32 "
+           "(`impl=None`; forward and `value_and_grad` medians, ms; compile of the forward + backward, s; XLA "
+           "temp, MiB) and the backend each stage ran. The Mosaic GPU kernels take bf16 operands and refuse "
+           "float32 inputs, so a float32 call runs the fallbacks.", ""]
+  for path, d in got:
+    lines += [f"`{relative(path, folder)}`" + (f" (shape {d['shape']}, {d['device']})" if "shape" in d else ""), ""]
+    rows = [[dt, num(d[dt].get("fwd_ms")), num(d[dt].get("fwdbwd_ms")), num(d[dt].get("compile_s"), 1),
+             num(d[dt].get("temp_mb"), 0), ", ".join(d[dt].get("backends", []))] for dt in ("bfloat16", "float32")]
+    lines += table(["inputs", "fwd", "f+b", "compile f+b", "temp", "backends"], rows)
+    lines += [f"float32 / bf16 forward + backward: {d['ratio_fwdbwd']:.2f}x", ""]
+  return lines
 
 
 # The peers' kernels by the kda stage doing the same work: name prefix -> (stage of its launches in
@@ -345,6 +374,8 @@ PEER_STAGES = {
 STAGE_ROWS = ("gate", "intra", "state+output", "bwd_recompute", "bwd_dav", "bwd_dh", "bwd_wy", "bwd_intra",
               "bwd_gate")
 OTHER = "other (layout, XLA ops, copies)"
+# kda pieces that are one kernel doing the work of two stage rows: their time goes to this row
+MERGED = {"gate+intra": "intra"}
 
 
 def peer_stages(peer, kernels) -> dict:
@@ -386,14 +417,17 @@ def budget_section(files, folder=None) -> list[str]:
       if not both:
         continue
       ours = dict.fromkeys(STAGE_ROWS + (OTHER,), 0.0)
+      merged = sorted(p for p in both["pieces_ms"] if p in MERGED)
       for piece, ms in both["pieces_ms"].items():
-        ours[piece if piece in ours else OTHER] += ms
+        ours[MERGED.get(piece, piece) if MERGED.get(piece, piece) in ours else OTHER] += ms
       have = [p for p in PEERS if variant in peers.get(p, (None, {}))[1]]
       cols = [(PEER_NAME[p], peer_stages(p, peers[p][1][variant])) for p in have]
       lines += [f"### {variant}: " + ", ".join(f"`{rel(x)}`" for x in [path] + [peers[p][0] for p in have]), ""]
       rows = [[st, num(ours[st])] + [num(c[st]) for _, c in cols] for st in STAGE_ROWS + (OTHER,)]
       rows.append(["total", num(sum(ours.values()))] + [num(sum(c.values())) for _, c in cols])
       lines += table(["stage", "kda"] + [n for n, _ in cols], rows)
+      if merged:
+        lines += [f"kda's `{p}` is one kernel here: its time is in the {MERGED[p]} row." for p in merged] + [""]
   return lines
 
 
@@ -411,6 +445,7 @@ def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> s
   lines += tpu_section(files)
   lines += fidelity_section(files, folder)
   lines += states_section(files, folder)
+  lines += dtype_section(files, folder)
   lines += budget_section(files, folder)
   if files:
     lines += ["## Files read", ""]
