@@ -31,12 +31,11 @@ SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four w
 at K = V = 128, two CTAs per SM.
 
 Precision: every float32 wgmma operand is a hi + lo bf16 split (three wgmmas: hi hi, hi lo, lo hi,
-~2^-16 relative; one term less where a side is bf16-exact: a, L; du and dw enter as one term,
-2^-9, unless Config.cotangent_terms=2), float32 accumulation; the
-exponentials and sums outside the tensor cores are float32 (Config.approx_math: ex2.approx,
-~2^-22 relative). q, k, v and Ainv enter as bf16 (`apply` rounds float32 ones; the predicate
-refuses them: their float32 accuracy needs the reference). Padding and tail rows go through the
-same formulas as the reference.
+~2^-16 relative; one term less where a side is bf16-exact: a, L) but du and dw, which enter as one
+bf16 term (2^-9) unless Config.cotangent_terms=2; float32 accumulation; the exponentials and sums
+outside the tensor cores are float32 (Config.approx_math: ex2.approx, ~2^-22 relative). q, k, v and
+Ainv enter as bf16 (`apply` rounds float32 ones; the predicate refuses them: their float32 accuracy
+needs the reference). Padding and tail rows go through the same formulas as the reference.
 
 Packed dv (`apply(..., rows=, pieces=, T=)`, what the pipeline's packed backward calls): the unalign
 folds into dv's store. dv goes from registers to a plain [64, 64] SMEM stage in dv's dtype (8 KiB
