@@ -79,13 +79,18 @@ def load(ref, layout=WG):
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def acc(pairs, shape):
+def acc(pairs, shape, during=None):
   """sum(a @ b for a, b in pairs) on the tensor cores (SMEM operands, .T views allowed), float32
-  result in registers."""
+  result in registers. during: a function called after the wgmmas are issued and before their
+  result is read, so its work (loads of later operands; it must not write SMEM the products read)
+  runs while the tensor cores do; then (result, during's value) is returned."""
   def scoped(acc_ref):
     for a, b in pairs:
       plgpu.wgmma(acc_ref, a, b)
-    return acc_ref[...]          # reading the accumulator waits for the wgmmas
+    if during is None:
+      return acc_ref[...]        # reading the accumulator waits for the wgmmas
+    extra = during()
+    return acc_ref[...], extra
   return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
 
 

@@ -305,7 +305,8 @@ def _lowered_text(config, K, V):
 
 
 # every Config field off its default
-FLIPPED = {"approx_math": False, "skip_tail": False, "cotangent_terms": 3 - mgw.Config().cotangent_terms}
+FLIPPED = {"approx_math": False, "skip_tail": False, "cotangent_terms": 3 - mgw.Config().cotangent_terms,
+           "overlap_loads": not mgw.Config().overlap_loads}
 
 
 @pytest.mark.parametrize("field", sorted(FLIPPED))
@@ -371,6 +372,33 @@ def test_packed_dv_equals_aligned_unaligned(case, gaps):
       np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
   with pytest.raises(ValueError, match="packed dv"):
     mgw.apply(*args, chunk_size=BT, rows=rows, pieces=pieces, T=layout.T)
+
+
+@pytest.mark.parametrize("K,V,packed", [(128, 128, False), (64, 128, True)])
+def test_overlapped_loads_give_the_same_bits(K, V, packed):
+  """Config(overlap_loads=True) issues the later operands' loads while the products run: every
+  output bit for bit the in-order kernel's (simulator; aligned, and packed dv with a gap), each
+  cotangent-term count; and it lowers for CUDA (each operand still read before its rows are
+  written in place)."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  case = {(128, 128): "K128-V128-HV1-130", (64, 128): "K64-V128-HV2-64_50"}[(K, V)]
+  lens, Ta, HV, _, _ = CASES[case]
+  args, _ = make_inputs(case, "strong")
+  kw = {}
+  if packed:
+    layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - 128) // BT)
+    rows = padding.chunk_rows(layout)
+    kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
+    args = args + (layout.aligned_cu,)
+  for ct in (1, 2):
+    run = lambda overlap: jax.jit(functools.partial(
+        mgw.apply, chunk_size=BT, interpret=True, dv_dtype=BF16 if packed else None,
+        config=mgw.Config(cotangent_terms=ct, overlap_loads=overlap), **kw))(*args)
+    got, want = run(True), run(False)
+    for name in FIELDS:
+      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), f"{name} ct={ct}")
+  assert "stablehlo.custom_call @mosaic_gpu" in _lowered(mgw.Config(overlap_loads=True), K, V)
 
 
 def test_packed_dv_lowers_for_cuda_in_two_ctas():

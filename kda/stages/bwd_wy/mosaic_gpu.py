@@ -18,7 +18,8 @@ c's rows only. Per program, with a = Ainv's [64, 64] block (bf16, the dtype poli
 The dAinv sum [64, 64] float32 stays in registers across the slabs; the four work tiles that hold
 the split operands are reused by every product (reading an accumulator waits for its wgmma). One
 warpgroup issues every load and wgmma in order: S2's float32 cotangents are read straight into
-registers when needed, with no TMA prefetch.
+registers when needed, with no TMA prefetch; Config.overlap_loads issues those loads while the
+tensor cores run the products before them (kda._mosaic_gpu.acc's `during`).
 
 In place: dq, dk, dgc (and dg_state where K == V) are written into S2's dqg, dkg, dw (du) buffers,
 which the kernel takes as mutable refs (aliased in and out): each program reads those tiles of its
@@ -82,6 +83,10 @@ class Config:
   # dbeta move by a bf16 rounding) and shape B's forward + backward takes 0.965x the time of 2.
   # dAinv's own chain (dAkk) and dg_state keep their splits.
   cotangent_terms: int = 1
+  # issue the loads of later float32 operands (the next slab's du or dw, this slab's gc, dqg, dkg,
+  # dgc_last) while the tensor cores run the products before them, instead of after: the same
+  # bits; off until timed on an H200 (tools.gpu_check_bwd times it beside the default)
+  overlap_loads: bool = False
 
   def __post_init__(self):
     if self.cotangent_terms not in (1, 2):
@@ -160,7 +165,7 @@ takes = supports                  # the name kda.stages.bwd_wy registers
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv, store_dv=None, ct=2):
+          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv, store_dv=None, ct=2, overlap=False):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
@@ -187,11 +192,24 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   aT = a_s.T
   cts = (t0, t1)[:ct]                # the cotangent's bf16 terms
   cross = [(t0, t2.T), (t0, t3.T)] + ([(t1, t2.T)] if ct == 2 else [])   # (du or dw) @ (vb or kb)^T
+  # the cotangent operands in the order they enter (du per V slab, then dw per K slab); with
+  # overlap, operand i + 1 is loaded during the last product of operand i
+  operands = [(du_g, j) for j in range(nv)] + [(dw_g, j) for j in range(nk)]
+  pending = {}
+  take = lambda i: pending.pop(i) if i in pending else _load(at(*operands[i]))
+
+  def cross_with_next(i):
+    """dAinv's product of operand i, the load of operand i + 1 issued while it runs (overlap)."""
+    if not overlap or i + 1 >= len(operands):
+      return _acc(cross, shape)
+    out, pending[i + 1] = _acc(cross, shape, during=lambda: _load(at(*operands[i + 1])))
+    return out
+
   plgpu.barrier_wait(bar)
   dAinv = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
   dbeta = []
   for j in range(nv):
-    put(_load(at(du_g, j)), *cts)                            # du
+    put(take(j), *cts)                                       # du
     dvb = _acc([(aT, t) for t in cts], shape)
     vx = _load(v_s.at[j]).astype(F32)
     if store_dv is None:
@@ -200,15 +218,20 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
       store_dv(j, dvb * beta)
     dbeta.append(jnp.sum(dvb * vx, axis=1))
     put(beta * vx, t2, t3)                                   # vb
-    dAinv = dAinv + _acc(cross, shape)
+    dAinv = dAinv + cross_with_next(j)
   for j in range(nk):
-    put(_load(at(dw_g, j)), *cts)               # dw
-    dkb = _acc([(aT, t) for t in cts], shape)
-    gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
+    put(take(nv + j), *cts)                                  # dw
+    if overlap:          # this slab's float32 operands loaded while dkb's products run
+      dkb, (gi, gf, dqg, dkg) = _acc([(aT, t) for t in cts], shape,
+                                     during=lambda: tuple(_load(at(r, j)) for r in (gi_g, gf_g, dqg_g, dkg_g)))
+    else:
+      dkb = _acc([(aT, t) for t in cts], shape)
+      gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
-    dqg, dkg = _load(at(dqg_g, j)), _load(at(dkg_g, j))
+    if not overlap:
+      dqg, dkg = _load(at(dqg_g, j)), _load(at(dkg_g, j))
     keg = kx * eg
     kb = beta * keg
     oq_g[rows, h, slab(j)] = dqg * eg
@@ -216,10 +239,14 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     og_g[rows, h, slab(j)] = dqg * qx * eg + dkb * kb
     dbeta.append(jnp.sum(dkb * keg, axis=1))
     put(kb, t2, t3)
-    dAinv = dAinv + _acc(cross, shape)
+    dAinv = dAinv + cross_with_next(nv + j)
     put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
-    before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-    dgl = _load(dgl_g.at[c, h, slab(j)], COL)
+    exclusive = [(l_s, t0), (l_s, t1), (l_s, t2)]
+    if overlap:
+      before, dgl = _acc(exclusive, shape, during=lambda: _load(dgl_g.at[c, h, slab(j)], COL))
+    else:
+      before = _acc(exclusive, shape)
+      dgl = _load(dgl_g.at[c, h, slab(j)], COL)
     ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
   put(dAinv, t0, t1)
   p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
@@ -244,7 +271,7 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   odb_g[h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, ct=2):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, ct=2, overlap=False):
   """Packed dv (`packed_chunk`, the stage is the last scratch): program (h, c) stores its chunk's dv
   rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h."""
   *refs, stage = refs
@@ -252,7 +279,8 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, c
   h, c = lax.axis_index("h"), lax.axis_index("c")
   dst = lambda j: lambda ds: ov_g.at[ds, h, pl.ds(j * SLAB, SLAB)]
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, store_dv=lambda j, x: store(dst(j), x)),
+               lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, overlap=overlap,
+                                   store_dv=lambda j, x: store(dst(j), x)),
                (lambda: _zeros(*refs, nk=nk, nv=nv, dv=False)) if tail_zeros else None,
                [dst(j) for j in range(nv)], BT)
 
@@ -272,12 +300,13 @@ def _in_place(body, n_lead, alias_du):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2):
+            tail_zeros=True, ct=2, overlap=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
-  body = functools.partial(_body, nk=nk, nv=nv, ct=ct)
+  body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap)
   if packed_T is not None:
-    body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, **({} if tail_zeros else dict(tail_zeros=False)))
+    body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, overlap=overlap,
+                             **({} if tail_zeros else dict(tail_zeros=False)))
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv) if tail_zeros else None)
   n_lead = 4 if packed_T is not None else int(skip_tail)      # src, count, pieces, aligned_cu
@@ -326,7 +355,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
-              ct=config.cotangent_terms)
+              ct=config.cotangent_terms, overlap=config.overlap_loads)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
