@@ -19,6 +19,7 @@ from kda.padding import pieces
 from kda._vma import unchecked, vary_like
 from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
                         check_shape, is_concrete)
+from kda.steps import scope
 
 
 def _as_jax(x):
@@ -291,12 +292,14 @@ def _with_short(backward, plan, layout, L, lens, q, k, v, g, beta, h0, A_log, dt
   """_core on the sequences longer than L, the recurrence (kda.short) on the others; lens: as
   kda.short.split's."""
   rest, is_short, steps, any_long = short.split(layout, L, lens)
-  o, wrote, states = short.run(plan, layout, is_short, steps, q, k, v, g, beta, h0, A_log, dt_bias)
+  with scope("short"):
+    o, wrote, states = short.run(plan, layout, is_short, steps, q, k, v, g, beta, h0, A_log, dt_bias)
   if not any_long:
     return o, states
   at_short = is_short[:, None, None, None]
   o_long, final_long = _core(backward, plan, rest, q, k, v, g, beta, jnp.where(at_short, 0.0, h0), A_log, dt_bias)
-  return jnp.where(wrote[None, :, None, None], o, o_long), jnp.where(at_short, states, final_long)
+  with scope("short"):
+    return jnp.where(wrote[None, :, None, None], o, o_long), jnp.where(at_short, states, final_long)
 
 
 def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None, probe=None):

@@ -235,6 +235,19 @@ def test_bench_dtype_smoke(tmp_path):
   assert perf_report.classify(pathlib.Path(out), res) == "dtype"
 
 
+def test_bench_states_profile_smoke(tmp_path):
+  """tools.bench_states --profile on a tiny CPU run: with states the recurrence of the short
+  sequences is its own piece (kda.short), without states there is none."""
+  from tools import bench_states
+  out = tmp_path / "states.json"
+  bench_states.main(["--many", "40x1", "--heads", "1", "--head-dim", "64", "--reps", "1",
+                     "--profile", str(tmp_path / "traces"), "--out", str(out)])
+  res = json.loads(out.read_text())
+  assert res["states"]["pieces_ms"].get("short", 0) > 0, res["states"]["pieces_ms"]
+  assert not any(p.startswith("short") for p in res["stateless"]["pieces_ms"]), res["stateless"]["pieces_ms"]
+  assert res["states"]["top_ops"] and res["ratio"] == res["states"]["fwdbwd_ms"] / res["stateless"]["fwdbwd_ms"]
+
+
 def test_bench_backward_pieces():
   """tools.bench's backward pieces on a tiny CPU run: every backward stage with the implementation
   the pipeline picks (on a CPU its xla implementation where it has one, else its reference), the

@@ -5,15 +5,18 @@ N sequences of L tokens (--many NxL, default 200000x1), H = HV heads, K = V (--h
 with states) over q, k, v, g, beta (and initial_state) with and without initial and final states,
 medians over --reps after warm-up, and XLA's temp memory of each; cu_seqlens is an argument (traced,
 the static-bound layout, as a training step passes it) unless --concrete. The ratio with / without
-states is what a call that carries states across calls pays for them.
+states is what a call that carries states across calls pays for them. --profile DIR: each variant's
+device time per call by pipeline piece (tools.profile's attribution: the kda.<piece> name scopes,
+kda.short the recurrence of the short sequences) and its largest ops, traces under DIR.
 
   python -m tools.bench_states [--many 200000x1] [--heads 1] [--head-dim 64] [--reps 10] [--concrete]
-      [--out FILE]
+      [--profile DIR] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -22,6 +25,7 @@ import numpy as np
 
 import kda
 from tools.backends import lens_of
+from tools import profile
 from tools.bench import memory_mb, timeit
 
 
@@ -40,8 +44,9 @@ def inputs(lens, H, K, seed=0):
   return (q, k, v, g, beta), h0, do, cu
 
 
-def measure(lens, H, K, reps, concrete, states):
-  """-> {compile_s, fwdbwd_ms, mem_mb, temp_mb} of one variant."""
+def measure(lens, H, K, reps, concrete, states, profile_dir=None):
+  """-> {compile_s, fwdbwd_ms, mem_mb, temp_mb} of one variant (with profile_dir also pieces_ms, the
+  device ms per call by piece, and top_ops)."""
   xs, h0, do, cu = inputs(lens, H, K)
 
   def loss(xs, h0, do, cu):
@@ -57,7 +62,24 @@ def measure(lens, H, K, reps, concrete, states):
   jax.block_until_ready(fb(*args))
   out = {"compile_s": time.perf_counter() - t0, "fwdbwd_ms": timeit(fb, *args, reps=reps, warmup=2)}
   out["mem_mb"], out["temp_mb"] = memory_mb(fb, *args)
+  if profile_dir:
+    out.update(device_pieces(fb, args, reps, os.path.join(profile_dir, "states" if states else "stateless")))
   return out
+
+
+def device_pieces(fb, args, reps, logdir):
+  """{pieces_ms, top_ops} of the jitted fb on args: reps calls back to back under jax.profiler."""
+  compiled = fb.lower(*args).compile()
+  scopes = profile.hlo_scopes(compiled.as_text())
+  jax.block_until_ready(compiled(*args))
+  with jax.profiler.trace(logdir):
+    res = None
+    for _ in range(reps):
+      res = compiled(*args)
+    jax.block_until_ready(res)
+  events, _ = profile.device_events(logdir)
+  pieces, ops = profile.attribute(events, scopes, reps)
+  return {"pieces_ms": pieces, "top_ops": ops[:15]}
 
 
 def main(argv=None):
@@ -68,16 +90,19 @@ def main(argv=None):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--concrete", action="store_true", help="cu_seqlens closed over (the exact layout)")
+  p.add_argument("--profile", metavar="DIR", help="also the device time by pipeline piece (traces under DIR)")
   p.add_argument("--out", help="write the results as JSON")
   a = p.parse_args(argv)
   lens = lens_of(None, a.many)
   res = {"many": a.many, "heads": a.heads, "head_dim": a.head_dim, "concrete": a.concrete,
          "device": jax.devices()[0].device_kind}
   for states in (False, True):
-    r = measure(lens, a.heads, a.head_dim, a.reps, a.concrete, states)
+    r = measure(lens, a.heads, a.head_dim, a.reps, a.concrete, states, a.profile)
     res["states" if states else "stateless"] = r
     print(f"{'states' if states else 'stateless':9s} f+b {r['fwdbwd_ms']:9.3f} ms  compile {r['compile_s']:6.1f} s  "
           f"temp {r['temp_mb'] if r['temp_mb'] is None else round(r['temp_mb'])} MiB", flush=True)
+    for piece, ms in r.get("pieces_ms", {}).items():
+      print(f"  {piece:24s} {ms:9.3f} ms")
   res["ratio"] = res["states"]["fwdbwd_ms"] / res["stateless"]["fwdbwd_ms"]
   print(f"states / stateless: {res['ratio']:.2f}x")
   if a.out:
