@@ -70,15 +70,8 @@ def measure(lens, H, K, reps, concrete, states, profile_dir=None):
 def device_pieces(fb, args, reps, logdir):
   """{pieces_ms, top_ops} of the jitted fb on args: reps calls back to back under jax.profiler."""
   compiled = fb.lower(*args).compile()
-  scopes = profile.hlo_scopes(compiled.as_text())
-  jax.block_until_ready(compiled(*args))
-  with jax.profiler.trace(logdir):
-    res = None
-    for _ in range(reps):
-      res = compiled(*args)
-    jax.block_until_ready(res)
-  events, _ = profile.device_events(logdir)
-  pieces, ops = profile.attribute(events, scopes, reps)
+  events, _ = profile.traced_events(compiled, args, reps, logdir)
+  pieces, ops = profile.attribute(events, profile.hlo_scopes(compiled.as_text()), reps)
   return {"pieces_ms": pieces, "top_ops": ops[:15]}
 
 

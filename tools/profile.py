@@ -137,6 +137,18 @@ def idle(events, calls, top=6):
   return span / 1e3 / calls, sum(g[0] for g in gaps) / 1e3 / calls, gaps[:top]
 
 
+def traced_events(compiled, args, reps, logdir):
+  """device_events of `reps` calls of compiled(*args) under jax.profiler (after one call outside),
+  dispatched back to back so the device never waits for the host's loop."""
+  jax.block_until_ready(compiled(*args))
+  with jax.profiler.trace(logdir):
+    res = None
+    for _ in range(reps):
+      res = compiled(*args)
+    jax.block_until_ready(res)
+  return device_events(logdir)
+
+
 def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None, config="", do_fwd=True):
   args, fwd, loss = bench.calls(name, gate, impl, total, config)
   fns = {"fwd": jax.jit(fwd)} if do_fwd else {}
@@ -157,14 +169,7 @@ def profile_one(name, gate, impl, reps, do_bwd, total, logdir, hlo_dir=None, con
       with open(os.path.join(hlo_dir, f"{name}-{gate}-{label}.hlo.txt"), "w") as fh:
         fh.write(text)
     wall = bench.timeit(compiled, *args, reps=reps)
-    d = os.path.join(logdir, f"{name}-{gate}-{label}")
-    jax.block_until_ready(compiled(*args))
-    with jax.profiler.trace(d):      # back to back: the device never waits for the host's loop
-      res = None
-      for _ in range(reps):
-        res = compiled(*args)
-      jax.block_until_ready(res)
-    events, threads = device_events(d)
+    events, threads = traced_events(compiled, args, reps, os.path.join(logdir, f"{name}-{gate}-{label}"))
     pieces, ops = attribute(events, scopes, reps)
     span, idle_ms, gaps = idle(events, reps)
     out[label] = {"wall_ms": wall, "device_ms": sum(pieces.values()), "compile_s": compile_s,

@@ -192,24 +192,29 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   aT = a_s.T
   cts = (t0, t1)[:ct]                # the cotangent's bf16 terms
   cross = [(t0, t2.T), (t0, t3.T)] + ([(t1, t2.T)] if ct == 2 else [])   # (du or dw) @ (vb or kb)^T
-  # the cotangent operands in the order they enter (du per V slab, then dw per K slab); with
-  # overlap, operand i + 1 is loaded during the last product of operand i
-  operands = [(du_g, j) for j in range(nv)] + [(dw_g, j) for j in range(nk)]
-  pending = {}
-  take = lambda i: pending.pop(i) if i in pending else _load(at(*operands[i]))
 
-  def cross_with_next(i):
-    """dAinv's product of operand i, the load of operand i + 1 issued while it runs (overlap)."""
-    if not overlap or i + 1 >= len(operands):
-      return _acc(cross, shape)
-    out, pending[i + 1] = _acc(cross, shape, during=lambda: _load(at(*operands[i + 1])))
-    return out
+  def product(pairs, load, plus=None):
+    """(plus +) _acc(pairs), and load()'s values: issued while the products run with overlap, else
+    after them."""
+    if overlap:
+      out, loaded = _acc(pairs, shape, during=load)
+      return (out if plus is None else plus + out), loaded
+    out = _acc(pairs, shape)
+    out = out if plus is None else plus + out
+    return out, load()
+
+  # the cotangent operands in the order they enter (du per V slab, then dw per K slab); with overlap
+  # operand i + 1 is loaded while operand i's dAinv product runs
+  operands = [(du_g, j) for j in range(nv)] + [(dw_g, j) for j in range(nk)]
+  operand = lambda i: _load(at(*operands[i])) if i < len(operands) else None
+  loads = lambda *refs, j: tuple(_load(at(r, j)) for r in refs)
 
   plgpu.barrier_wait(bar)
   dAinv = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
   dbeta = []
+  x = operand(0)
   for j in range(nv):
-    put(take(j), *cts)                                       # du
+    put(x, *cts)                                             # du
     dvb = _acc([(aT, t) for t in cts], shape)
     vx = _load(v_s.at[j]).astype(F32)
     if store_dv is None:
@@ -218,20 +223,16 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
       store_dv(j, dvb * beta)
     dbeta.append(jnp.sum(dvb * vx, axis=1))
     put(beta * vx, t2, t3)                                   # vb
-    dAinv = dAinv + cross_with_next(j)
+    dAinv, x = product(cross, lambda: operand(j + 1), plus=dAinv)
   for j in range(nk):
-    put(take(nv + j), *cts)                                  # dw
-    if overlap:          # this slab's float32 operands loaded while dkb's products run
-      dkb, (gi, gf, dqg, dkg) = _acc([(aT, t) for t in cts], shape,
-                                     during=lambda: tuple(_load(at(r, j)) for r in (gi_g, gf_g, dqg_g, dkg_g)))
-    else:
-      dkb = _acc([(aT, t) for t in cts], shape)
-      gi, gf = _load(at(gi_g, j)), _load(at(gf_g, j))
+    put(x, *cts)                                             # dw
+    # with overlap this slab's dqg, dkg too are loaded while dkb's products run
+    dkb, (gi, gf, *early) = product([(aT, t) for t in cts],
+                                    lambda: loads(gi_g, gf_g, *((dqg_g, dkg_g) if overlap else ()), j=j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
-    if not overlap:
-      dqg, dkg = _load(at(dqg_g, j)), _load(at(dkg_g, j))
+    dqg, dkg = early if overlap else loads(dqg_g, dkg_g, j=j)
     keg = kx * eg
     kb = beta * keg
     oq_g[rows, h, slab(j)] = dqg * eg
@@ -239,15 +240,11 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     og_g[rows, h, slab(j)] = dqg * qx * eg + dkb * kb
     dbeta.append(jnp.sum(dkb * keg, axis=1))
     put(kb, t2, t3)
-    dAinv = dAinv + cross_with_next(nv + j)
+    dAinv, ahead = product(cross, lambda: operand(nv + j + 1) if overlap else None, plus=dAinv)
     put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
-    exclusive = [(l_s, t0), (l_s, t1), (l_s, t2)]
-    if overlap:
-      before, dgl = _acc(exclusive, shape, during=lambda: _load(dgl_g.at[c, h, slab(j)], COL))
-    else:
-      before = _acc(exclusive, shape)
-      dgl = _load(dgl_g.at[c, h, slab(j)], COL)
+    before, dgl = product([(l_s, t0), (l_s, t1), (l_s, t2)], lambda: _load(dgl_g.at[c, h, slab(j)], COL))
     ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
+    x = ahead if overlap else operand(nv + j + 1)            # in order: after this slab's stores
   put(dAinv, t0, t1)
   p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
   put(p, t2, t3)
