@@ -45,7 +45,9 @@ def _variants():
   return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False)},
           "bwd_dav": {"no_skip_tail": dav.Config(skip_tail=False)},
           "bwd_dh": {"input_order": dh.Config(longest_first=False)},
-          "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False), "overlap_loads": wy.Config(overlap_loads=True)},
+          "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False), "overlap_loads": wy.Config(overlap_loads=True),
+                     "qkv_in_registers": wy.Config(stage_qkv=False),
+                     "qkv_in_registers+overlap": wy.Config(stage_qkv=False, overlap_loads=True)},
           "bwd_intra": {"no_skip_tail": intra.Config(skip_tail=False)}}
 
 

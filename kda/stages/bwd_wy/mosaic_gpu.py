@@ -87,29 +87,33 @@ class Config:
   # dgc_last) while the tensor cores run the products before them, instead of after: the same
   # bits; off until timed on an H200 (tools.gpu_check_bwd times it beside the default)
   overlap_loads: bool = False
+  # q, k, v staged in SMEM by TMA at the start (True), or read from GMEM into registers where they
+  # are used (False: 48 KiB less SMEM at K = V = 128, room for more CTAs per SM where registers allow)
+  stage_qkv: bool = True
 
   def __post_init__(self):
     if self.cotangent_terms not in (1, 2):
       raise ValueError(f"cotangent_terms must be 1 or 2, got {self.cotangent_terms!r}")
 
 
-def _scratch(K, V, stage_dtype=None):
-  """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned)."""
+def _scratch(K, V, stage_dtype=None, staged=True):
+  """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned);
+  staged: q, k, v tiles (Config.stage_qkv)."""
   nk, nv = K // SLAB, V // SLAB
   return [
-      _swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
       _swz((BT, BT)),                                                     # Ainv
       *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
       _swz((BT, BT)),                                                     # L
-      plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
+      plgpu.Barrier(num_arrivals=(2 * nk + nv if staged else 0) + 1),
+      *([_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB))] if staged else []),   # q, k, v
       *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
   ]
 
 
-def smem_bytes(K, V, stage_dtype=None):
+def smem_bytes(K, V, stage_dtype=None, staged=True):
   """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates; the
   body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(_scratch(K, V, stage_dtype), reduction=True)
+  return _smem_bytes(_scratch(K, V, stage_dtype, staged), reduction=True)
 
 
 def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
@@ -165,16 +169,20 @@ takes = supports                  # the name kda.stages.bwd_wy registers
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-          q_s, k_s, v_s, a_s, t0, t1, t2, t3, l_s, bar, *, nk, nv, store_dv=None, ct=2, overlap=False):
+          a_s, t0, t1, t2, t3, l_s, bar, *qkv, nk, nv, store_dv=None, ct=2, overlap=False):
+  """qkv: the SMEM tiles of q, k, v (Config.stage_qkv), or () to read them from GMEM where used."""
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
-  for j in range(nk):
-    plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], q_s.at[j], bar)
-    plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], k_s.at[j], bar)
-  for j in range(nv):
-    plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
+  if qkv:
+    for j in range(nk):
+      plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], qkv[0].at[j], bar)
+      plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], qkv[1].at[j], bar)
+    for j in range(nv):
+      plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], qkv[2].at[j], bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
+  # slab j of q, k or v (0, 1, 2) in registers, float32
+  tile = lambda i, j: _load(qkv[i].at[j] if qkv else (q_g, k_g, v_g)[i].at[rows, h, slab(j)]).astype(F32)
 
   shape = (BT, SLAB)
   row, col = _iota(0, shape), _iota(1, shape)
@@ -216,7 +224,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   for j in range(nv):
     put(x, *cts)                                             # du
     dvb = _acc([(aT, t) for t in cts], shape)
-    vx = _load(v_s.at[j]).astype(F32)
+    vx = tile(2, j)
     if store_dv is None:
       ov_g[rows, h, slab(j)] = (dvb * beta).astype(ov_g.dtype)
     else:
@@ -231,7 +239,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
                                     lambda: loads(gi_g, gf_g, *((dqg_g, dkg_g) if overlap else ()), j=j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
-    kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
+    kx, qx = tile(1, j), tile(0, j)
     dqg, dkg = early if overlap else loads(dqg_g, dkg_g, j=j)
     keg = kx * eg
     kb = beta * keg
@@ -297,7 +305,7 @@ def _in_place(body, n_lead, alias_du):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2, overlap=False):
+            tail_zeros=True, ct=2, overlap=False, staged=True):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap)
@@ -315,7 +323,7 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
       body,
       out_type=out_type,
       grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=_scratch(K, V, None if packed_T is None else dv_dtype),
+      scratch_types=_scratch(K, V, None if packed_T is None else dv_dtype, staged),
       compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
       kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -352,7 +360,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
-              ct=config.cotangent_terms, overlap=config.overlap_loads)
+              ct=config.cotangent_terms, overlap=config.overlap_loads, staged=config.stage_qkv)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
