@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from kda import confine, padding, pipeline, plan as planning, shapes, sharding, short, validate as runtime_checks
@@ -293,11 +294,17 @@ def _with_short(backward, plan, layout, L, lens, q, k, v, g, beta, h0, A_log, dt
   kda.short.split's."""
   rest, is_short, steps, any_long = short.split(layout, L, lens)
   with scope("short"):
-    o, wrote, states = short.run(plan, layout, is_short, steps, q, k, v, g, beta, h0, A_log, dt_bias)
-  if not any_long:
+    o, wrote, states = short.run(plan, layout, is_short, steps, q, k, v, g, beta, h0, A_log, dt_bias,
+                                 exact=lens is not None)
+  if any_long is False:
     return o, states
   at_short = is_short[:, None, None, None]
-  o_long, final_long = _core(backward, plan, rest, q, k, v, g, beta, jnp.where(at_short, 0.0, h0), A_log, dt_bias)
+  core = lambda *a: _core(backward, plan, rest, *a)
+  args = (q, k, v, g, beta, jnp.where(at_short, 0.0, h0), A_log, dt_bias)
+  if any_long is True:
+    o_long, final_long = core(*args)
+  else:                # traced lengths: the chunks of the worst-case layout run only where a sequence needs them
+    o_long, final_long = lax.cond(any_long, core, lambda *a: (jnp.zeros_like(o), jnp.zeros_like(states)), *args)
   with scope("short"):
     return jnp.where(wrote[None, :, None, None], o, o_long), jnp.where(at_short, states, final_long)
 

@@ -42,7 +42,8 @@ def split(layout: Layout, L: int, lens=None):
   """-> (the layout of the sequences longer than L, the short ones empty there; short [N] bool;
   steps: the static number of recurrence steps; long: whether any sequence is longer than L).
   lens: the lengths as numpy where the caller knows them (concrete cu_seqlens): then steps is the
-  longest short sequence's length and the layout's length exact; else L and the traced bound."""
+  longest short sequence's length, the layout's length exact and long a bool; else L, the traced
+  bound and long a traced () bool (the caller skips the chunks at run time where it is False)."""
   BT, T = layout.chunk_size, layout.T
   if lens is not None:
     lens = np.asarray(lens)
@@ -54,13 +55,15 @@ def split(layout: Layout, L: int, lens=None):
   rest = jnp.where(short, 0, layout.lens).astype(jnp.int32)
   longest = min(layout.N, T // (L + 1))          # sequences of more than L tokens among T
   Ta = shapes.round_up(T + longest * (BT - 1), BT) if longest else BT
-  return Layout(layout.starts, rest, aligned_cu_seqlens(rest, BT), T, Ta, BT), short, L, True
+  return Layout(layout.starts, rest, aligned_cu_seqlens(rest, BT), T, Ta, BT), short, L, jnp.any(~short)
 
 
-def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt_bias):
+def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt_bias, exact=True):
   """The recurrence on the short sequences: packed q, k [1, T, H, K], v [1, T, HV, V], g [1, T, HV, K],
   beta [1, T, HV], h0 [N, HV, K, V] -> (o [1, T, HV, V] in v's dtype, 0 at other tokens; the
-  tokens it wrote [T] bool; the states after the steps [N, HV, K, V] float32, 0 at long sequences)."""
+  tokens it wrote [T] bool; the states after the steps [N, HV, K, V] float32, 0 at long sequences).
+  exact=False (steps a bound, the lengths traced): a step no sequence reaches is skipped at run time
+  (lax.cond), forward and backward."""
   T, HV = q.shape[1], v.shape[2]
   F32 = jnp.float32
   t = jnp.arange(max(steps, 1), dtype=jnp.int32)
@@ -76,8 +79,13 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
   qs, ks, gs, vs, bs = (x.astype(F32) for x in (qs, ks, gs, take(v), take(beta)))
   S = jnp.where(short[:, None, None, None], h0.astype(F32), 0.0)
   outs = []
+  reached = jnp.any(active, axis=0)                                     # [steps]: some sequence has token t
   for i in range(steps):
-    S, o_i = _step(S, qs[:, i], ks[:, i], vs[:, i], gs[:, i], bs[:, i], plan.scale)
+    xs = (S, qs[:, i], ks[:, i], vs[:, i], gs[:, i], bs[:, i])
+    if exact or i == 0:
+      S, o_i = _step(*xs, plan.scale)
+    else:
+      S, o_i = lax.cond(reached[i], lambda *a: _step(*a, plan.scale), _idle, *xs)
     outs.append(o_i)
   o = jnp.zeros((T,) + v.shape[2:], v.dtype)
   wrote = jnp.zeros((T,), jnp.bool_)
@@ -86,6 +94,11 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
     o = o.at[idx].set(jnp.stack(outs, 1).reshape((-1,) + v.shape[2:]).astype(v.dtype), mode="drop")
     wrote = wrote.at[idx].set(True, mode="drop")
   return o[None], wrote, S
+
+
+def _idle(S, q, k, v, g, beta):
+  """A step no sequence reaches: S as it is, o = 0 (what _step gives there)."""
+  return S, jnp.zeros(v.shape, S.dtype)
 
 
 @jax.checkpoint      # the backward keeps the state entering each step, not the step's temporaries

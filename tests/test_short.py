@@ -52,6 +52,28 @@ def test_short_sequences_match_the_recurrence_forward_and_gradient(traced):
     np.testing.assert_allclose(a, b, atol=5e-5 * float(np.max(np.abs(b))), err_msg=name)
 
 
+def test_traced_lengths_skip_what_no_sequence_reaches():
+  """Traced cu_seqlens, every sequence short (at most 2 tokens of L = 4): the chunks of the
+  worst-case layout and the steps past the longest sequence sit behind run-time conditionals (one
+  for the chunks, one per step after the first), which skip them; o, the final states and every
+  gradient are the recurrence's."""
+  lens = [1, 2, 0, 1, 2, 1]
+  xs, h0, cu = _inputs(lens, seed=3)
+  call = lambda *a: kda.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=a[6])
+  ref = lambda q, k, v, g, beta, h0: recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                   cu_seqlens=cu)
+  o_r, s_r = ref(*xs, h0)
+  fn = jax.jit(call)
+  assert fn.lower(*xs, h0, jnp.asarray(cu)).as_text().count("stablehlo.case") == 1 + 3
+  o, s = fn(*xs, h0, jnp.asarray(cu))
+  np.testing.assert_allclose(o, o_r, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(s, s_r, atol=2e-5, rtol=2e-5)
+  g_k = jax.jit(jax.grad(_loss(call, o_r, s_r), argnums=range(6)))(*xs, h0, jnp.asarray(cu))
+  g_r = jax.grad(_loss(ref, o_r, s_r), argnums=range(6))(*xs, h0)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_k, g_r):
+    np.testing.assert_allclose(a, b, atol=5e-5 * float(np.max(np.abs(b))), err_msg=name)
+
+
 def test_short_len_zero_runs_every_sequence_through_the_chunks():
   xs, h0, cu = _inputs(LENS, seed=1)
   on = kda.chunk_kda(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
@@ -123,7 +145,7 @@ def test_split_bounds_the_chunks_layout():
   assert int(np.sum(is_short)) == 500 and np.asarray(rest.lens).tolist()[-1] == 130
   seen = []
   jax.eval_shape(lambda cu: seen.append(short.split(padding.layout_from_cu_seqlens(cu, T, 64), 4)[2]), cu)
-  assert seen[0] == 4                                                 # traced: L steps
+  assert seen[0] == 4                                                 # traced: L steps (a bound)
   jax.eval_shape(lambda cu: seen.append(short.split(padding.layout_from_cu_seqlens(cu, T, 64), 4)[0].Ta), cu)
   assert seen[1] == -(-(T + (T // 5) * 63) // 64) * 64                   # at most T // 5 long ones
 
