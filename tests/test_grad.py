@@ -342,11 +342,10 @@ def test_segment_ids_padding_tokens_get_zero_gradient():
     assert np.all(np.asarray(got[n])[pad] == 0), f"d{n} is not 0 at segment id 0"
 
 
-def test_fallback_s0_hands_the_backward_kernels_their_bf16_operands():
-  """impl="mosaic_gpu" (simulator), H = 1, K = V = 64, bf16: S0's gate kernel refuses HV * K = 64 and
-  its xla fallback runs; kda.plan.run rounds that record to what the Mosaic GPU S0 stores (bf16 w,
-  u, qg, kg, h, v_new; gc float32), so S1 bwd_dav and S2 bwd_dh run their kernels on it. The
-  gradient of this mixed plan matches the recurrence's within the bf16 tolerance."""
+def test_narrow_heads_run_the_s0_kernels_with_the_xla_gate():
+  """impl="mosaic_gpu" (simulator), H = 1, K = V = 64, bf16: the gate kernels refuse HV * K = 64, so
+  S0 takes gc from the XLA gate and still runs its wy and state kernels, and S1, S2 theirs on its
+  bf16 record; the gradient matches the recurrence's within the bf16 tolerance."""
   case = Case((3, 70, 1), dtype="bf16", K=64, V=64, H=1, HV=1)
   p, cu, Wo, Wh = inputs(case, seed=5)
 
@@ -355,12 +354,11 @@ def test_fallback_s0_hands_the_backward_kernels_their_bf16_operands():
                           output_final_state=True, cu_seqlens=cu, impl="mosaic_gpu")
     return loss_value(o, ht, Wo, Wh)
 
-  grad = jax.jit(jax.grad(loss))
   with planning.recording() as log:
-    got = grad(p, cu, Wo, Wh)
+    got = jax.jit(jax.grad(loss))(p, cu, Wo, Wh)
   runs = {c.name: c.backend for c in log}
-  assert runs["bwd_recompute"] == "xla" and runs["bwd_dav"] == runs["bwd_dh"] == "mosaic_gpu", runs
-  compare("fallback S0, K64 bf16", got, recurrence_grad(case)(p, cu, Wo, Wh), TOL["bf16"], record=False)
+  assert runs["gate"] == "xla" and runs["bwd_recompute"] == runs["bwd_dav"] == runs["bwd_dh"] == "mosaic_gpu", runs
+  compare("narrow S0, K64 bf16", got, recurrence_grad(case)(p, cu, Wo, Wh), TOL["bf16"], record=False)
 
 
 if __name__ == "__main__":

@@ -422,7 +422,8 @@ def test_backends_records_each_choice_and_the_refusals():
             backward=True)
   by_name = lambda log: {c.name: c for c in log}
   small = by_name(backends.choices([3, 70, 1], K=64, V=64, **kw))
-  for name in ("gate", "bwd_recompute", "bwd_gate"):
+  assert small["bwd_recompute"] == planning.Choice("bwd_recompute", "mosaic_gpu", ())   # with the XLA gate
+  for name in ("gate", "bwd_gate"):
     assert small[name].backend != "mosaic_gpu", name
     (backend, why), = small[name].refused
     assert backend == "mosaic_gpu" and "multiple of 128" in why, (name, why)

@@ -29,8 +29,8 @@ TOL = {"gc_int": 0.0, "gc_frac": 1e-6,
        "w": 6e-3, "u": 1.1e-2, "qg": 6e-3, "kg": 4e-3, "h": 5e-3, "v_new": 1.2e-2}
 
 
-def _inputs(K, V, gate_kind):
-  inp = cases.make_inputs(3, lens=[30, 64, 0, 65, 1], H=2, HV=2, K=K, V=V, gate=gate_kind, extra_T=5)
+def _inputs(K, V, gate_kind, HV=2):
+  inp = cases.make_inputs(3, lens=[30, 64, 0, 65, 1], H=HV, HV=HV, K=K, V=V, gate=gate_kind, extra_T=5)
   layout = padding.layout_from_cu_seqlens(inp.cu_seqlens, inp.q.shape[1], BT)
   raw = gate_kind == "raw"
   plan = planning.make_plan(scale=K ** -0.5, chunk_size=BT, use_gate_in_kernel=raw, impl="reference")
@@ -67,6 +67,26 @@ def test_recompute_kernels_match_reference(K, V, gate_kind):
   bad = jax.jit(functools.partial(mgr.wy_from_saved, interpret=True))(
       q, k, v, beta, got.gc_int, got.gc_frac, bwd_setup_transpose(Ainv))
   assert float(jnp.max(jnp.abs(f32(bad[0]) - f32(got.w)))) > 3 * TOL["w"] * float(jnp.max(jnp.abs(f32(got.w))))
+
+
+def test_narrow_heads_take_the_xla_gate():
+  """HV * K = 64 (one head of 64 columns): the gate kernel refuses (one thread per column, groups
+  of 128), so gc comes from the XLA gate and the wy and state kernels still run: the stage takes
+  the call, matches the reference S0 and lowers to two Mosaic GPU kernels."""
+  plan, layout, (q, k, v, g, beta, valid, A_log, dt_bias, h0) = _inputs(64, 64, "raw", HV=1)
+  kw = plan.stage_kwargs("bwd_recompute")
+  assert "multiple of 128" in gate.mosaic_gpu.supports(g, valid, A_log, dt_bias, **{
+      n: kw[n] for n in ("chunk_size", "use_gate_in_kernel", "lower_bound")})
+  assert mgr.supports(q, k, v, g, beta, valid, A_log, dt_bias, None, h0, layout.aligned_cu, **kw) is None
+  f32 = lambda x: x.astype(jnp.float32)
+  Ainv = _saved_inverse(q, k, v, g, beta, valid, A_log, dt_bias, kw)
+  args = (q, k, v, g, beta, valid, A_log, dt_bias, Ainv, h0, layout.aligned_cu)
+  want = jax.jit(functools.partial(bwd_recompute.reference.apply, **kw))(
+      f32(q), f32(k), f32(v), *args[3:8], f32(Ainv), *args[9:])
+  got = jax.jit(functools.partial(mgr.apply, interpret=True, **kw))(*args)
+  _compare(got, want, valid, TOL)
+  txt = jax.jit(functools.partial(mgr.apply, **kw)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 2
 
 
 def _compare(got, want, valid, tol):

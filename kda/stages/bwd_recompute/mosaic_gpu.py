@@ -5,7 +5,10 @@ inputs; between them one kernel of this module forms w, u, qg, kg from the SAVED
 forward's intra kernel stores it), as the reference S0 does: no Akk, no scores, no solve. Outputs
 follow the dtype policy: gc float32; w, u, qg, kg, h, v_new bf16, as the forward's kernels store
 them for bf16 inputs (the backward stages upcast what they read). The predicate `supports` is the
-conjunction of the three kernels' (bf16 q, k, v; chunk_size 64; K, V in {64, 128}; shapes; SMEM).
+conjunction of the wy and state kernels' (bf16 q, k, v; chunk_size 64; K, V in {64, 128}; shapes;
+SMEM) and, for packed g, the gate kernel's. Where the gate kernel refuses an aligned call (HV * K
+not a multiple of 128: one thread per column) the XLA gate forms gc, as the forward's gate stage did
+there, so the state walk still runs its kernel (the XLA state stage is a scan over every chunk).
 
 The wy kernel: one program (one warpgroup) per (value head, chunk), grid (HV, NTa) with the chunks
 on CUDA's grid x: q, k, v and Ainv by TMA into swizzled bf16 tiles (per 64-column slab), gc's two
@@ -36,6 +39,7 @@ from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_recompute import Out
 from kda.stages.gate import exponent
 from kda.stages.gate import mosaic_gpu as gate_mgpu
+from kda.stages.gate import xla as gate_xla
 from kda.stages.state import mosaic_gpu as state_mgpu
 
 BT = SLAB = 64
@@ -95,18 +99,14 @@ def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
 
 def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
              use_gate_in_kernel, lower_bound, config=None, rows=None, **_) -> Optional[str]:
-  """The stage's predicate: None if the gate, wy and state kernels take the call, else the first
-  reason. rows (a padding.ChunkRows): g is packed [1, T, HV, K] and the gate kernel's packed mode
-  is asked (valid unused). Ainv may be None (a question before the forward has run)."""
+  """The stage's predicate: None if the wy and state kernels take the call, else the first reason.
+  rows (a padding.ChunkRows): g is packed [1, T, HV, K] and the gate kernel's packed mode is asked
+  too (valid unused); aligned g takes the gate kernel or, where it refuses, the XLA gate. Ainv may be None (a question before the forward has run)."""
   del config                      # no switch changes what the kernels take
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   S = jax.ShapeDtypeStruct
-  if rows is not None:
-    reason = gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw)
-  else:
-    reason = gate_mgpu.takes(g, valid, A_log, dt_bias, **gkw)
-  if reason is not None:
-    return reason
+  if rows is not None and (reason := gate_mgpu.packed_takes(g, rows, A_log, dt_bias, **gkw)) is not None:
+    return reason                 # aligned g: the XLA gate where the kernel refuses (`apply`)
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
   reason = _wy_reason(q, k, v, beta, Ainv, aligned_cu)
@@ -302,8 +302,10 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   if rows is not None:
     gt = gate_mgpu.packed(g, rows, A_log, dt_bias, interpret=interpret, tail_zeros=tail_zeros,
                           **({} if seg is None else dict(seg=seg)), **gkw)
-  else:
+  elif gate_mgpu.takes(g, valid, A_log, dt_bias, **gkw) is None:
     gt = gate_mgpu.apply(g, valid, A_log, dt_bias, interpret=interpret, **gkw)
+  else:                      # e.g. HV * K = 64: the forward's gate stage ran XLA there too
+    gt = gate_xla.apply(g, valid, A_log, dt_bias, **gkw)
   w, u, qg, kg, *pr = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, aligned_cu, interpret=interpret,
                                     config=config, tail_zeros=tail_zeros, probe=probe)
   elide = dict(zero_h0=True, store_final=False) if zero_h0 else {}
