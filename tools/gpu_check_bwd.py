@@ -48,7 +48,8 @@ def _variants():
           "bwd_dh": {"input_order": dh.Config(longest_first=False)},
           "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False), "overlap_loads": wy.Config(overlap_loads=True),
                      "qkv_in_registers": wy.Config(stage_qkv=False),
-                     "qkv_in_registers+overlap": wy.Config(stage_qkv=False, overlap_loads=True)},
+                     "qkv_in_registers+overlap": wy.Config(stage_qkv=False, overlap_loads=True),
+                     "split": wy.Config(split=True)},
           "bwd_intra": {"no_skip_tail": intra.Config(skip_tail=False)}}
 
 

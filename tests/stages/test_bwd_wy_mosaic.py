@@ -306,7 +306,8 @@ def _lowered_text(config, K, V):
 
 # every Config field off its default
 FLIPPED = {"approx_math": False, "skip_tail": False, "cotangent_terms": 3 - mgw.Config().cotangent_terms,
-           "overlap_loads": not mgw.Config().overlap_loads, "stage_qkv": not mgw.Config().stage_qkv}
+           "overlap_loads": not mgw.Config().overlap_loads, "stage_qkv": not mgw.Config().stage_qkv,
+           "split": not mgw.Config().split}
 
 
 @pytest.mark.parametrize("field", sorted(FLIPPED))
@@ -408,6 +409,56 @@ def test_load_schedules_give_the_same_bits(K, V, packed):
                                       f"{name} ct={ct} {label}")
   for schedule in SCHEDULES.values():
     assert "stablehlo.custom_call @mosaic_gpu" in _lowered(mgw.Config(**schedule), K, V)
+
+
+@pytest.mark.parametrize("case,packed", [("K64-V64-HV2-40_64", False), ("K128-V128-HV1-130", False),
+                                         ("K128-V128-HV1-130", True)], ids=["K64", "K128", "K128-packed"])
+def test_split_kernel_matches_the_in_order_kernel(case, packed):
+  """Config(split=True): one program per (slab, head, chunk), every operand by TMA up front. Every
+  output but dbeta and dAkk bit for bit the in-order kernel's; those two are sums over the slabs'
+  parts (float32 associated by slab: the same bits at one slab, K = 64), and all within the
+  reference's tolerance (simulator; aligned, and packed dv with a gap)."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  lens, Ta, HV, K, V = CASES[case]
+  args, _ = make_inputs(case, "strong")
+  kw = {}
+  if packed:
+    layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - 128) // BT)
+    rows = padding.chunk_rows(layout)
+    kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
+    args = args + (layout.aligned_cu,)
+  run = lambda **c: jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
+                                              dv_dtype=BF16 if packed else None,
+                                              config=dataclasses.replace(EXACT, **c), **kw))(*args)
+  got, want = run(split=True), run()
+  for name in FIELDS:
+    a, b = np.asarray(getattr(got, name).astype(F32)), np.asarray(getattr(want, name).astype(F32))
+    if name in ("dbeta", "dAkk") and K > 64:
+      assert np.abs(a - b).max() <= 3e-5 * np.abs(b).max(), name
+    else:
+      np.testing.assert_array_equal(a, b, name)
+  if not packed:
+    errs = errors(got, bwd_wy.reference.apply(*args, chunk_size=BT))
+    assert not failures(errs), fmt(errs)
+
+
+def test_split_kernel_lowers_in_one_cta():
+  """The split kernel lowers for CUDA (K = V = 128, aligned and packed dv) with `split.smem_bytes`
+  of SMEM, one CTA per SM; K != V runs the in-order kernel whatever the switch."""
+  from kda import padding
+  S = jax.ShapeDtypeStruct
+  cfg = mgw.Config(split=True)
+  args = _abstract(4096, 16, 128, 128) + (S((9,), jnp.int32),)
+  smem = lowered_smem_bytes(lambda *a: mgw.apply(*a, chunk_size=BT, config=cfg), *args)
+  assert smem == mgw.split.smem_bytes() and SMEM_TWO_CTAS < smem <= 232448
+  Ta, T = 4096, 4000
+  i32 = lambda *shape: S(shape, jnp.int32)
+  f = lambda *a: mgw.apply(*a[:13], chunk_size=BT, dv_dtype=BF16, rows=padding.ChunkRows(*a[13:15]),
+                           pieces=a[15], T=T, config=cfg)
+  packed = (*_abstract(Ta, 16, 128, 128), i32(5), i32(Ta // BT), i32(Ta // BT), i32(2, T // BT + 6))
+  assert lowered_smem_bytes(f, *packed) == mgw.split.smem_bytes(BF16)
+  assert _lowered(cfg, 64, 128) == _lowered(mgw.Config(), 64, 128)
 
 
 def test_qkv_in_registers_needs_less_smem():

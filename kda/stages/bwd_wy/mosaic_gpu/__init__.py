@@ -65,6 +65,7 @@ from kda._mosaic_gpu import packed_chunk, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_wy import Out
+from kda.stages.bwd_wy.mosaic_gpu import split
 from kda.stages.gate import exponent
 
 BT = 64
@@ -90,6 +91,10 @@ class Config:
   # q, k, v staged in SMEM by TMA at the start (True), or read from GMEM into registers where they
   # are used (False: 48 KiB less SMEM at K = V = 128, room for more CTAs per SM where registers allow)
   stage_qkv: bool = True
+  # K == V: one program per (64-column slab, head, chunk), every operand of the slab by TMA up front
+  # in three groups (kda.stages.bwd_wy.mosaic_gpu.split), dbeta and dAkk summed over the slabs by
+  # XLA; one CTA per SM. overlap_loads and stage_qkv do not apply there; K != V runs the kernel above
+  split: bool = False
 
   def __post_init__(self):
     if self.cotangent_terms not in (1, 2):
@@ -117,7 +122,7 @@ def smem_bytes(K, V, stage_dtype=None, staged=True):
 
 
 def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-            stage_dtype=None) -> Optional[str]:
+            stage_dtype=None, config=None) -> Optional[str]:
   """What the kernel can run (any float dtypes); `apply` raises with it."""
   reason, dims = tile_shapes(BT, "k", k, "v", v)
   if reason is not None:
@@ -140,7 +145,10 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
-  return smem_reason(smem_bytes(K, V, stage_dtype), "bwd_wy")
+  config = config or Config()
+  need = (split.smem_bytes(stage_dtype) if config.split and K == V else
+          smem_bytes(K, V, stage_dtype, config.stage_qkv))
+  return smem_reason(need, "bwd_wy")
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
@@ -149,11 +157,10 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, a
   what the kernel can run (rows given: packed dv, its stage in dv_dtype counted), q, k, v and Ainv
   must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
   `apply` itself rounds float32 ones to bf16)."""
-  del config                      # no switch changes what the kernel takes
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
   stage = None if rows is None else jnp.dtype(dv_dtype or F32)
-  reason = _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu, stage)
+  reason = _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu, stage, config)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v), ("Ainv", Ainv))
@@ -303,27 +310,51 @@ def _in_place(body, n_lead, alias_du):
   return wrapped
 
 
+def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2):
+  """The split kernel's packed dv: program (p, h, c) stores its slab of its chunk's dv rows packed
+  and zeroes the gap pieces c, c + NTa, ... of that slab."""
+  *refs, stage = refs
+  ov_g = refs[14]
+  p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
+  dst = lambda ds: ov_g.at[ds, h, pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)]
+  packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
+               lambda store: split.body(*refs, ct=ct, store_dv=lambda x: store(dst, x)),
+               (lambda: split.zeros_body(*refs, dv=False)) if tail_zeros else None, [dst], BT)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2, overlap=False, staged=True):
+            tail_zeros=True, ct=2, overlap=False, staged=True, split_slabs=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
-  body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap)
+  stage_dtype = None if packed_T is None else dv_dtype
+  lanes = dict(tail_zeros=False) if not tail_zeros else {}
+  if split_slabs:
+    body, zeros_body = functools.partial(split.body, ct=ct), split.zeros_body
+    packed_body = functools.partial(_split_packed_body, ct=ct, **lanes)
+  else:
+    body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap)
+    zeros_body = functools.partial(_zeros, nk=nk, nv=nv)
+    packed_body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, overlap=overlap, **lanes)
   if packed_T is not None:
-    body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, overlap=overlap,
-                             **({} if tail_zeros else dict(tail_zeros=False)))
+    body = packed_body
   elif skip_tail:
-    body = skipping_tail(body, functools.partial(_zeros, nk=nk, nv=nv) if tail_zeros else None)
+    body = skipping_tail(body, zeros_body if tail_zeros else None)
   n_lead = 4 if packed_T is not None else int(skip_tail)      # src, count, pieces, aligned_cu
   body = _in_place(body, n_lead, alias_du=K == V)
   Tv = Ta if packed_T is None else packed_T
-  # fresh outputs: dv, dbeta^T, dAkk (and dg_state where K != V); dq, dk, dgc (dg_state) in place
-  out_type = (out(Tv, HV, V, dtype=dv_dtype), out(HV, Ta), out(Ta, HV, BT)) + (() if K == V else (out(Ta, HV, K),))
+  # fresh outputs: dv, dbeta^T, dAkk (per slab where split; and dg_state where K != V); dq, dk, dgc
+  # (dg_state) in place
+  parts = (nk,) if split_slabs else ()
+  out_type = ((out(Tv, HV, V, dtype=dv_dtype), out(*parts, HV, Ta), out(*parts, Ta, HV, BT))
+              + (() if K == V else (out(Ta, HV, K),)))
+  grid = dict(grid=(nk, HV, Ta // BT), grid_names=("p", "h", "c")) if split_slabs else dict(
+      grid=(HV, Ta // BT), grid_names=("h", "c"))
   return plgpu.kernel(
       body,
       out_type=out_type,
-      grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=_scratch(K, V, None if packed_T is None else dv_dtype, staged),
+      **grid,
+      scratch_types=split.scratch(stage_dtype) if split_slabs else _scratch(K, V, stage_dtype, staged),
       compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
       kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -347,7 +378,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   dv_dtype = jnp.dtype(dv_dtype or F32)
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
             _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-                    dv_dtype if packed else None))
+                    dv_dtype if packed else None, config))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
   _, Ta, HV, K = k.shape
@@ -358,15 +389,19 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
     raise ValueError(f"mosaic_gpu bwd_wy kernel: packed dv (rows given) needs aligned_cu, pieces and a static "
                      f"int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
+  split_slabs = config.split and K == V
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
-              ct=config.cotangent_terms, overlap=config.overlap_loads, staged=config.stage_qkv)
+              ct=config.cotangent_terms, overlap=config.overlap_loads, staged=config.stage_qkv,
+              split_slabs=split_slabs)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
   ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
   refs = [jax.new_ref(f32(x)) for x in (dqg, dkg, dw, du)]     # S2's terms: dq, dk, dgc (dg_state) in place
   dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
+  if split_slabs:                  # the slabs' parts
+    dbeta, dAkk = jnp.sum(dbeta, 0), jnp.sum(dAkk, 0)
   dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
   dg_state = du_out if K == V else dg_state[0]
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])

@@ -1,0 +1,139 @@
+"""bwd_wy's split kernel (Config.split, K == V): one program per (slab p, value head h, chunk c).
+
+Program p takes the 64 columns p of K and of V (the in-order kernel's K slab p and V slab p), so
+K / 64 programs share a chunk. Every operand of its slab arrives by TMA at the start, in three
+groups on their own barriers in the order of first use, so the first products run while the later
+operands are in flight:
+
+    0: du (float32), Ainv, v             dvb = Ainv^T du, dv, vb = beta v, dAinv_p = du vb^T
+    1: dw, gc_int, gc_frac (float32), k, q  dkb = Ainv^T dw, eg, el, kb = beta k eg, dAinv_p += dw kb^T
+    2: dqg, dkg (float32)                dq, dk, dgc, dg_state = L (dkg kg) + dgc_last
+
+with the in-order kernel's formulas and operand splits (kda.stages.bwd_wy.mosaic_gpu). dAinv is a
+sum over every slab and dAkk = strict_tril(-Ainv^T dAinv Ainv^T) is linear in it, so each program
+stores its own part dAkk_p (and its part of dbeta) and the launcher adds the K / 64 parts (XLA):
+the same math, float32 sums associated by slab. In place as the in-order kernel: each operand of
+the slab has landed (its barrier waited) before the outputs that share its buffer are written.
+
+SMEM per program (`smem_bytes`): q, k, v, Ainv, four work tiles and L ([64, 64] bf16, 8 KiB each),
+six [64, 64] float32 landings (96 KiB), the reduction scratch and three barriers: 172168 bytes,
+one CTA per SM.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, zeros
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
+from kda._mosaic_gpu import smem_bytes as _smem_bytes
+from kda.stages.gate import exponent
+
+BT = SLAB = 64
+GROUPS = (3, 5, 2)       # TMA copies per barrier: (du, Ainv, v), (dw, gc_int, gc_frac, k, q), (dqg, dkg)
+
+
+def scratch(stage_dtype=None):
+  """The split kernel's scratch types; stage_dtype: packed dv's plain stage (None: aligned)."""
+  return [
+      _swz((BT, SLAB)), _swz((BT, SLAB)), _swz((BT, SLAB)),                 # q, k, v
+      _swz((BT, BT)),                                                     # Ainv
+      *[plgpu.SMEM((BT, SLAB), F32) for _ in range(6)],                   # du, dw, gc_int, gc_frac, dqg, dkg
+      *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
+      _swz((BT, BT)),                                                     # L
+      *[plgpu.Barrier(num_arrivals=n) for n in GROUPS],
+      *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
+  ]
+
+
+def smem_bytes(stage_dtype=None):
+  """Shared memory per program (the body's dbeta row sums reserve the reduction scratch)."""
+  return _smem_bytes(scratch(stage_dtype), reduction=True)
+
+
+def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
+         oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
+         q_s, k_s, v_s, a_s, du_s, dw_s, gi_s, gf_s, dqg_s, dkg_s, t0, t1, t2, t3, l_s, *bars,
+         store_dv=None, ct=1):
+  """Program (p, h, c); odb_g [P, HV, Ta] and oa_g [P, Ta, HV, 64] take its parts of dbeta, dAkk."""
+  p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  cols = pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)
+  at = lambda ref: ref.at[rows, h, cols]
+  groups = (((at(du_g), du_s), (a_g.at[rows, h, :], a_s), (at(v_g), v_s)),
+            ((at(dw_g), dw_s), (at(gi_g), gi_s), (at(gf_g), gf_s), (at(k_g), k_s), (at(q_g), q_s)),
+            ((at(dqg_g), dqg_s), (at(dkg_g), dkg_s)))
+  for bar, group in zip(bars, groups):
+    for src, dst in group:
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+
+  shape = (BT, SLAB)
+  row, col = _iota(0, shape), _iota(1, shape)
+  strict = col < row
+  l_s[...] = jnp.where(strict, 1.0, 0.0).astype(BF16)       # L: the exclusive row cumsum
+  beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
+
+  def put(x, *tiles):
+    for t, part in zip(tiles, _split(x, len(tiles))):
+      t[...] = part
+    plgpu.commit_smem()
+
+  aT = a_s.T
+  cts = (t0, t1)[:ct]                # the cotangent's bf16 terms
+  cross = [(t0, t2.T), (t0, t3.T)] + ([(t1, t2.T)] if ct == 2 else [])   # (du or dw) @ (vb or kb)^T
+
+  plgpu.barrier_wait(bars[0])
+  put(_load(du_s), *cts)                                     # du
+  dvb = _acc([(aT, t) for t in cts], shape)
+  vx = _load(v_s).astype(F32)
+  if store_dv is None:
+    ov_g[rows, h, cols] = (dvb * beta).astype(ov_g.dtype)
+  else:
+    store_dv(dvb * beta)
+  dbeta = jnp.sum(dvb * vx, axis=1)
+  put(beta * vx, t2, t3)                                     # vb
+  dAinv = _acc(cross, shape)
+  plgpu.barrier_wait(bars[1])
+  put(_load(dw_s), *cts)                                     # dw
+  dkb = _acc([(aT, t) for t in cts], shape)
+  gi, gf = _load(gi_s), _load(gf_s)
+  eg = jnp.exp(exponent(gi, gf))
+  el = jnp.exp(exponent(last_row(gi_g, c, h, cols, shape), last_row(gf_g, c, h, cols, shape), gi, gf))
+  kx, qx = _load(k_s).astype(F32), _load(q_s).astype(F32)
+  keg = kx * eg
+  kb = beta * keg
+  dbeta = dbeta + jnp.sum(dkb * keg, axis=1)
+  put(kb, t2, t3)
+  dAinv = dAinv + _acc(cross, shape)
+  plgpu.barrier_wait(bars[2])
+  dqg, dkg = _load(dqg_s), _load(dkg_s)
+  oq_g[rows, h, cols] = dqg * eg
+  ok_g[rows, h, cols] = dkg * el + dkb * beta * eg
+  og_g[rows, h, cols] = dqg * qx * eg + dkb * kb
+  put(dkg * (kx * el), t0, t1, t2)                           # dkg kg, in three terms
+  before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
+  dgl = _load(dgl_g.at[c, h, cols], COL)
+  ogs_g[rows, h, cols] = before + lax.broadcast_in_dim(dgl, shape, [1])
+  put(dAinv, t0, t1)
+  pa = _acc([(t0, aT), (t1, aT)], shape)                     # dAinv_p @ Ainv^T
+  put(pa, t2, t3)
+  m = _acc([(aT, t2), (aT, t3)], shape)                      # Ainv^T @ that
+  oa_g[p, rows, h, :] = jnp.where(strict, -m, 0.0)
+  odb_g[p, h, rows] = dbeta
+
+
+def zeros_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
+               oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, dv=True):
+  """A tail chunk's zeros at program (p, h, c)'s slab (dv's too unless packed), nothing read."""
+  p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  cols = pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)
+  z = zeros((BT, SLAB))
+  if dv:
+    ov_g[rows, h, cols] = z.astype(ov_g.dtype)
+  for o_g in (oq_g, ok_g, og_g, ogs_g):
+    o_g[rows, h, cols] = z
+  oa_g[p, rows, h, :] = z
+  odb_g[p, h, rows] = zeros((BT,), ROW)
