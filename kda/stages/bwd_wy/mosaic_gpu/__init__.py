@@ -29,7 +29,12 @@ reads S2's terms, XLA writes the results into their buffers.
 
 SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four work tiles and L,
 [64, 64] bf16 tiles of 8 KiB, the reduction scratch of dbeta's row sums and a barrier: 100360 bytes
-at K = V = 128, two CTAs per SM.
+at K = V = 128, two CTAs per SM (Config.stage_qkv=False: no q, k, v tiles, 51208 bytes; q, k, v
+then come from GMEM into registers where they are used).
+
+Config.split (K == V): the split kernel (`split`, its own module): one program per (64-column slab,
+head, chunk), each operand of its slab by TMA up front in three groups awaited in order of first
+use, dbeta and dAkk stored per slab and added by the launcher; one CTA per SM.
 
 Precision: every float32 wgmma operand is a hi + lo bf16 split (three wgmmas: hi hi, hi lo, lo hi,
 ~2^-16 relative; one term less where a side is bf16-exact: a, L) but du and dw, which enter as one
