@@ -304,7 +304,8 @@ def _with_short(backward, plan, layout, L, lens, q, k, v, g, beta, h0, A_log, dt
   if any_long is True:
     o_long, final_long = core(*args)
   else:                # traced lengths: the chunks of the worst-case layout run only where a sequence needs them
-    o_long, final_long = lax.cond(any_long, core, lambda *a: (jnp.zeros_like(o), jnp.zeros_like(states)), *args)
+    none = lambda *a: vary_like((jnp.zeros_like(o), jnp.zeros_like(states)), *a, rest.starts, rest.lens)
+    o_long, final_long = lax.cond(any_long, core, none, *args)
   with scope("short"):
     return jnp.where(wrote[None, :, None, None], o, o_long), jnp.where(at_short, states, final_long)
 

@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from kda import shapes
+from kda._vma import vary_like
 from kda.padding.layout import Layout, aligned_cu_seqlens, make_layout
 from kda.stages.gate import activate
 from kda.steps import query_keys
@@ -97,8 +98,9 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
 
 
 def _idle(S, q, k, v, g, beta):
-  """A step no sequence reaches: S as it is, o = 0 (what _step gives there)."""
-  return S, jnp.zeros(v.shape, S.dtype)
+  """A step no sequence reaches: S as it is, o = 0 (what _step gives there; under shard_map both
+  vary as _step's results do)."""
+  return vary_like((S, jnp.zeros(v.shape, S.dtype)), q, k, v, g, beta)
 
 
 @jax.checkpoint      # the backward keeps the state entering each step, not the step's temporaries
