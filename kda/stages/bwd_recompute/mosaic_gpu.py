@@ -101,7 +101,8 @@ def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, align
              use_gate_in_kernel, lower_bound, config=None, rows=None, **_) -> Optional[str]:
   """The stage's predicate: None if the wy and state kernels take the call, else the first reason.
   rows (a padding.ChunkRows): g is packed [1, T, HV, K] and the gate kernel's packed mode is asked
-  too (valid unused); aligned g takes the gate kernel or, where it refuses, the XLA gate. Ainv may be None (a question before the forward has run)."""
+  too (valid unused); aligned g takes the gate kernel or, where it refuses, the XLA gate. Ainv may
+  be None (a question before the forward has run)."""
   del config                      # no switch changes what the kernels take
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   S = jax.ShapeDtypeStruct
