@@ -42,13 +42,10 @@ def _variants():
   from kda.stages.bwd_intra import mosaic_gpu as intra
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
   from kda.stages.bwd_wy import mosaic_gpu as wy
-  return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False),
-                            "qkv_in_registers": recompute.Config(stage_qkv=False)},
+  return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False)},
           "bwd_dav": {"no_skip_tail": dav.Config(skip_tail=False)},
           "bwd_dh": {"input_order": dh.Config(longest_first=False)},
           "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False), "overlap_loads": wy.Config(overlap_loads=True),
-                     "qkv_in_registers": wy.Config(stage_qkv=False),
-                     "qkv_in_registers+overlap": wy.Config(stage_qkv=False, overlap_loads=True),
                      "split": wy.Config(split=True)},
           "bwd_intra": {"no_skip_tail": intra.Config(skip_tail=False)}}
 

@@ -173,7 +173,7 @@ def test_wy_from_saved_lowers_for_cuda():
     assert smem == want == mgr.smem_bytes(K, V), (K, V, smem)
 
 
-FLIPPED = {"approx_math": False, "skip_tail": False, "stage_qkv": False}    # every Config field off its default
+FLIPPED = {"approx_math": False, "skip_tail": False}    # every Config field off its default
 
 
 @pytest.mark.parametrize("field", sorted(FLIPPED))
@@ -212,36 +212,6 @@ def test_wy_skip_tail_reads_nothing_there():
   for name, x, y in zip(("w", "u", "qg", "kg"), flipped, want):
     x, y = np.asarray(x.astype(jnp.float32)), np.asarray(y)
     assert np.abs(x - y).max() <= 8e-3 * np.abs(y).max(), name
-
-
-@pytest.mark.parametrize("tail_zeros", [True, False])
-def test_wy_qkv_in_registers_gives_the_same_bits(tail_zeros):
-  """Config(stage_qkv=False) reads q, k, v from GMEM into registers and stores qg, kg from there:
-  w, u, qg, kg and the probe bit for bit the staged kernel's (simulator, a live chunk and a tail
-  chunk, with and without its zeros); 48 KiB less SMEM at K = V = 128, as lowered."""
-  from tests.stages import bwd_setup
-  Ta, HV, K, V = 192, 2, 128, 64
-  q, k, v, A, gi = bwd_setup.randn(5, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT), (1, Ta, HV, K))
-  (b,) = bwd_setup.randn(6, (1, Ta, HV))
-  gc = jnp.cumsum((-jnp.abs(gi) * 0.05).reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
-  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False)
-  args = [x.astype(jnp.bfloat16) for x in (q, k, v, jax.nn.sigmoid(b))] + [gc, jnp.zeros_like(gc),
-                                                                           A.astype(jnp.bfloat16)]
-  acu = jnp.asarray([0, 64, 128], jnp.int32)
-  run = lambda staged: jax.jit(functools.partial(
-      mgr.wy_from_saved, interpret=True, probe=True, tail_zeros=tail_zeros,
-      config=mgr.Config(stage_qkv=staged)))(*args, acu)
-  got, want = run(False), run(True)
-  live = slice(None, 128) if not tail_zeros else slice(None)       # the tail is left unwritten without zeros
-  for name, x, y in zip(("w", "u", "qg", "kg", "probe"), got, want):
-    x, y = (np.asarray(a.astype(jnp.float32)) for a in (x, y))
-    if name != "probe":
-      x, y = x[:, live], y[:, live]
-    np.testing.assert_array_equal(x, y, name)
-  assert float(np.abs(np.asarray(got[0].astype(jnp.float32))[:, :128]).max()) > 0
-  smem = lowered_smem_bytes(functools.partial(mgr.wy_from_saved, config=mgr.Config(stage_qkv=False)),
-                            *_wy_abstract(4096, 16, 128, 128))
-  assert smem == mgr.smem_bytes(128, 128, staged=False) == mgr.smem_bytes(128, 128) - 6 * 8192
 
 
 def test_wy_probe_marks_every_non_finite_input():

@@ -306,7 +306,7 @@ def _lowered_text(config, K, V):
 
 # every Config field off its default
 FLIPPED = {"approx_math": False, "skip_tail": False, "cotangent_terms": 3 - mgw.Config().cotangent_terms,
-           "overlap_loads": not mgw.Config().overlap_loads, "stage_qkv": not mgw.Config().stage_qkv,
+           "overlap_loads": not mgw.Config().overlap_loads,
            "split": not mgw.Config().split}
 
 
@@ -375,17 +375,12 @@ def test_packed_dv_equals_aligned_unaligned(case, gaps):
     mgw.apply(*args, chunk_size=BT, rows=rows, pieces=pieces, T=layout.T)
 
 
-# the load schedules: every one gives the in-order kernel's bits
-SCHEDULES = {"overlap": dict(overlap_loads=True), "qkv_in_registers": dict(stage_qkv=False),
-             "both": dict(overlap_loads=True, stage_qkv=False)}
-
-
 @pytest.mark.parametrize("K,V,packed", [(128, 128, False), (64, 128, True)])
-def test_load_schedules_give_the_same_bits(K, V, packed):
-  """Config(overlap_loads=True) issues the later operands' loads while the products run, and
-  Config(stage_qkv=False) reads q, k, v from GMEM where they are used: every output bit for bit the
-  in-order kernel's (simulator; aligned, and packed dv with a gap), each cotangent-term count; each
-  schedule lowers for CUDA (each operand still read before its rows are written in place)."""
+def test_overlapped_loads_give_the_same_bits(K, V, packed):
+  """Config(overlap_loads=True) issues the later operands' loads while the products run: every
+  output bit for bit the in-order kernel's (simulator; aligned, and packed dv with a gap), each
+  cotangent-term count; and it lowers for CUDA (each operand still read before its rows are
+  written in place)."""
   from kda import padding
   from tests.stages.test_gate_mosaic import packed_layout
   case = {(128, 128): "K128-V128-HV1-130", (64, 128): "K64-V128-HV2-64_50"}[(K, V)]
@@ -398,17 +393,13 @@ def test_load_schedules_give_the_same_bits(K, V, packed):
     kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
     args = args + (layout.aligned_cu,)
   for ct in (1, 2):
-    run = lambda **schedule: jax.jit(functools.partial(
+    run = lambda overlap: jax.jit(functools.partial(
         mgw.apply, chunk_size=BT, interpret=True, dv_dtype=BF16 if packed else None,
-        config=mgw.Config(cotangent_terms=ct, **schedule), **kw))(*args)
-    want = run()
-    for label, schedule in SCHEDULES.items():
-      got = run(**schedule)
-      for name in FIELDS:
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
-                                      f"{name} ct={ct} {label}")
-  for schedule in SCHEDULES.values():
-    assert "stablehlo.custom_call @mosaic_gpu" in _lowered(mgw.Config(**schedule), K, V)
+        config=mgw.Config(cotangent_terms=ct, overlap_loads=overlap), **kw))(*args)
+    got, want = run(True), run(False)
+    for name in FIELDS:
+      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), f"{name} ct={ct}")
+  assert "stablehlo.custom_call @mosaic_gpu" in _lowered(mgw.Config(overlap_loads=True), K, V)
 
 
 @pytest.mark.parametrize("case,packed", [("K64-V64-HV2-40_64", False), ("K128-V128-HV1-130", False),
@@ -459,15 +450,6 @@ def test_split_kernel_lowers_in_one_cta():
   packed = (*_abstract(Ta, 16, 128, 128), i32(5), i32(Ta // BT), i32(Ta // BT), i32(2, T // BT + 6))
   assert lowered_smem_bytes(f, *packed) == mgw.split.smem_bytes(BF16)
   assert _lowered(cfg, 64, 128) == _lowered(mgw.Config(), 64, 128)
-
-
-def test_qkv_in_registers_needs_less_smem():
-  """Config(stage_qkv=False) allocates no q, k, v tiles: 48 KiB less at K = V = 128, as lowered."""
-  S = jax.ShapeDtypeStruct
-  args = _abstract(4096, 16, 128, 128) + (S((9,), jnp.int32),)
-  f = lambda *a: mgw.apply(*a, chunk_size=BT, config=mgw.Config(stage_qkv=False))
-  smem = lowered_smem_bytes(f, *args)
-  assert smem == mgw.smem_bytes(128, 128, staged=False) == mgw.smem_bytes(128, 128) - 6 * 8192
 
 
 def test_packed_dv_lowers_for_cuda_in_two_ctas():

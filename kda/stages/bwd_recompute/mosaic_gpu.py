@@ -52,26 +52,22 @@ class Config:
   # with aligned_cu: the wy kernel stores zeros at the chunks at or past aligned_cu[-1], reading
   # nothing of them
   skip_tail: bool = True
-  # q, k, v staged in SMEM by TMA (their tiles then stage qg, kg for TMA stores), or read from GMEM
-  # into registers where used and qg, kg stored from registers (False: 48 KiB less SMEM at
-  # K = V = 128, room for three CTAs per SM where registers allow)
-  stage_qkv: bool = True
 
 
-def _wy_scratch(K, V, staged=True):
-  """The wy kernel's scratch types (staged: q, k, v tiles, Config.stage_qkv)."""
+def _wy_scratch(K, V):
+  """The wy kernel's scratch types."""
   nk, nv = K // SLAB, V // SLAB
-  return [*([_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB))] if staged else []),  # q, k, v
+  return [_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
           _swz((BT, BT)),                                                     # Ainv
           _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),                         # w, u
           _swz((BT, SLAB)), _swz((BT, SLAB)),                                 # split operand
-          plgpu.Barrier(num_arrivals=(2 * nk + nv if staged else 0) + 1)]
+          plgpu.Barrier(num_arrivals=2 * nk + nv + 1)]
 
 
-def smem_bytes(K, V, probe=False, staged=True):
+def smem_bytes(K, V, probe=False):
   """Shared memory per wy program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates;
   the probe's row sums reserve the reduction scratch)."""
-  return _smem_bytes(_wy_scratch(K, V, staged), reduction=probe)
+  return _smem_bytes(_wy_scratch(K, V), reduction=probe)
 
 
 def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
@@ -136,13 +132,11 @@ def stores(q, k, v, *_, chunk_size, config=None, **__) -> dict:
   return dict.fromkeys(_BF16_FIELDS, BF16)
 
 
-def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, staged=True):
+def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False):
   if skip_tail:                # aligned_cu's ref first: the chunks at or past aligned_cu[-1] store zeros
     cu_g, refs = refs[0], refs[1:]
   if not probe:                # no probe output: a stand-in nothing writes
     refs = refs[:11] + (None,) + refs[11:]
-  if not staged:               # no q, k, v tiles (Config.stage_qkv=False)
-    refs = refs[:12] + (None, None, None) + refs[12:]
   (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
    q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
   h, c = lax.axis_index("h"), lax.axis_index("c")
@@ -152,7 +146,7 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, stage
   def store():
     plgpu.commit_smem()
     for j in range(nk):
-      for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g))[:3 if staged else 1]:
+      for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g)):
         plgpu.copy_smem_to_gmem(src.at[j], dst.at[rows, h, slab(j)])
     for j in range(nv):
       plgpu.copy_smem_to_gmem(u_s.at[j], u_g.at[rows, h, slab(j)])
@@ -182,12 +176,8 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, stage
       z = zeros((BT, SLAB), dtype=BF16)
       for j in range(nk):
         w_s.at[j][...] = z
-        if staged:
-          q_s.at[j][...] = z
-          k_s.at[j][...] = z
-        else:
-          qg_g[rows, h, slab(j)] = z
-          kg_g[rows, h, slab(j)] = z
+        q_s.at[j][...] = z
+        k_s.at[j][...] = z
       for j in range(nv):
         u_s.at[j][...] = z
   else:
@@ -201,12 +191,8 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv):
   where they are all finite, NaN where one is not."""
   (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
    q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
-  staged = q_s is not None
-  if staged:
-    copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
+  copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
-  # slab j of x (q, k or v) in registers, float32
-  tile = lambda x_g, x_s, j: _load(x_s.at[j] if staged else x_g.at[rows, h, slab(j)]).astype(F32)
   shape = (BT, SLAB)
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
@@ -224,33 +210,29 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv):
 
   plgpu.barrier_wait(bar)
   for j in range(nv):
-    u_s.at[j][...] = kept(times_a(beta * tile(v_g, v_s, j))).astype(BF16)
+    u_s.at[j][...] = kept(times_a(beta * _load(v_s.at[j]).astype(F32))).astype(BF16)
   for j in range(nk):
     gi, gf = _load(gi_g.at[rows, h, slab(j)]), _load(gf_g.at[rows, h, slab(j)])
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
-    kx, qx = tile(k_g, k_s, j), tile(q_g, q_s, j)
+    kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
     w_s.at[j][...] = kept(times_a(beta * kx * eg)).astype(BF16)
-    qg, kg = kept(qx * eg).astype(BF16), kept(kx * el).astype(BF16)
-    if staged:                 # qg, kg over q, k: both are in registers now
-      q_s.at[j][...], k_s.at[j][...] = qg, kg
-    else:
-      qg_g[rows, h, slab(j)], kg_g[rows, h, slab(j)] = qg, kg
+    q_s.at[j][...] = kept(qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
+    k_s.at[j][...] = kept(kx * el).astype(BF16)
   if p_g is not None:
     p_g[h, rows] = jnp.sum(functools.reduce(jnp.add, seen), axis=1)
 
 
 @functools.lru_cache(maxsize=None)
-def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True, probe=False,
-               staged=True):
+def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True, probe=False):
   out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
   return plgpu.kernel(
       functools.partial(_wy_body, nk=K // SLAB, nv=V // SLAB, skip_tail=skip_tail, tail_zeros=tail_zeros,
-                        probe=probe, staged=staged),
+                        probe=probe),
       out_type=(out(K), out(V), out(K), out(K))                   # w, u, qg, kg
       + ((jax.ShapeDtypeStruct((HV, Ta), F32),) if probe else ()),   # the finiteness probe
       grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=_wy_scratch(K, V, staged),
+      scratch_types=_wy_scratch(K, V),
       compiler_params=_params(lane=True, approx_math=approx_math),
       kernel_name="kda_bwd_recompute_wy", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
@@ -269,7 +251,7 @@ def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, inte
   bf = lambda x: x[0].astype(BF16)
   skip = config.skip_tail and aligned_cu is not None
   f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
-                 tail_zeros=bool(tail_zeros) or not skip, probe=bool(probe), staged=config.stage_qkv)
+                 tail_zeros=bool(tail_zeros) or not skip, probe=bool(probe))
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   outs = f(*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
   return tuple(x[None] for x in outs[:4]) + tuple(outs[4:])

@@ -29,8 +29,7 @@ reads S2's terms, XLA writes the results into their buffers.
 
 SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four work tiles and L,
 [64, 64] bf16 tiles of 8 KiB, the reduction scratch of dbeta's row sums and a barrier: 100360 bytes
-at K = V = 128, two CTAs per SM (Config.stage_qkv=False: no q, k, v tiles, 51208 bytes; q, k, v
-then come from GMEM into registers where they are used).
+at K = V = 128, two CTAs per SM.
 
 Config.split (K == V): the split kernel (`split`, its own module): one program per (64-column slab,
 head, chunk), each operand of its slab by TMA up front in three groups awaited in order of first
@@ -93,12 +92,9 @@ class Config:
   # dgc_last) while the tensor cores run the products before them, instead of after: the same
   # bits; off until timed on an H200 (tools.gpu_check_bwd times it beside the default)
   overlap_loads: bool = False
-  # q, k, v staged in SMEM by TMA at the start (True), or read from GMEM into registers where they
-  # are used (False: 48 KiB less SMEM at K = V = 128, room for more CTAs per SM where registers allow)
-  stage_qkv: bool = True
   # K == V: one program per (64-column slab, head, chunk), every operand of the slab by TMA up front
   # in three groups (kda.stages.bwd_wy.mosaic_gpu.split), dbeta and dAkk summed over the slabs by
-  # XLA; one CTA per SM. overlap_loads and stage_qkv do not apply there; K != V runs the kernel above
+  # XLA; one CTA per SM. overlap_loads does not apply there; K != V runs the kernel above
   split: bool = False
 
   def __post_init__(self):
@@ -106,24 +102,23 @@ class Config:
       raise ValueError(f"cotangent_terms must be 1 or 2, got {self.cotangent_terms!r}")
 
 
-def _scratch(K, V, stage_dtype=None, staged=True):
-  """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned);
-  staged: q, k, v tiles (Config.stage_qkv)."""
+def _scratch(K, V, stage_dtype=None):
+  """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned)."""
   nk, nv = K // SLAB, V // SLAB
   return [
       _swz((BT, BT)),                                                     # Ainv
       *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
       _swz((BT, BT)),                                                     # L
-      plgpu.Barrier(num_arrivals=(2 * nk + nv if staged else 0) + 1),
-      *([_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB))] if staged else []),   # q, k, v
+      plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
+      _swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),                # q, k, v
       *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
   ]
 
 
-def smem_bytes(K, V, stage_dtype=None, staged=True):
+def smem_bytes(K, V, stage_dtype=None):
   """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates; the
   body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(_scratch(K, V, stage_dtype, staged), reduction=True)
+  return _smem_bytes(_scratch(K, V, stage_dtype), reduction=True)
 
 
 def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
@@ -152,7 +147,7 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
     return reason
   config = config or Config()
   need = (split.smem_bytes(stage_dtype) if config.split and K == V else
-          smem_bytes(K, V, stage_dtype, config.stage_qkv))
+          smem_bytes(K, V, stage_dtype))
   return smem_reason(need, "bwd_wy")
 
 
@@ -181,20 +176,17 @@ takes = supports                  # the name kda.stages.bwd_wy registers
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-          a_s, t0, t1, t2, t3, l_s, bar, *qkv, nk, nv, store_dv=None, ct=2, overlap=False):
-  """qkv: the SMEM tiles of q, k, v (Config.stage_qkv), or () to read them from GMEM where used."""
+          a_s, t0, t1, t2, t3, l_s, bar, q_s, k_s, v_s, *, nk, nv, store_dv=None, ct=2, overlap=False):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
-  if qkv:
-    for j in range(nk):
-      plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], qkv[0].at[j], bar)
-      plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], qkv[1].at[j], bar)
-    for j in range(nv):
-      plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], qkv[2].at[j], bar)
+  for j in range(nk):
+    plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], q_s.at[j], bar)
+    plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], k_s.at[j], bar)
+  for j in range(nv):
+    plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
-  # slab j of q, k or v (0, 1, 2) in registers, float32
-  tile = lambda i, j: _load(qkv[i].at[j] if qkv else (q_g, k_g, v_g)[i].at[rows, h, slab(j)]).astype(F32)
+  tile = lambda x_s, j: _load(x_s.at[j]).astype(F32)        # slab j of q, k or v, float32
 
   shape = (BT, SLAB)
   row, col = _iota(0, shape), _iota(1, shape)
@@ -236,7 +228,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   for j in range(nv):
     put(x, *cts)                                             # du
     dvb = _acc([(aT, t) for t in cts], shape)
-    vx = tile(2, j)
+    vx = tile(v_s, j)
     if store_dv is None:
       ov_g[rows, h, slab(j)] = (dvb * beta).astype(ov_g.dtype)
     else:
@@ -251,7 +243,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
                                     lambda: loads(gi_g, gf_g, *((dqg_g, dkg_g) if overlap else ()), j=j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
-    kx, qx = tile(1, j), tile(0, j)
+    kx, qx = tile(k_s, j), tile(q_s, j)
     dqg, dkg = early if overlap else loads(dqg_g, dkg_g, j=j)
     keg = kx * eg
     kb = beta * keg
@@ -329,7 +321,7 @@ def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2, overlap=False, staged=True, split_slabs=False):
+            tail_zeros=True, ct=2, overlap=False, split_slabs=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   stage_dtype = None if packed_T is None else dv_dtype
@@ -359,7 +351,7 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
       body,
       out_type=out_type,
       **grid,
-      scratch_types=split.scratch(stage_dtype) if split_slabs else _scratch(K, V, stage_dtype, staged),
+      scratch_types=split.scratch(stage_dtype) if split_slabs else _scratch(K, V, stage_dtype),
       compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
       kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -397,8 +389,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   split_slabs = config.split and K == V
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
-              ct=config.cotangent_terms, overlap=config.overlap_loads, staged=config.stage_qkv,
-              split_slabs=split_slabs)
+              ct=config.cotangent_terms, overlap=config.overlap_loads, split_slabs=split_slabs)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
