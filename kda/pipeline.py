@@ -27,7 +27,7 @@ from kda import fused, padding
 from kda.padding import Layout
 from kda.padding.pieces import reset_gates
 from kda.plan import FORWARD, BACKWARD, Plan, group_backend, run  # noqa: F401  (re-exported names)
-from kda.steps import Grads, Saved, o_dtype, prepare, scope  # noqa: F401  (the records)
+from kda.steps import Grads, Saved, o_dtype, prepare, s2_du_kw, scope  # noqa: F401  (the records)
 
 
 def saved(records) -> Saved:
@@ -151,7 +151,9 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (walk.dq, walk.dk, walk.dv, walk.dbeta, walk.dg, walk.dh0,
                                                     walk.dA_log, walk.ddt_bias)
   else:
-    ds = stage("bwd_dh", rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
+    dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
+    du_kw = {} if record else s2_du_kw(plan, dh_args, (qa, ka, va, ba, *gc, saved.Ainv), **dv_dtype)
+    ds = stage("bwd_dh", *dh_args, **du_kw)
     wy = stage("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last,
                layout.aligned_cu, **dv_dtype)
     it = stage("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu,

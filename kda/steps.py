@@ -70,3 +70,23 @@ class Grads(NamedTuple):
   A_log: jax.Array | None   # [HV]
   dt_bias: jax.Array | None  # [HV * K]
   finite: jax.Array | None = None
+
+
+def s2_du_kw(plan, dh_args, wy_inputs, **wy_extra) -> dict:
+  """S2's {"du_dtype": bfloat16} where S2 and S3 both run their Mosaic GPU kernels and S3 takes du
+  as one bf16 term (bwd_wy's cotangent_terms=1): S3's bits are the same, du takes half the bytes,
+  and S2 stores it over v_new (and dw over du's float32 buffer), which lowers the backward's peak.
+  Else {}. dh_args: S2's arguments; wy_inputs: S3's (q, k, v, beta, gc_int, gc_frac, Ainv);
+  wy_extra: S3's keywords beyond the plan's."""
+  cfg = plan.config("bwd_wy", "mosaic_gpu")
+  if cfg is None or cfg.cotangent_terms != 1:
+    return {}
+  if plan.choose("bwd_dh", *dh_args, **plan.stage_kwargs("bwd_dh")) != "mosaic_gpu":
+    return {}
+  qg, v_new, aligned_cu = dh_args[0], dh_args[6], dh_args[-1]
+  S, f32 = jax.ShapeDtypeStruct, jnp.float32
+  _, Ta, HV, K = qg.shape
+  terms = (S(qg.shape, f32),) * 3 + (S(v_new.shape, jnp.bfloat16), S((1, Ta // plan.chunk_size, HV, K), f32))
+  if plan.choose("bwd_wy", *wy_inputs, *terms, aligned_cu, **plan.stage_kwargs("bwd_wy"), **wy_extra) != "mosaic_gpu":
+    return {}
+  return dict(du_dtype=jnp.bfloat16)

@@ -365,6 +365,36 @@ def test_bwd_dh_packed_do_equals_aligned(K, V):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
 
 
+@pytest.mark.parametrize("K,V,packed", [(64, 64, False), (64, 64, True), (64, 128, False)],
+                         ids=["K64-V64", "K64-V64-packed", "K64-V128"])
+def test_bwd_dh_bf16_du_over_v_new(K, V, packed):
+  """du_dtype=bfloat16: du comes back as bf16(du) (stored over v_new's buffer; the tail's too) and
+  dh0, dqg, dkg, dw, dgc_last bit for bit the float32 call's (dw stored over du's buffer where
+  K == V); with do read packed as well. Lowers for CUDA with v_new and du as mutable refs."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  args, acu, _ = make_case(LENS, K, V)
+  kw = {}
+  if packed:
+    Ta, HV = args[0].shape[1], args[0].shape[2]
+    layout, _ = packed_layout(LENS, [0, 70, 0, 0, 0], extra_T=5, tail_chunks=(Ta - int(acu[-1])) // BT)
+    do_p = jax.random.normal(jax.random.key(3), (1, layout.T, HV, V)).astype(jnp.bfloat16)
+    do_p = jnp.where(padding.packed_owned_mask(layout)[None, :, None, None], do_p, jnp.bfloat16(0))
+    args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
+    kw = dict(do_packed=do_p, rows=padding.chunk_rows(layout))
+  f = lambda *a, **k: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw, **k)
+  want = jax.jit(f)(*args)
+  got = jax.jit(lambda *a: f(*a, du_dtype=jnp.bfloat16))(*args)
+  assert got.du.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got.du), np.asarray(want.du.astype(jnp.bfloat16)))
+  for name in ("dh0", "dqg", "dkg", "dw", "dgc_last"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  assert float(np.abs(np.asarray(got.dw)).max()) > 0
+  text = jax.jit(lambda *a: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, du_dtype=jnp.bfloat16, **kw)).trace(
+      *args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in text.splitlines()) == 2
+
+
 def test_bwd_dh_terms_kernel_smem():
   """The terms kernel lowers for CUDA at K = V = 128 in two CTAs per SM, aligned and reading do
   packed (do's plain landing shares v_new's bytes; one barrier more), with the SMEM `terms_smem_bytes`

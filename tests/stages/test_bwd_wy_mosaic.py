@@ -479,6 +479,40 @@ def test_inplace_lowers_with_aliases(K, V, aliased):
   assert len(re.findall(r"output_operand_alias<", call[0])) == aliased, call[0][:400]
 
 
+@pytest.mark.parametrize("case,packed,split", [("K128-V128-HV1-130", False, False), ("K128-V128-HV1-130", True, True),
+                                               ("K64-V128-HV2-64_50", True, False)],
+                         ids=["K128", "K128-packed-split", "K64-V128-packed"])
+def test_bf16_du_gives_the_same_bits(case, packed, split):
+  """cotangent_terms=1 rounds du to one bf16 term: du given in bf16 (S2's du_dtype) is read as is and
+  every output is bit for bit the float32 du's (simulator; in-order and split kernels, packed dv);
+  dg_state then has its own buffer: three in-place aliases where K == V."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  lens, Ta, HV, K, V = CASES[case]
+  args, _ = make_inputs(case, "strong")
+  kw = {}
+  if packed:
+    layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - 128) // BT)
+    rows = padding.chunk_rows(layout)
+    kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
+    args = args + (layout.aligned_cu,)
+  args = list(args)
+  args[10] = args[10].astype(BF16).astype(F32)             # du, bf16-exact
+  cfg = mgw.Config(cotangent_terms=1, split=split)
+  run = lambda *a: jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
+                                             dv_dtype=BF16 if packed else None, config=cfg, **kw))(*a)
+  want = run(*args)
+  got = run(*args[:10], args[10].astype(BF16), *args[11:])
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  lowered = _abstract(4096, 2, 128, 128)
+  lowered = lowered[:10] + (jax.ShapeDtypeStruct(lowered[10].shape, BF16),) + lowered[11:]
+  txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, config=cfg)).trace(
+      *lowered, jax.ShapeDtypeStruct((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  call = [line for line in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+  assert len(call) == 1 and len(re.findall(r"output_operand_alias<", call[0])) == 3
+
+
 def test_one_term_cotangents_stay_within_bf16_rounding():
   """Config(cotangent_terms=1): du and dw enter their products as one bf16 term (rounded once,
   2^-9): another lowered program, and every output within a few bf16 roundings of the reference;

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from kda import padding, stages
 from kda.padding.pieces import segment_rows
 from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
-from kda.steps import Grads, query_keys, scope
+from kda.steps import Grads, query_keys, s2_du_kw, scope
 
 
 def _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state):
@@ -78,8 +78,10 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   dh_kw = packed_kw("bwd_dh", *dh_args)
   if do_packed.dtype == jnp.bfloat16 and dh_kw:
     dh_kw.update(do_packed=do_packed, rows=rows)   # the terms kernel reads do packed: aligned do dies early
-  ds = stage("bwd_dh", *dh_args, **dh_kw)
   dv_dtype = dict(dv_dtype=va.dtype)
+  if dh_kw:
+    dh_kw.update(s2_du_kw(plan, dh_args, (qa, ka, va, ba, *gc, saved.Ainv), **dv_dtype))
+  ds = stage("bwd_dh", *dh_args, **dh_kw)
   grad_dtype = dict(grad_dtype=qa.dtype) if qa.dtype == ka.dtype else {}
   wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
   wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype)

@@ -29,10 +29,12 @@ Terms: one program per (head, chunk), all of V, grid (HV, NTa) with the chunks o
 bf16(-du) is formed from du in registers into v_new's tile once dkg's product has read it (reading
 dkg's accumulator waits for that wgmma), so the kernel fits two CTAs per SM.
 
+In place: the walk stores du over dv (a mutable ref: each chunk's dv tile is in SMEM before du's
+rows are stored, and dv is read nowhere else), so the two never take two buffers.
+
 Tail: the chunks at or past aligned_cu[-1] (no sequence; h = 0 there, as the state stage stores
-it) get du = dv from the walk (the N programs of each (head, V tile) take them round-robin) and
-dqg = dkg = dw = dgc_last = 0 from the terms kernel, which reads nothing there; dh is not written
-there. aligned_cu[0] must be 0 (align's output). Padding rows inside a sequence's chunks go through
+it) keep du = dv (du's buffer is dv's) and get dqg = dkg = dw = dgc_last = 0 from the terms kernel,
+which reads nothing there; dh is not written there. aligned_cu[0] must be 0 (align's output). Padding rows inside a sequence's chunks go through
 the same formulas as real rows (as the reference does). Nothing of qg, kg, w, h, v_new, do or the
 gates is read at the tail.
 
@@ -73,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, live_chunk
-from kda._mosaic_gpu import sequence_order, tail_share, tile_shapes, with_absent, zeros
+from kda._mosaic_gpu import sequence_order, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, mm as _mm, params as _params, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dh import Out
@@ -183,13 +185,13 @@ takes = supports                  # the name kda.stages.bwd_dh registers
 
 
 def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, du_g, dh_g,
-               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, scale, tail_zeros=True):
+               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, scale):
   # GMEM: order [N] (the sequence of each rank), cu [N+1] int32; qg, kg, w [Ta, HV, K], do [Ta, HV, V]
   # bf16 (do unscaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32 (None: not
-  # read / not stored); du [Ta, HV, V] f32; dh [NTa, HV, K, V] bf16 (dS_next of every chunk;
+  # read / not stored); du [Ta, HV, V] f32: dv's ref (each chunk's dv tile lands in SMEM before du
+  # is stored over it; the tail keeps du = dv); dh [NTa, HV, K, V] bf16 (dS_next of every chunk;
   # unwritten at the tail).
-  N = cu_g.shape[0] - 1
-  NTa, K = dec_g.shape[0], dec_g.shape[2]
+  K = dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
   i_n = order_g[r]
   bos, eos = cu_g[i_n], cu_g[i_n + 1]
@@ -240,26 +242,16 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
   if dh0_g is not None:
     dh0_g[i_n, i_h, :, cols] = dS
 
-  # Tail chunks (at or past aligned_cu[-1]) round-robin over the N programs of this (head, V tile),
-  # the shortest sequence's program first: du = dv (the terms kernel writes their zeros).
-  # tail_zeros=False: left unwritten (callers that never read them).
-  first, count = tail_share(cu_g, N, NTa, r, BT)
-
-  def tail(j, carry):
-    rows = pl.ds(pl.multiple_of((first + j * N) * BT, BT), BT)
-    du_g[rows, i_h, cols] = _load(dv_g.at[rows, i_h, cols])
-    return carry
-
-  if tail_zeros:
-    lax.fori_loop(0, count, tail, 0)
+  # Tail chunks (at or past aligned_cu[-1]): du = dv there, which du's buffer (dv's) already holds
   plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
 
 
-def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False):
+def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=False):
   # GMEM: cu [N+1] int32; (packed: src, count [NTa] int32); h, dh [NTa, HV, K, V], vn [Ta, HV, V],
   # do [Ta, HV, V] bf16 (packed: [T, HV, V]); du [Ta, HV, V], dec [NTa, HV, K] f32; out dqg, dkg,
   # dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs; v_new's tile takes bf16(-du) after
-  # dkg's product has read it.
+  # dkg's product has read it. store_du: bf16(du) is stored over v_new's rows (vn is a mutable ref,
+  # read into SMEM before), and dw may be du's ref (every du tile is in registers before dw's store).
   if packed:
     src_g, cnt_g, *refs = refs
     (h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g,
@@ -295,7 +287,10 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False):
       plgpu.barrier_wait(bar_vn)
     dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
     for j in range(nv):            # dkg's store above waited for its wgmma: v_new's tile is free
-      vn_s.at[j][...] = (-_load(du_g.at[rows, i_h, slab(j)])).astype(BF16)
+      du = _load(du_g.at[rows, i_h, slab(j)]).astype(BF16)
+      vn_s.at[j][...] = -du
+      if store_du:
+        vn_g[rows, i_h, slab(j)] = du
     plgpu.commit_smem()
     dw_g[rows, i_h, :] = _acc([(vn_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
     prod = sum(jnp.sum(_load(h_s.at[j]).astype(F32) * _load(dh_s.at[j]).astype(F32), axis=1)
@@ -303,6 +298,9 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False):
     dgc_g[c, i_h, :] = _load(dec_g.at[c, i_h, :], ROW) * prod
 
   def tail():
+    if store_du:
+      for j in range(nv):
+        vn_g[rows, i_h, slab(j)] = _load(du_g.at[rows, i_h, slab(j)]).astype(BF16)
     zk = zeros((BT, K))
     dqg_g[rows, i_h, :] = zk
     dkg_g[rows, i_h, :] = zk
@@ -313,17 +311,27 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False):
     pl.when(jnp.logical_not(live))(tail)
 
 
-def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False):
-  """The terms kernel; packed: it reads do packed (_terms_body)."""
+def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False, store_du=False):
+  """The terms kernel; packed: it reads do packed; store_du: v_new and du are mutable refs, bf16(du)
+  is stored over v_new and, where K == V, dw over du (_terms_body)."""
   NTa = Ta // BT
   kw = {} if tail_zeros else dict(tail_zeros=False)
   if packed:
     kw["packed"] = True
+  body = functools.partial(_terms_body, nv=V // SLAB, scale=scale, **kw)
+  dw_over_du = store_du and K == V
+  if store_du:
+    n_in = 7 + 2 * packed          # cu, (src, count), h, dh, vn, do, du, dec
+
+    def body(*refs, _body=functools.partial(body, store_du=True)):
+      refs = list(refs)
+      if dw_over_du:
+        refs.insert(n_in + 2, refs[n_in - 2])    # dw_g: du's ref
+      return _body(*refs)
+  fk = jax.ShapeDtypeStruct((Ta, HV, K), F32)
   return plgpu.kernel(
-      functools.partial(_terms_body, nv=V // SLAB, scale=scale, **kw),
-      out_type=(jax.ShapeDtypeStruct((Ta, HV, K), F32),            # dqg, dkg, dw
-                jax.ShapeDtypeStruct((Ta, HV, K), F32),
-                jax.ShapeDtypeStruct((Ta, HV, K), F32),
+      body,
+      out_type=(fk, fk, *[fk] * (not dw_over_du),                  # dqg, dkg, dw
                 jax.ShapeDtypeStruct((NTa, HV, K), F32)),          # dgc_last
       grid=(HV, NTa), grid_names=("h", "c"),
       scratch_types=_terms_scratch(K, V, packed),
@@ -332,17 +340,21 @@ def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False)
   )
 
 
-def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, tail_zeros=True, dht_zero=False,
-                 need_dh0=True):
-  """The walk kernel; dht_zero: dht not read; need_dh0=False: dh0 not stored (_walk_body)."""
-  body = functools.partial(_walk_body, scale=scale, **({} if tail_zeros else dict(tail_zeros=False)))
+def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False, need_dh0=True):
+  """The walk kernel, du stored over dv (a mutable ref); dht_zero: dht not read; need_dh0=False: dh0
+  not stored (_walk_body)."""
   absent = [8] * dht_zero + [9] * (not need_dh0)     # dht_g, dh0_g in _walk_body's refs
-  if absent:
-    body = with_absent(body, absent)
+
+  def body(*refs):
+    refs = list(refs)
+    for i in absent:
+      refs.insert(i, None)
+    refs.insert(10, refs[6])                          # du_g: dv's ref
+    return _walk_body(*refs, scale=scale)
+
   return plgpu.kernel(
       body,
       out_type=(*[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * need_dh0,   # dh0
-                jax.ShapeDtypeStruct((Ta, HV, V), F32),            # du
                 jax.ShapeDtypeStruct((Ta // BT, HV, K, V), BF16)),  # dh: dS_next per chunk
       grid=grid, grid_names=names,
       scratch_types=_walk_scratch(K),
@@ -353,16 +365,19 @@ def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, tail_zeros=True
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
           interpret=False, config=None, dht_zero=False, need_dh0=True, tail_zeros=True, do_packed=None,
-          rows=None):
+          rows=None, du_dtype=None):
   """The stage on the kernels; bf16 or float32 operands (qg, kg, w, h, v_new, do rounded to bf16;
   the predicate `supports` adds the dtype policy). dht_zero: dht is known to be zero (not read: XLA
   drops a zeros array nobody reads); need_dh0=False: dh0 is not stored (zeros returned, for callers
   that drop it). The pipeline sets them for a final state nobody uses and an initial state made of
-  zeros inside chunk_kda. tail_zeros=False: du, dqg, dkg, dw, dgc_last are left unwritten at the
+  zeros inside chunk_kda. tail_zeros=False: dqg, dkg, dw, dgc_last are left unwritten at the
   chunks at or past aligned_cu[-1] (for callers that never read them: the packed backward).
   do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): the terms kernel reads do packed
   (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r), so the
-  aligned do need not outlive the walk; do (aligned) still feeds the walk. The same bits."""
+  aligned do need not outlive the walk; do (aligned) still feeds the walk. The same bits.
+  du_dtype=bfloat16 (for a consumer that rounds du to bf16 anyway): the terms kernel stores bf16(du)
+  over v_new's buffer and, where K == V, dw over du's, so neither outlives the call as an extra
+  buffer (v_new is then not read after this stage). The same bits of dqg, dkg, dw, dgc_last."""
   config = config or Config()
   packed = do_packed is not None
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
@@ -375,7 +390,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   NTa, NV = Ta // BT, V // BV
   if N == 0:                                  # no program to launch; every chunk is tail
     zk = jnp.zeros((1, Ta, HV, K), F32)
-    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
+    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(du_dtype or F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
   if packed and (rows is None or do_packed.ndim != 4 or do_packed.shape[0] != 1
                  or do_packed.shape[2:] != (HV, V) or do_packed.dtype != BF16):
     raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
@@ -394,14 +409,21 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   else:
     grid, names = (NV, HV, N), ("v", "h", "r")
   walk = _walk_kernel(Ta, HV, K, V, N, scale=float(scale), interp=interp, grid=grid, names=names,
-                      tail_zeros=tail_zeros, dht_zero=dht_zero, need_dh0=need_dh0)
-  *dh0, du, dh = walk(order, aligned_cu, qg, kg, w, dob, dv, decay, *(() if dht_zero else (dht.astype(F32),)))
+                      dht_zero=dht_zero, need_dh0=need_dh0)
+  du = jax.new_ref(dv)                                              # du over dv: dv dies in the walk
+  *dh0, dh = walk(order, aligned_cu, qg, kg, w, dob, du, decay, *(() if dht_zero else (dht.astype(F32),)))
+  du = jax.ref.freeze(du)
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
-  terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), interp=interp, tail_zeros=tail_zeros, packed=packed)
-  if packed:
-    dqg, dkg, dw, dgc = terms(aligned_cu, rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), h, dh,
-                              v_new, do_packed[0], du, decay)
+  store_du = du_dtype is not None and jnp.dtype(du_dtype) == jnp.dtype(BF16)
+  terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), interp=interp, tail_zeros=tail_zeros, packed=packed,
+                        store_du=store_du)
+  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32)) if packed else ()
+  if store_du:                     # v_new's buffer takes bf16(du), du's takes dw (K == V)
+    vn, du = jax.new_ref(v_new), jax.new_ref(du)
+    dqg, dkg, *dw, dgc = terms(aligned_cu, *lead, h, dh, vn, do_packed[0] if packed else dob, du, decay)
+    dw = dw[0] if dw else jax.ref.freeze(du)
+    du = jax.ref.freeze(vn)
   else:
-    dqg, dkg, dw, dgc = terms(aligned_cu, h, dh, v_new, dob, du, decay)
+    dqg, dkg, dw, dgc = terms(aligned_cu, *lead, h, dh, v_new, do_packed[0] if packed else dob, du, decay)
   return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])

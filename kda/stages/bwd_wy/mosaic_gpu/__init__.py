@@ -21,11 +21,13 @@ warpgroup issues every load and wgmma in order: S2's float32 cotangents are read
 registers when needed, with no TMA prefetch; Config.overlap_loads issues those loads while the
 tensor cores run the products before them (kda._mosaic_gpu.acc's `during`).
 
-In place: dq, dk, dgc (and dg_state where K == V) are written into S2's dqg, dkg, dw (du) buffers,
-which the kernel takes as mutable refs (aliased in and out): each program reads those tiles of its
-chunk before it writes the same rows, and the backward's peak (S2's four terms and S3's float32
-results live together in this launch) loses four [Ta, HV, K] float32 buffers. Where nothing else
-reads S2's terms, XLA writes the results into their buffers.
+In place: dq, dk, dgc (and dg_state where K == V and du is float32) are written into S2's dqg, dkg,
+dw (du) buffers, which the kernel takes as mutable refs (aliased in and out): each program reads
+those tiles of its chunk before it writes the same rows, and the backward's peak (S2's four terms
+and S3's float32 results live together in this launch) loses four [Ta, HV, K] float32 buffers.
+Where nothing else reads S2's terms, XLA writes the results into their buffers. A bf16 du (S2's
+du_dtype, what the pipeline asks for with cotangent_terms=1, which rounds du to bf16 anyway) is read
+as is: the same bits, half the bytes; dg_state then has a buffer of its own.
 
 SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four work tiles and L,
 [64, 64] bf16 tiles of 8 KiB, the reduction scratch of dbeta's row sums and a barrier: 100360 bytes
@@ -321,11 +323,12 @@ def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2, overlap=False, split_slabs=False):
+            tail_zeros=True, ct=2, overlap=False, split_slabs=False, du_bf16=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   stage_dtype = None if packed_T is None else dv_dtype
   lanes = dict(tail_zeros=False) if not tail_zeros else {}
+  alias_du = K == V and not du_bf16          # dg_state over du (float32 only)
   if split_slabs:
     body, zeros_body = functools.partial(split.body, ct=ct), split.zeros_body
     packed_body = functools.partial(_split_packed_body, ct=ct, **lanes)
@@ -338,20 +341,20 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
   elif skip_tail:
     body = skipping_tail(body, zeros_body if tail_zeros else None)
   n_lead = 4 if packed_T is not None else int(skip_tail)      # src, count, pieces, aligned_cu
-  body = _in_place(body, n_lead, alias_du=K == V)
+  body = _in_place(body, n_lead, alias_du=alias_du)
   Tv = Ta if packed_T is None else packed_T
   # fresh outputs: dv, dbeta^T, dAkk (per slab where split; and dg_state where K != V); dq, dk, dgc
   # (dg_state) in place
   parts = (nk,) if split_slabs else ()
   out_type = ((out(Tv, HV, V, dtype=dv_dtype), out(*parts, HV, Ta), out(*parts, Ta, HV, BT))
-              + (() if K == V else (out(Ta, HV, K),)))
+              + (() if alias_du else (out(Ta, HV, K),)))
   grid = dict(grid=(nk, HV, Ta // BT), grid_names=("p", "h", "c")) if split_slabs else dict(
       grid=(HV, Ta // BT), grid_names=("h", "c"))
   return plgpu.kernel(
       body,
       out_type=out_type,
       **grid,
-      scratch_types=split.scratch(stage_dtype) if split_slabs else _scratch(K, V, stage_dtype),
+      scratch_types=split.scratch(stage_dtype, du_bf16) if split_slabs else _scratch(K, V, stage_dtype),
       compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
       kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -387,17 +390,19 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
                      f"int T, got aligned_cu {aligned_cu is not None}, pieces {pieces is not None}, T {T!r}")
   skip = config.skip_tail and aligned_cu is not None
   split_slabs = config.split and K == V
+  du_bf16 = du.dtype == BF16 and config.cotangent_terms == 1     # read as is: one bf16 term is all it gives
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
-              ct=config.cotangent_terms, overlap=config.overlap_loads, split_slabs=split_slabs)
+              ct=config.cotangent_terms, overlap=config.overlap_loads, split_slabs=split_slabs, du_bf16=du_bf16)
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
   ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
-  refs = [jax.new_ref(f32(x)) for x in (dqg, dkg, dw, du)]     # S2's terms: dq, dk, dgc (dg_state) in place
+  # S2's terms: dq, dk, dgc (dg_state where du is float32 and K == V) in place
+  refs = [jax.new_ref(f32(x)) for x in (dqg, dkg, dw)] + [jax.new_ref(du[0] if du_bf16 else f32(du))]
   dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
   if split_slabs:                  # the slabs' parts
     dbeta, dAkk = jnp.sum(dbeta, 0), jnp.sum(dAkk, 0)
   dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
-  dg_state = du_out if K == V else dg_state[0]
+  dg_state = dg_state[0] if dg_state else du_out
   return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])

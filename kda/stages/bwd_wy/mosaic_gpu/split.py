@@ -35,12 +35,14 @@ BT = SLAB = 64
 GROUPS = (3, 5, 2)       # TMA copies per barrier: (du, Ainv, v), (dw, gc_int, gc_frac, k, q), (dqg, dkg)
 
 
-def scratch(stage_dtype=None):
-  """The split kernel's scratch types; stage_dtype: packed dv's plain stage (None: aligned)."""
+def scratch(stage_dtype=None, du_bf16=False):
+  """The split kernel's scratch types; stage_dtype: packed dv's plain stage (None: aligned); du_bf16:
+  du's landing in bf16."""
   return [
       _swz((BT, SLAB)), _swz((BT, SLAB)), _swz((BT, SLAB)),                 # q, k, v
       _swz((BT, BT)),                                                     # Ainv
-      *[plgpu.SMEM((BT, SLAB), F32) for _ in range(6)],                   # du, dw, gc_int, gc_frac, dqg, dkg
+      plgpu.SMEM((BT, SLAB), BF16 if du_bf16 else F32),                   # du
+      *[plgpu.SMEM((BT, SLAB), F32) for _ in range(5)],                   # dw, gc_int, gc_frac, dqg, dkg
       *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
       _swz((BT, BT)),                                                     # L
       *[plgpu.Barrier(num_arrivals=n) for n in GROUPS],
@@ -48,9 +50,9 @@ def scratch(stage_dtype=None):
   ]
 
 
-def smem_bytes(stage_dtype=None):
+def smem_bytes(stage_dtype=None, du_bf16=False):
   """Shared memory per program (the body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(scratch(stage_dtype), reduction=True)
+  return _smem_bytes(scratch(stage_dtype, du_bf16), reduction=True)
 
 
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
