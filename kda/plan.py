@@ -55,9 +55,9 @@ class PipelineConfig:
 
 
 def platform_of(device=None) -> tuple[str, str]:
-  """(platform, generation) of a device: ("gpu", "sm90" | "gpu"), ("tpu", "v5e" | "v6e" | "v7x" |
-  "tpu") or ("cpu", "cpu")."""
-  device = device or jax.devices()[0]
+  """(platform, generation) of a device (default: jax.default_device's, else the first device): ("gpu",
+  "sm90" | "gpu"), ("tpu", "v5e" | "v6e" | "v7x" | "tpu") or ("cpu", "cpu")."""
+  device = device or jax.config.jax_default_device or jax.devices()[0]
   if device.platform == "gpu":
     cc = str(getattr(device, "compute_capability", ""))
     return "gpu", "sm90" if cc == "9.0" else "gpu"

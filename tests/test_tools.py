@@ -328,7 +328,8 @@ def test_profile_attributes_device_time_to_pipeline_pieces():
 
 def test_memory_peak_from_dumps():
   """tools.memory's parsers on a small live-range and buffer-assignment dump: the peak step, the
-  values live there (array values named with and without '{}'), parameters left out."""
+  values live there (array values named with and without '{}'), parameters left out, a value stored
+  in place over another (the same allocation and offset) counted once."""
   from tools import memory
   live = """HloLiveRange (max 4):
   InstructionSequence:
@@ -357,6 +358,11 @@ allocation 1: size 900, preallocated-temp:
   t, total, rows = memory.peak(steps, ranges, sizes)
   assert (t, total) == (2, 600)                         # a + b{0} + b{1}; the parameter p.1 left out
   assert [r[1] for r in rows] == ["b{0}", "b{1}", "a"]
+  # c written in place over a (the same allocation and offset), both live at step 2: counted once
+  ranges = [(n, s, 3 if n == "a{}" else e) for n, s, e in ranges] + [("d{}", 2, 3)]
+  sizes["d"] = (100, "f32[25]{0}", "preallocated-temp", (1, 0))
+  t, total, rows = memory.peak(steps, ranges, sizes)
+  assert (t, total) == (2, 600) and [r[1] for r in rows] == ["b{0}", "b{1}", "a"]
 
 
 def test_compile_report_lowers_the_program_and_each_kernel(tmp_path):

@@ -10,7 +10,10 @@ attributes device time). The step totals approximate XLA's temp + output bytes (
 allocation may share bytes), so read them as which buffers meet at the peak.
 
   python -m tools.memory [--variants A:plain] [--no-bwd] [--total 32768] [--impl auto] [--top 25]
-      [--dir /tmp/kda-memory] [--out FILE.json]
+      [--dir /tmp/kda-memory] [--h200] [--out FILE.json]
+
+--h200 compiles for an NVIDIA H200 on a machine without one (tools.h200_aot: jax's CUDA plugin
+installed, JAX_PLATFORMS=cpu), as the device would.
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ from tools.profile import hlo_scopes
 
 STEP = re.compile(r"^\s+(\d+):(\S+)\s*$")
 RANGE = re.compile(r"^\s+(\S+):(\d+)-(\d+)\s*$")
-ALLOC = re.compile(r"^allocation \d+: size \d+, (.*)$")
-VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+ALLOC = re.compile(r"^allocation (\d+): size \d+, (.*)$")
+VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 
 
 def live_ranges(text: str):
@@ -57,31 +60,38 @@ def _sized(ranges, sizes):
 
 
 def value_sizes(text: str):
-  """A buffer-assignment dump -> {value: (bytes, shape, kind)}, kind the allocation's description
-  ("preallocated-temp", "maybe-live-out", "parameter 0, ...", "constant", ...)."""
-  out, kind = {}, ""
+  """A buffer-assignment dump -> {value: (bytes, shape, kind, (allocation, offset))}, kind the
+  allocation's description ("preallocated-temp", "maybe-live-out", "parameter 0, ...", "constant",
+  ...); values at the same (allocation, offset) share bytes (an in-place result and its operand)."""
+  out, kind, alloc = {}, "", -1
   for line in text.splitlines():
     if m := ALLOC.match(line):
-      kind = m.group(1)
+      alloc, kind = int(m.group(1)), m.group(2)
     elif m := VALUE.search(line):
-      out.setdefault(m.group(1), (int(m.group(2)), m.group(3), kind))
+      out.setdefault(m.group(1), (int(m.group(2)), m.group(4), kind, (alloc, int(m.group(3)))))
   return out
 
 
 def peak(steps, ranges, sizes):
   """-> (step, live bytes there, [(bytes, value, shape, first, last)] live there, largest first):
-  XLA's own allocations only (parameters and constants left out)."""
-  own = [(n, s, e) for n, s, e in _sized(ranges, sizes) if not sizes[n][2].startswith(("parameter", "constant"))]
+  XLA's own allocations only (parameters and constants left out), each place (allocation, offset)
+  counted once per step: values written in place over another share its bytes."""
+  own = [(n, s, e) for n, s, e in _sized(ranges, sizes)
+         if not any(w in sizes[n][2] for w in ("parameter", "constant", "thread-local"))]
   if not own:
     return None, 0, []
   last = max(e for _, _, e in own)
-  total = [0] * (last + 1)
+  places = [{} for _ in range(last + 1)]
   for n, s, e in own:
+    size, _, _, place = sizes[n]
     for t in range(s, e + 1):
-      total[t] += sizes[n][0]
+      if size > places[t].get(place, (0, None))[0]:
+        places[t][place] = (size, n)
+  total = [sum(b for b, _ in p.values()) for p in places]
   t = max(range(last + 1), key=total.__getitem__)
-  live = sorted(((sizes[n][0], n, sizes[n][1], s, e) for n, s, e in own if s <= t <= e), reverse=True)
-  return t, total[t], live
+  live = sorted((sizes[n][0], n, sizes[n][1], s, e) for n, s, e in own
+                if s <= t <= e and places[t][sizes[n][3]][1] == n)
+  return t, total[t], live[::-1]
 
 
 def _instr(value: str) -> str:
@@ -127,19 +137,30 @@ def main(argv=None):
   p.add_argument("--total", type=int, default=bench.TOTAL)
   p.add_argument("--top", type=int, default=25, help="how many live values to list")
   p.add_argument("--dir", default="/tmp/kda-memory", help="XLA's dump goes there (emptied first)")
+  p.add_argument("--h200", action="store_true", help="compile for an H200 here (tools.h200_aot)")
   p.add_argument("--out", help="write the results as JSON")
   a = p.parse_args(argv)
   shutil.rmtree(a.dir, ignore_errors=True)
   # read when the XLA client starts: before the first device query
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dir}").strip()
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  device = None
+  if a.h200:
+    from tools import h200_aot
+    device = h200_aot.target_device()
+  print(f"jax {jax.__version__} on {(device or jax.devices()[0]).device_kind}", flush=True)
   results = {}
   for var in a.variants.split(","):
     name, gate = var.split(":")
     args, fwd, loss = bench.calls(name, gate, a.impl, a.total)
     f, module = (jax.jit(fwd), "jit_fwd") if a.no_bwd else (
         jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))), "jit_loss")
-    m = f.lower(*args).compile().memory_analysis()
+    if device is None:
+      m = f.lower(*args).compile().memory_analysis()
+    else:                          # the same program for the H200: abstract inputs placed there
+      spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=jax.sharding.SingleDeviceSharding(device)), args)
+      with jax.default_device(device):
+        m = f.lower(*spec).compile().memory_analysis()
     r = analyse(a.dir, module, a.top)
     if m is not None:
       r["xla_temp_mb"], r["xla_out_mb"] = m.temp_size_in_bytes / 2**20, m.output_size_in_bytes / 2**20

@@ -173,3 +173,18 @@ def test_flipping_a_config_field_changes_the_program_and_keeps_the_result():
 def jax_text(fn, *args):
   import jax
   return jax.jit(fn).lower(*args).as_text()
+
+
+def test_the_plan_targets_the_default_device():
+  """kda.plan.platform_of: the device given, else jax.default_device's, else the first device (so a
+  program traced under jax.default_device(an H200 of a deviceless topology) plans for it)."""
+  import jax
+
+  class Hopper:
+    platform, compute_capability = "gpu", "9.0"
+
+  assert planning.platform_of(Hopper()) == ("gpu", "sm90")
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    assert planning.platform_of() == ("cpu", "cpu")
+  assert planning.platform_of() == planning.platform_of(jax.devices()[0])
