@@ -305,6 +305,15 @@ def zero_gap_pieces(pieces_g, c, programs, stage, dsts):
     lax.fori_loop(0, (P - c + programs - 1) // programs, piece, 0)
 
 
+def packed_tile(tile_s, row, rows=None):
+  """A [64, 64] tile of a chunk in registers, float32. rows (src, count): the tile came from packed
+  rows src.. src + 63 (a TMA load into plain SMEM: any row), of which only r < count are the chunk's;
+  the others (another sequence's tokens, maybe NaN, or the TMA's zero fill past T) become 0, as the
+  aligned layout's padding is. row: the tile's row iota (WGMMA layout)."""
+  x = load(tile_s).astype(F32)
+  return x if rows is None else jnp.where(row < rows[1], x, 0.0)
+
+
 def packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c, body, tail, dsts, BT=64):
   """Chunk c of a kernel whose packed outputs leave through the plain SMEM `stage`: on the chunks
   before aligned_cu[-1], body(store) with store(dst, x) putting the registers x of the chunk's rows

@@ -485,6 +485,34 @@ def test_packed_dq_dk_equal_aligned_unaligned():
     mgb.apply(*args, scale=1.0, chunk_size=BT, rows=rows, pieces=pieces, T=layout.T)
 
 
+def test_packed_qk_equals_aligned():
+  """qk_packed: q, k read from the packed arrays (NaN at tokens of no sequence: a 70-token gap and
+  3 after the last) give every output bit for bit the call on their aligned copies (packed dq, dk);
+  it lowers for CUDA."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  case = "K128-HV2-64_50"
+  lens, Ta, HV, K = CASES[case]
+  args, _ = make_inputs(case, "strong", accumulate=True)
+  layout, _ = packed_layout(lens, [70, 0], extra_T=3, tail_chunks=1)
+  rows = padding.chunk_rows(layout)
+  kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T,
+            scale=K ** -0.5, chunk_size=BT, grad_dtype=BF16)
+  owned = padding.packed_owned_mask(layout)[None, :, None, None]
+  packed = [jnp.where(owned, padding.unalign_with(layout, x), jnp.nan).astype(BF16) for x in args[:2]]
+  aligned = [padding.align_with(layout, jnp.where(owned, x, 0)) for x in packed]
+  f = lambda *a, **k: mgb.apply(*a, layout.aligned_cu, interpret=True, **kw, **k)
+  want = jax.jit(f)(*aligned, *args[2:])
+  got = jax.jit(lambda *a: f(*a, qk_packed=True))(*packed, *args[2:])
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name).astype(F32)),
+                                  np.asarray(getattr(want, name).astype(F32)), name)
+  assert float(np.abs(np.asarray(got.dgc)).max()) > 0
+  low = jax.jit(lambda *a: mgb.apply(*a, layout.aligned_cu, qk_packed=True, **kw)).trace(
+      *packed, *args[2:]).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in low.splitlines()) == 1
+
+
 def test_packed_dq_dk_lower_for_cuda_in_two_ctas():
   from kda import padding
   S = jax.ShapeDtypeStruct

@@ -375,6 +375,35 @@ def test_packed_dv_equals_aligned_unaligned(case, gaps):
     mgw.apply(*args, chunk_size=BT, rows=rows, pieces=pieces, T=layout.T)
 
 
+@pytest.mark.parametrize("case,split", [("K64-V128-HV2-64_50", False), ("K128-V128-HV1-130", True)],
+                         ids=["K64-V128", "K128-split"])
+def test_packed_qkv_equals_aligned(case, split):
+  """qkv_packed: q, k, v read from the packed arrays (NaN at tokens of no sequence: a 70-token gap
+  and 5 tokens after the last) give every output bit for bit the call on their aligned copies (in-order
+  and split kernels, packed dv); it lowers for CUDA."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  lens, Ta, HV, K, V = CASES[case]
+  args, _ = make_inputs(case, "ordinary")
+  layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - sum(-(-n // BT) * BT for n in lens)) // BT)
+  assert layout.Ta == Ta
+  rows = padding.chunk_rows(layout)
+  kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T,
+            dv_dtype=BF16, chunk_size=BT, config=mgw.Config(split=split))
+  owned = padding.packed_owned_mask(layout)[None, :, None, None]
+  packed = [jnp.where(owned, padding.unalign_with(layout, x), jnp.nan).astype(BF16) for x in args[:3]]
+  aligned = [padding.align_with(layout, jnp.where(owned, x, 0)) for x in packed]
+  f = lambda *a, **k: mgw.apply(*a, layout.aligned_cu, interpret=True, **kw, **k)
+  want = jax.jit(f)(*aligned, *args[3:])
+  got = jax.jit(lambda *a: f(*a, qkv_packed=True))(*packed, *args[3:])
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  assert float(np.abs(np.asarray(got.dk)).max()) > 0
+  low = jax.jit(lambda *a: mgw.apply(*a, layout.aligned_cu, qkv_packed=True, **kw)).trace(
+      *packed, *args[3:]).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in low.splitlines()) == 1
+
+
 @pytest.mark.parametrize("K,V,packed", [(128, 128, False), (64, 128, True)])
 def test_overlapped_loads_give_the_same_bits(K, V, packed):
   """Config(overlap_loads=True) issues the later operands' loads while the products run: every

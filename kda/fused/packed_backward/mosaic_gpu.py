@@ -85,11 +85,15 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   grad_dtype = dict(grad_dtype=qa.dtype) if qa.dtype == ka.dtype else {}
   wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
   wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype)
+  if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
+    wy_args = (qp, kp, v) + wy_args[3:]
+    wy_kw["qkv_packed"] = True
   wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw)
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype)
   if it_kw:
-    it_kw.update(seg)
+    it_args = (qp, kp) + it_args[2:]
+    it_kw.update(seg, qk_packed=True)
   it = stage("bwd_intra", *it_args, **grad_dtype, **it_kw)
   with scope("bwd_gate"):          # dg packed in g's dtype, zeros at tokens of no sequence
     gt = bwd_gate_mgpu.packed(g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=interpret,

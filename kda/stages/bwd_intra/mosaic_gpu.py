@@ -76,7 +76,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, packed_chunk
-from kda._mosaic_gpu import skipping_tail, zeros
+from kda._mosaic_gpu import packed_tile, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_intra import Out
@@ -109,40 +109,48 @@ class Config:
       raise ValueError(f"dA_terms must be 1 or 2, got {self.dA_terms!r}")
 
 
-def _scratch(stage_dtype=None):
+def _scratch(stage_dtype=None, packed_qk=False):
   """The kernel's scratch types (any K: one slab); stage_dtype: packed dq, dk's plain stage in
-  their dtype (None: aligned)."""
+  their dtype (None: aligned); packed_qk: plain q, k tiles (packed rows land there; they are only
+  read into registers)."""
+  qk = [plgpu.SMEM((BT, SLAB), BF16) for _ in range(2)] if packed_qk else [_swz((BT, SLAB)) for _ in range(2)]
   return [
-      *[_swz((BT, SLAB)) for _ in range(8)],            # q, k, dA split, k er split, x split
+      *qk, *[_swz((BT, SLAB)) for _ in range(6)],       # q, k, dA split, k er split, x split
       plgpu.SMEM((BT, SLAB), F32), plgpu.SMEM((BT, SLAB), F32),   # gc_int, gc_frac
       plgpu.Barrier(num_arrivals=4),
       *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
   ]
 
 
-def smem_bytes(stage_dtype=None):
+def smem_bytes(stage_dtype=None, packed_qk=False):
   """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates; the
   body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(_scratch(stage_dtype), reduction=True)
+  return _smem_bytes(_scratch(stage_dtype, packed_qk), reduction=True)
 
 
 def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu,
-            stage_dtype=None) -> Optional[str]:
-  """What the kernel can run (bf16 or float32 q, k); `apply` raises with it."""
-  if k.ndim != 4 or k.shape[0] != 1:
-    return f"k must be [1, Ta, HV, K], got shape {k.shape}"
-  _, Ta, HV, K = k.shape
+            stage_dtype=None, qk_T=None) -> Optional[str]:
+  """What the kernel can run (bf16 or float32 q, k); `apply` raises with it. qk_T: q, k are packed
+  [1, qk_T, HV, K]."""
+  lead = k if qk_T is None else dk          # the aligned layout's shape: k's, or with packed q, k dk's
+  if lead.ndim != 4 or lead.shape[0] != 1:
+    return f"{'k' if qk_T is None else 'dk'} must be [1, Ta, HV, K], got shape {lead.shape}"
+  _, Ta, HV, K = lead.shape
+  T = Ta if qk_T is None else qk_T
+  for name, x in (("q", q), ("k", k)):
+    if tuple(x.shape) != (1, T, HV, K):
+      return f"{name} must have shape {(1, T, HV, K)}, got {tuple(x.shape)}"
   if K not in HEAD_DIMS:
     return f"K must be one of {HEAD_DIMS}, got {K}"
   if Ta % BT:
     return f"Ta must be a multiple of {BT}, got {Ta}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
-  want = {"q": k.shape, "gc_int": k.shape, "gc_frac": k.shape, "dq": k.shape, "dk": k.shape,
-          "dgc": k.shape, "beta": (1, Ta, HV), "dbeta": (1, Ta, HV), "dAqk": (1, Ta, HV, BT),
-          "dAkk": (1, Ta, HV, BT)}
-  given = dict(q=q, gc_int=gc_int, gc_frac=gc_frac, dq=dq, dk=dk, dgc=dgc, beta=beta, dbeta=dbeta,
-               dAqk=dAqk, dAkk=dAkk)
+  aligned = (1, Ta, HV, K)
+  want = {"gc_int": aligned, "gc_frac": aligned, "dq": aligned, "dk": aligned, "dgc": aligned,
+          "beta": (1, Ta, HV), "dbeta": (1, Ta, HV), "dAqk": (1, Ta, HV, BT), "dAkk": (1, Ta, HV, BT)}
+  given = dict(gc_int=gc_int, gc_frac=gc_frac, dq=dq, dk=dk, dgc=dgc, beta=beta, dbeta=dbeta, dAqk=dAqk,
+               dAkk=dAkk)
   for name, shape in want.items():
     if tuple(given[name].shape) != tuple(shape):
       return f"{name} must have shape {tuple(shape)}, got {tuple(given[name].shape)}"
@@ -155,11 +163,11 @@ def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned
       return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
-  return smem_reason(smem_bytes(stage_dtype), "bwd_intra")
+  return smem_reason(smem_bytes(stage_dtype, qk_T is not None), "bwd_intra")
 
 
 def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,
-             chunk_size, config=None, grad_dtype=None, rows=None, **_) -> Optional[str]:
+             chunk_size, config=None, grad_dtype=None, rows=None, T=None, qk_packed=False, **_) -> Optional[str]:
   """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
   what the kernel can run (rows given: packed dq, dk, their stage in grad_dtype counted), q and k
   must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
@@ -168,7 +176,10 @@ def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligne
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
   stage = None if rows is None else jnp.dtype(grad_dtype or F32)
-  reason = _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, stage)
+  if qk_packed and (rows is None or not isinstance(T, int)):
+    return "packed q, k need rows and a static int T"
+  reason = _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, stage,
+                   T if qk_packed else None)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
@@ -197,17 +208,19 @@ def bounded_levels(gc_int, gc_frac):
   return lb.T.reshape(-1).astype(jnp.int32)
 
 
-def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2):
+def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_rows=None):
   """One program. seg: a [2, Ta] float32 input after the flags (kda.pipeline.segment_rows): dA's
-  pairs masked to the chunk's segments, gc_int taken without the resets' -128 steps."""
+  pairs masked to the chunk's segments, gc_int taken without the resets' -128 steps. qk_rows
+  (src, count): q, k are packed (kda._mosaic_gpu.packed_tile)."""
   seg_g, refs = (refs[0], refs[1:]) if seg else (None, refs)
   (q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g, odb_g,
    q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar) = refs
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
-  plgpu.copy_gmem_to_smem(q_g.at[rows, i_h, cols], q_s, bar)
-  plgpu.copy_gmem_to_smem(k_g.at[rows, i_h, cols], k_s, bar)
+  qk = rows if qk_rows is None else pl.ds(qk_rows[0], BT)
+  plgpu.copy_gmem_to_smem(q_g.at[qk, i_h, cols], q_s, bar)
+  plgpu.copy_gmem_to_smem(k_g.at[qk, i_h, cols], k_s, bar)
   plgpu.copy_gmem_to_smem(gi_g.at[rows, i_h, cols], gi_s, bar)
   plgpu.copy_gmem_to_smem(gf_g.at[rows, i_h, cols], gf_s, bar)
   plgpu.barrier_wait(bar)
@@ -263,8 +276,8 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2):
     el = jnp.exp(jnp.where(second | both_sides, exponent(*G, *R), -jnp.inf))
     er = jnp.exp(jnp.where(second & ~both_sides, -jnp.inf, exponent(*R, *G)))
     pair = same & (col < row) & (both_sides | (second & ((col & (size - 1)) < half)))   # the level's (i, j)
-    kx = _load(k_s).astype(F32)
-    qx = _load(q_s).astype(F32)
+    kx = packed_tile(k_s, row, qk_rows)
+    qx = packed_tile(q_s, row, qk_rows)
     # dAqk's pairs: dqAs and dkAs
     dA_into(jnp.where(pair, dA(daqk_g) * scale, 0.0))
     split_into(kx * er, rh_s, rl_s)
@@ -282,8 +295,8 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2):
 
   def finish(carry):
     P, G, W = carry
-    kx = _load(k_s).astype(F32)
-    qx = _load(q_s).astype(F32)
+    kx = packed_tile(k_s, row, qk_rows)
+    qx = packed_tile(q_s, row, qk_rows)
     d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
     bG = beta * G
     at = lambda ref: ref.at[rows, i_h, cols]
@@ -316,10 +329,11 @@ def _tail(flag_g, *refs, grads=True, seg=False):
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True, seg=False, dA_terms=2):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True, seg=False, dA_terms=2,
+                 packed_qk=False):
   """Packed dq, dk (`packed_chunk`, the stage is the last scratch): program (s, h, c) stores its
   chunk's dq, dk rows packed and zeroes the gap pieces c, c + NTa, ... of both at its head and
-  columns."""
+  columns; packed_qk: q, k are read packed too."""
   *refs, stage = refs
   oq_g, ok_g = refs[11 + seg], refs[12 + seg]
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
@@ -327,13 +341,14 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros
   dst = lambda o_g: lambda ds: o_g.at[ds, i_h, cols]
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
                lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg, dA_terms=dA_terms,
+                                   qk_rows=(src_g[c], cnt_g[c]) if packed_qk else None,
                                    store=lambda o_g, x: store(dst(o_g), x)),
                (lambda: _tail(*refs, grads=False, seg=seg)) if tail_zeros else None,
                [dst(oq_g), dst(ok_g)], BT)
 
 
 def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None,
-            tail_zeros=True, seg=False):
+            tail_zeros=True, seg=False, packed_qk=False):
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   segkw = dict(seg=True) if seg else {}
@@ -341,7 +356,7 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
                            **segkw)
   if packed_T is not None:
     body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
-                             **({} if tail_zeros else dict(tail_zeros=False)), **segkw)
+                             packed_qk=packed_qk, **({} if tail_zeros else dict(tail_zeros=False)), **segkw)
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_tail, **segkw) if tail_zeros else None)
   Tq = Ta if packed_T is None else packed_T
@@ -349,7 +364,7 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
       body,
       out_type=(out((Tq, HV, K), grad_dtype), out((Tq, HV, K), grad_dtype), out((Ta, HV, K)), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
-      scratch_types=_scratch(None if packed_T is None else grad_dtype),
+      scratch_types=_scratch(None if packed_T is None else grad_dtype, packed_qk),
       compiler_params=_params(lane=False, approx_math=config.approx_math),   # Warpgroup (module docstring)
       kernel_name="kda_bwd_intra" if packed_T is None else "kda_bwd_intra_packed",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -358,7 +373,7 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
           grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          seg=None):
+          seg=None, qk_packed=False):
   """The stage on the kernel; bf16 or float32 q, k (rounded to bf16; the predicate `supports` adds
   the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or past
   aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
@@ -370,16 +385,20 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   unwritten at the chunks at or past aligned_cu[-1] (callers that never read them: the packed
   backward). seg (kda.pipeline.segment_rows of a segmented layout, whose reset gates are -inf): each
   chunk's pairs masked to its segments and the resets' -128 steps taken out of gc_int, so that a
-  chunk holding one keeps the bounded levels; the same results up to rounding."""
+  chunk holding one keeps the bounded levels; the same results up to rounding. qk_packed (with
+  packed dq, dk): q, k are the packed [1, T, HV, K] arrays, chunk c's rows read from packed rows
+  src[c] + r, r < count[c] (the rest of the landed tile taken as 0), so no aligned copy of them need
+  exist; the same bits as the aligned call."""
   config = config or Config()
   packed = rows is not None
   grad_dtype = jnp.dtype(grad_dtype or F32)
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
+            "qk_packed needs packed dq, dk (rows, pieces, T)" if qk_packed and not packed else
             _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu,
-                    grad_dtype if packed else None))
+                    grad_dtype if packed else None, T if qk_packed else None))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_intra kernel: {reason}")
-  _, Ta, HV, K = k.shape
+  _, Ta, HV, K = dk.shape
   f32 = lambda x: x[0].astype(F32)
   q, k = (x[0].astype(BF16) for x in (q, k))
   beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
@@ -389,7 +408,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
               grad_dtype=grad_dtype, packed_T=T if packed else None,
-              tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None)
+              tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None, packed_qk=bool(qk_packed))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu

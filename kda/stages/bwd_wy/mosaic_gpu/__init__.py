@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, last_row, skipping_tail
-from kda._mosaic_gpu import packed_chunk, tile_shapes, zeros
+from kda._mosaic_gpu import packed_chunk, packed_tile, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_wy import Out
@@ -104,57 +104,65 @@ class Config:
       raise ValueError(f"cotangent_terms must be 1 or 2, got {self.cotangent_terms!r}")
 
 
-def _scratch(K, V, stage_dtype=None):
-  """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned)."""
+def _scratch(K, V, stage_dtype=None, packed_qkv=False):
+  """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned);
+  packed_qkv: plain q, k, v tiles (TMA lands packed rows there; they are only read into registers)."""
   nk, nv = K // SLAB, V // SLAB
+  tile = (lambda n: plgpu.SMEM((n, BT, SLAB), BF16)) if packed_qkv else (lambda n: _swz((n, BT, SLAB)))
   return [
       _swz((BT, BT)),                                                     # Ainv
       *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
       _swz((BT, BT)),                                                     # L
       plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
-      _swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),                # q, k, v
+      tile(nk), tile(nk), tile(nv),                                       # q, k, v
       *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
   ]
 
 
-def smem_bytes(K, V, stage_dtype=None):
+def smem_bytes(K, V, stage_dtype=None, packed_qkv=False):
   """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates; the
   body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(_scratch(K, V, stage_dtype), reduction=True)
+  return _smem_bytes(_scratch(K, V, stage_dtype, packed_qkv), reduction=True)
 
 
 def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-            stage_dtype=None, config=None) -> Optional[str]:
-  """What the kernel can run (any float dtypes); `apply` raises with it."""
-  reason, dims = tile_shapes(BT, "k", k, "v", v)
+            stage_dtype=None, config=None, qkv_T=None) -> Optional[str]:
+  """What the kernel can run (any float dtypes); `apply` raises with it. qkv_T: q, k, v are packed
+  [1, qkv_T, HV, D]."""
+  # the aligned layout's shapes: k's, v's, or with packed q, k, v the terms'
+  reason, dims = tile_shapes(BT, "k", k, "v", v) if qkv_T is None else tile_shapes(BT, "dkg", dkg, "du", du)
   if reason is not None:
     return reason
   Ta, HV, K, V = dims
+  T = Ta if qkv_T is None else qkv_T
+  for name, x, D in (("q", q, K), ("k", k, K), ("v", v, V)):
+    if tuple(x.shape) != (1, T, HV, D):
+      return f"{name} must have shape {(1, T, HV, D)}, got {tuple(x.shape)}"
   if Ta % BT:
     return f"Ta must be a multiple of {BT}, got {Ta}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
-  want = {"q": k.shape, "gc_int": k.shape, "gc_frac": k.shape, "dqg": k.shape, "dkg": k.shape,
-          "dw": k.shape, "du": v.shape, "beta": (1, Ta, HV), "Ainv": (1, Ta, HV, BT),
+  want = {"gc_int": (1, Ta, HV, K), "gc_frac": (1, Ta, HV, K), "dqg": (1, Ta, HV, K), "dkg": (1, Ta, HV, K),
+          "dw": (1, Ta, HV, K), "du": (1, Ta, HV, V), "beta": (1, Ta, HV), "Ainv": (1, Ta, HV, BT),
           "dgc_last": (1, Ta // BT, HV, K)}
-  given = dict(q=q, gc_int=gc_int, gc_frac=gc_frac, dqg=dqg, dkg=dkg, dw=dw, du=du, beta=beta,
-               Ainv=Ainv, dgc_last=dgc_last)
+  given = dict(gc_int=gc_int, gc_frac=gc_frac, dqg=dqg, dkg=dkg, dw=dw, du=du, beta=beta, Ainv=Ainv,
+               dgc_last=dgc_last)
   for name, shape in want.items():
     if tuple(given[name].shape) != tuple(shape):
       return f"{name} must have shape {tuple(shape)}, got {tuple(given[name].shape)}"
-  for name, x in dict(given, k=k, v=v).items():
+  for name, x in dict(given, q=q, k=k, v=v).items():
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
   config = config or Config()
   need = (split.smem_bytes(stage_dtype) if config.split and K == V else
-          smem_bytes(K, V, stage_dtype))
+          smem_bytes(K, V, stage_dtype, qkv_T is not None))
   return smem_reason(need, "bwd_wy")
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
-             chunk_size, config=None, dv_dtype=None, rows=None, **_) -> Optional[str]:
+             chunk_size, config=None, dv_dtype=None, rows=None, T=None, qkv_packed=False, **_) -> Optional[str]:
   """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
   what the kernel can run (rows given: packed dv, its stage in dv_dtype counted), q, k, v and Ainv
   must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
@@ -162,7 +170,10 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, a
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
   stage = None if rows is None else jnp.dtype(dv_dtype or F32)
-  reason = _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu, stage, config)
+  if qkv_packed and (rows is None or not isinstance(T, int)):
+    return "packed q, k, v need rows and a static int T"
+  reason = _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu, stage, config,
+                   T if qkv_packed else None)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v), ("Ainv", Ainv))
@@ -178,20 +189,23 @@ takes = supports                  # the name kda.stages.bwd_wy registers
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-          a_s, t0, t1, t2, t3, l_s, bar, q_s, k_s, v_s, *, nk, nv, store_dv=None, ct=2, overlap=False):
+          a_s, t0, t1, t2, t3, l_s, bar, q_s, k_s, v_s, *, nk, nv, store_dv=None, ct=2, overlap=False,
+          qkv_rows=None):
+  """qkv_rows (src, count): q, k, v are packed, chunk c's row r < count at packed row src + r."""
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
+  qkv = rows if qkv_rows is None else pl.ds(qkv_rows[0], BT)
   for j in range(nk):
-    plgpu.copy_gmem_to_smem(q_g.at[rows, h, slab(j)], q_s.at[j], bar)
-    plgpu.copy_gmem_to_smem(k_g.at[rows, h, slab(j)], k_s.at[j], bar)
+    plgpu.copy_gmem_to_smem(q_g.at[qkv, h, slab(j)], q_s.at[j], bar)
+    plgpu.copy_gmem_to_smem(k_g.at[qkv, h, slab(j)], k_s.at[j], bar)
   for j in range(nv):
-    plgpu.copy_gmem_to_smem(v_g.at[rows, h, slab(j)], v_s.at[j], bar)
+    plgpu.copy_gmem_to_smem(v_g.at[qkv, h, slab(j)], v_s.at[j], bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
-  tile = lambda x_s, j: _load(x_s.at[j]).astype(F32)        # slab j of q, k or v, float32
 
   shape = (BT, SLAB)
   row, col = _iota(0, shape), _iota(1, shape)
+  tile = lambda x_s, j: packed_tile(x_s.at[j], row, qkv_rows)  # slab j of q, k or v, float32
   strict = col < row
   l_s[...] = jnp.where(strict, 1.0, 0.0).astype(BF16)       # L: the exclusive row cumsum
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
@@ -282,15 +296,18 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   odb_g[h, rows] = zeros((BT,), ROW)
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, ct=2, overlap=False):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, ct=2, overlap=False,
+                 packed_qkv=False):
   """Packed dv (`packed_chunk`, the stage is the last scratch): program (h, c) stores its chunk's dv
-  rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h."""
+  rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h; packed_qkv: q, k, v are
+  read packed too."""
   *refs, stage = refs
   ov_g = refs[14]
   h, c = lax.axis_index("h"), lax.axis_index("c")
   dst = lambda j: lambda ds: ov_g.at[ds, h, pl.ds(j * SLAB, SLAB)]
+  qkv_rows = (src_g[c], cnt_g[c]) if packed_qkv else None
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, overlap=overlap,
+               lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, overlap=overlap, qkv_rows=qkv_rows,
                                    store_dv=lambda j, x: store(dst(j), x)),
                (lambda: _zeros(*refs, nk=nk, nv=nv, dv=False)) if tail_zeros else None,
                [dst(j) for j in range(nv)], BT)
@@ -309,21 +326,22 @@ def _in_place(body, n_lead, alias_du):
   return wrapped
 
 
-def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2):
+def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2, packed_qkv=False):
   """The split kernel's packed dv: program (p, h, c) stores its slab of its chunk's dv rows packed
-  and zeroes the gap pieces c, c + NTa, ... of that slab."""
+  and zeroes the gap pieces c, c + NTa, ... of that slab; packed_qkv: q, k, v are read packed too."""
   *refs, stage = refs
   ov_g = refs[14]
   p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
   dst = lambda ds: ov_g.at[ds, h, pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)]
+  qkv_rows = (src_g[c], cnt_g[c]) if packed_qkv else None
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: split.body(*refs, ct=ct, store_dv=lambda x: store(dst, x)),
+               lambda store: split.body(*refs, ct=ct, qkv_rows=qkv_rows, store_dv=lambda x: store(dst, x)),
                (lambda: split.zeros_body(*refs, dv=False)) if tail_zeros else None, [dst], BT)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2, overlap=False, split_slabs=False, du_bf16=False):
+            tail_zeros=True, ct=2, overlap=False, split_slabs=False, du_bf16=False, packed_qkv=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   stage_dtype = None if packed_T is None else dv_dtype
@@ -331,11 +349,12 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
   alias_du = K == V and not du_bf16          # dg_state over du (float32 only)
   if split_slabs:
     body, zeros_body = functools.partial(split.body, ct=ct), split.zeros_body
-    packed_body = functools.partial(_split_packed_body, ct=ct, **lanes)
+    packed_body = functools.partial(_split_packed_body, ct=ct, packed_qkv=packed_qkv, **lanes)
   else:
     body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap)
     zeros_body = functools.partial(_zeros, nk=nk, nv=nv)
-    packed_body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, overlap=overlap, **lanes)
+    packed_body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, overlap=overlap, packed_qkv=packed_qkv,
+                                    **lanes)
   if packed_T is not None:
     body = packed_body
   elif skip_tail:
@@ -354,7 +373,8 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
       body,
       out_type=out_type,
       **grid,
-      scratch_types=split.scratch(stage_dtype, du_bf16) if split_slabs else _scratch(K, V, stage_dtype),
+      scratch_types=(split.scratch(stage_dtype, du_bf16, packed_qkv) if split_slabs else
+                     _scratch(K, V, stage_dtype, packed_qkv)),
       compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
       kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -362,7 +382,8 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
 
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
-          dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True):
+          dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
+          qkv_packed=False):
   """The stage on the kernel; any float inputs (q, k, v, Ainv rounded to bf16; the predicate
   `supports` adds the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
@@ -372,17 +393,21 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   [1, T, HV, V], chunk c's row r < count[c] at packed row src[c] + r, 0 at tokens of no sequence;
   the other outputs as without (the tail chunks' zeros included). tail_zeros=False (with the tail
   skipped): the outputs are left unwritten at the chunks at or past aligned_cu[-1] (for callers
-  that never read them: the packed backward)."""
+  that never read them: the packed backward). qkv_packed (with packed dv): q, k, v are the packed
+  [1, T, HV, D] arrays, chunk c's rows read from packed rows src[c] + r, r < count[c] (the rest of
+  the landed tile, another sequence's tokens or the zero fill past T, taken as 0), so no aligned
+  copy of them need exist; every output bit for bit the aligned call's."""
   config = config or Config()
   packed = rows is not None
   dv_dtype = jnp.dtype(dv_dtype or F32)
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
+            "qkv_packed needs packed dv (rows, pieces, T)" if qkv_packed and not packed else
             _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-                    dv_dtype if packed else None, config))
+                    dv_dtype if packed else None, config, T if qkv_packed else None))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
-  _, Ta, HV, K = k.shape
-  V = v.shape[-1]
+  _, Ta, HV, K = dkg.shape
+  V = du.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
   if packed and (aligned_cu is None or pieces is None or not isinstance(T, int)):
@@ -393,7 +418,8 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   du_bf16 = du.dtype == BF16 and config.cotangent_terms == 1     # read as is: one bf16 term is all it gives
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
-              ct=config.cotangent_terms, overlap=config.overlap_loads, split_slabs=split_slabs, du_bf16=du_bf16)
+              ct=config.cotangent_terms, overlap=config.overlap_loads, split_slabs=split_slabs, du_bf16=du_bf16,
+              packed_qkv=bool(qkv_packed))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu

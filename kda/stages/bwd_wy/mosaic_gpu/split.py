@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, zeros
+from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, packed_tile, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes
 from kda.stages.gate import exponent
@@ -35,11 +35,12 @@ BT = SLAB = 64
 GROUPS = (3, 5, 2)       # TMA copies per barrier: (du, Ainv, v), (dw, gc_int, gc_frac, k, q), (dqg, dkg)
 
 
-def scratch(stage_dtype=None, du_bf16=False):
+def scratch(stage_dtype=None, du_bf16=False, packed_qkv=False):
   """The split kernel's scratch types; stage_dtype: packed dv's plain stage (None: aligned); du_bf16:
-  du's landing in bf16."""
+  du's landing in bf16; packed_qkv: plain q, k, v tiles (packed rows land there)."""
+  tile = (lambda: plgpu.SMEM((BT, SLAB), BF16)) if packed_qkv else (lambda: _swz((BT, SLAB)))
   return [
-      _swz((BT, SLAB)), _swz((BT, SLAB)), _swz((BT, SLAB)),                 # q, k, v
+      tile(), tile(), tile(),                                             # q, k, v
       _swz((BT, BT)),                                                     # Ainv
       plgpu.SMEM((BT, SLAB), BF16 if du_bf16 else F32),                   # du
       *[plgpu.SMEM((BT, SLAB), F32) for _ in range(5)],                   # dw, gc_int, gc_frac, dqg, dkg
@@ -50,22 +51,24 @@ def scratch(stage_dtype=None, du_bf16=False):
   ]
 
 
-def smem_bytes(stage_dtype=None, du_bf16=False):
+def smem_bytes(stage_dtype=None, du_bf16=False, packed_qkv=False):
   """Shared memory per program (the body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(scratch(stage_dtype, du_bf16), reduction=True)
+  return _smem_bytes(scratch(stage_dtype, du_bf16, packed_qkv), reduction=True)
 
 
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
          oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
          q_s, k_s, v_s, a_s, du_s, dw_s, gi_s, gf_s, dqg_s, dkg_s, t0, t1, t2, t3, l_s, *bars,
-         store_dv=None, ct=1):
-  """Program (p, h, c); odb_g [P, HV, Ta] and oa_g [P, Ta, HV, 64] take its parts of dbeta, dAkk."""
+         store_dv=None, ct=1, qkv_rows=None):
+  """Program (p, h, c); odb_g [P, HV, Ta] and oa_g [P, Ta, HV, 64] take its parts of dbeta, dAkk.
+  qkv_rows (src, count): q, k, v are packed (kda._mosaic_gpu.packed_tile)."""
   p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)
   at = lambda ref: ref.at[rows, h, cols]
-  groups = (((at(du_g), du_s), (a_g.at[rows, h, :], a_s), (at(v_g), v_s)),
-            ((at(dw_g), dw_s), (at(gi_g), gi_s), (at(gf_g), gf_s), (at(k_g), k_s), (at(q_g), q_s)),
+  qkv = (lambda ref: ref.at[pl.ds(qkv_rows[0], BT), h, cols]) if qkv_rows is not None else at
+  groups = (((at(du_g), du_s), (a_g.at[rows, h, :], a_s), (qkv(v_g), v_s)),
+            ((at(dw_g), dw_s), (at(gi_g), gi_s), (at(gf_g), gf_s), (qkv(k_g), k_s), (qkv(q_g), q_s)),
             ((at(dqg_g), dqg_s), (at(dkg_g), dkg_s)))
   for bar, group in zip(bars, groups):
     for src, dst in group:
@@ -89,7 +92,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   plgpu.barrier_wait(bars[0])
   put(_load(du_s), *cts)                                     # du
   dvb = _acc([(aT, t) for t in cts], shape)
-  vx = _load(v_s).astype(F32)
+  vx = packed_tile(v_s, row, qkv_rows)
   if store_dv is None:
     ov_g[rows, h, cols] = (dvb * beta).astype(ov_g.dtype)
   else:
@@ -103,7 +106,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   gi, gf = _load(gi_s), _load(gf_s)
   eg = jnp.exp(exponent(gi, gf))
   el = jnp.exp(exponent(last_row(gi_g, c, h, cols, shape), last_row(gf_g, c, h, cols, shape), gi, gf))
-  kx, qx = _load(k_s).astype(F32), _load(q_s).astype(F32)
+  kx, qx = packed_tile(k_s, row, qkv_rows), packed_tile(q_s, row, qkv_rows)
   keg = kx * eg
   kb = beta * keg
   dbeta = dbeta + jnp.sum(dkb * keg, axis=1)
