@@ -222,7 +222,7 @@ def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
       it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu, rows)
 
 
-def calls(name, gate, impl, total=TOTAL, config=""):
+def calls(name, gate, impl, total=TOTAL, config="", device=None):
   """The timed calls of a shape: (args, fwd, loss) with args = (q, k, v, g, beta, diff_kw, traced_kw,
   do), fwd(*args) -> o and loss(*args) = sum(o * do), differentiated in args[:6]. diff_kw holds the
   differentiable keywords (A_log, dt_bias), traced_kw cu_seqlens: both are arguments of the jitted
@@ -230,7 +230,8 @@ def calls(name, gate, impl, total=TOTAL, config=""):
   per N); a closed-over cu_seqlens would be concrete and get the exact layout. do is an argument
   too, as the jax peer passes it (closed over, it would be a 128 MiB constant of the program, whose
   lowering and compile then take seconds longer). impl: "auto" (chunk_kda's default: kernels where
-  a stage has one), or an impl string; config: tools.configs' text."""
+  a stage has one), or an impl string; config: tools.configs' text, checked against the plan for
+  `device` (default: this process's)."""
   impl = None if impl == "auto" else impl
   args, kw, do = make_inputs(name, gate, total=total)
   cfg = None
@@ -238,7 +239,7 @@ def calls(name, gate, impl, total=TOTAL, config=""):
     from tools import configs
     q, v = args[0], args[2]
     cfg = configs.parse(config, planning.make_plan(scale=1.0, chunk_size=64, impl=impl, dtype=q.dtype,
-                                                    K=q.shape[-1], V=v.shape[-1]))
+                                                    K=q.shape[-1], V=v.shape[-1], device=device))
   diff_kw = {k: v for k, v in kw.items() if k in ("A_log", "dt_bias")}
   traced_kw = {k: v for k, v in kw.items() if k == "cu_seqlens"}
   static_kw = {k: v for k, v in kw.items() if k not in diff_kw and k not in traced_kw}

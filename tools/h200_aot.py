@@ -47,7 +47,7 @@ def target_device():
 def compile_shape(name: str, config: str, bwd: bool, device) -> dict:
   import jax
   from tools import bench
-  args, fwd, loss = bench.calls(name, "plain", "auto", config=config)     # made on the host
+  args, fwd, loss = bench.calls(name, "plain", "auto", config=config, device=device)   # made on the host
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
   calls = {"fwd": fwd}
