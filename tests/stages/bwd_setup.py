@@ -120,3 +120,12 @@ def block_errors(got, want, fields):
 def fmt(errs):
   """block_errors' result in one line."""
   return ", ".join(f"{n} {e[0]:.2e}/{e[1]:.2e}" for n, e in errs.items())
+
+
+def packed_and_aligned(layout, xs, dtype=jnp.bfloat16):
+  """Aligned [1, Ta, ...] arrays -> (packed [1, T, ...] with NaN at tokens of no sequence, and their
+  aligned copies with 0 there): the inputs of a kernel's packed-read mode and of its aligned call."""
+  from kda import padding
+  owned = padding.packed_owned_mask(layout)[None, :, None, None]
+  packed = [jnp.where(owned, padding.unalign_with(layout, x), jnp.nan).astype(dtype) for x in xs]
+  return packed, [padding.align_with(layout, jnp.where(owned, x, 0)) for x in packed]

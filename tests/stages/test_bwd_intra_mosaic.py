@@ -498,9 +498,7 @@ def test_packed_qk_equals_aligned():
   rows = padding.chunk_rows(layout)
   kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T,
             scale=K ** -0.5, chunk_size=BT, grad_dtype=BF16)
-  owned = padding.packed_owned_mask(layout)[None, :, None, None]
-  packed = [jnp.where(owned, padding.unalign_with(layout, x), jnp.nan).astype(BF16) for x in args[:2]]
-  aligned = [padding.align_with(layout, jnp.where(owned, x, 0)) for x in packed]
+  packed, aligned = bwd_setup.packed_and_aligned(layout, args[:2])
   f = lambda *a, **k: mgb.apply(*a, layout.aligned_cu, interpret=True, **kw, **k)
   want = jax.jit(f)(*aligned, *args[2:])
   got = jax.jit(lambda *a: f(*a, qk_packed=True))(*packed, *args[2:])

@@ -56,6 +56,16 @@ CASES = {
 }
 
 
+def _packed_kw(lens, Ta):
+  """A packed layout of `lens` (a 3-token and a 70-token gap, 5 tokens after the last, the tail chunks
+  up to Ta) and the packed-dv keywords rows, pieces, T."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - sum(-(-n // BT) * BT for n in lens)) // BT)
+  rows = padding.chunk_rows(layout)
+  return layout, dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
+
+
 @functools.lru_cache(maxsize=None)
 def make_inputs(case, gates, seed=60):
   """The stage's arguments (q, k, v, Ainv bf16; the rest float32) and the [Ta] real-token mask."""
@@ -381,18 +391,12 @@ def test_packed_qkv_equals_aligned(case, split):
   """qkv_packed: q, k, v read from the packed arrays (NaN at tokens of no sequence: a 70-token gap
   and 5 tokens after the last) give every output bit for bit the call on their aligned copies (in-order
   and split kernels, packed dv); it lowers for CUDA."""
-  from kda import padding
-  from tests.stages.test_gate_mosaic import packed_layout
   lens, Ta, HV, K, V = CASES[case]
   args, _ = make_inputs(case, "ordinary")
-  layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - sum(-(-n // BT) * BT for n in lens)) // BT)
+  layout, kw = _packed_kw(lens, Ta)
   assert layout.Ta == Ta
-  rows = padding.chunk_rows(layout)
-  kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T,
-            dv_dtype=BF16, chunk_size=BT, config=mgw.Config(split=split))
-  owned = padding.packed_owned_mask(layout)[None, :, None, None]
-  packed = [jnp.where(owned, padding.unalign_with(layout, x), jnp.nan).astype(BF16) for x in args[:3]]
-  aligned = [padding.align_with(layout, jnp.where(owned, x, 0)) for x in packed]
+  kw.update(dv_dtype=BF16, chunk_size=BT, config=mgw.Config(split=split))
+  packed, aligned = bwd_setup.packed_and_aligned(layout, args[:3])
   f = lambda *a, **k: mgw.apply(*a, layout.aligned_cu, interpret=True, **kw, **k)
   want = jax.jit(f)(*aligned, *args[3:])
   got = jax.jit(lambda *a: f(*a, qkv_packed=True))(*packed, *args[3:])
@@ -410,16 +414,12 @@ def test_overlapped_loads_give_the_same_bits(K, V, packed):
   output bit for bit the in-order kernel's (simulator; aligned, and packed dv with a gap), each
   cotangent-term count; and it lowers for CUDA (each operand still read before its rows are
   written in place)."""
-  from kda import padding
-  from tests.stages.test_gate_mosaic import packed_layout
   case = {(128, 128): "K128-V128-HV1-130", (64, 128): "K64-V128-HV2-64_50"}[(K, V)]
   lens, Ta, HV, _, _ = CASES[case]
   args, _ = make_inputs(case, "strong")
   kw = {}
   if packed:
-    layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - 128) // BT)
-    rows = padding.chunk_rows(layout)
-    kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
+    layout, kw = _packed_kw(lens, Ta)
     args = args + (layout.aligned_cu,)
   for ct in (1, 2):
     run = lambda overlap: jax.jit(functools.partial(
@@ -438,15 +438,11 @@ def test_split_kernel_matches_the_in_order_kernel(case, packed):
   output but dbeta and dAkk bit for bit the in-order kernel's; those two are sums over the slabs'
   parts (float32 associated by slab: the same bits at one slab, K = 64), and all within the
   reference's tolerance (simulator; aligned, and packed dv with a gap)."""
-  from kda import padding
-  from tests.stages.test_gate_mosaic import packed_layout
   lens, Ta, HV, K, V = CASES[case]
   args, _ = make_inputs(case, "strong")
   kw = {}
   if packed:
-    layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - 128) // BT)
-    rows = padding.chunk_rows(layout)
-    kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
+    layout, kw = _packed_kw(lens, Ta)
     args = args + (layout.aligned_cu,)
   run = lambda **c: jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
                                               dv_dtype=BF16 if packed else None,
@@ -515,15 +511,11 @@ def test_bf16_du_gives_the_same_bits(case, packed, split):
   """cotangent_terms=1 rounds du to one bf16 term: du given in bf16 (S2's du_dtype) is read as is and
   every output is bit for bit the float32 du's (simulator; in-order and split kernels, packed dv);
   dg_state then has its own buffer: three in-place aliases where K == V."""
-  from kda import padding
-  from tests.stages.test_gate_mosaic import packed_layout
   lens, Ta, HV, K, V = CASES[case]
   args, _ = make_inputs(case, "strong")
   kw = {}
   if packed:
-    layout, _ = packed_layout(lens, [3, 70], extra_T=5, tail_chunks=(Ta - 128) // BT)
-    rows = padding.chunk_rows(layout)
-    kw = dict(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T)
+    layout, kw = _packed_kw(lens, Ta)
     args = args + (layout.aligned_cu,)
   args = list(args)
   args[10] = args[10].astype(BF16).astype(F32)             # du, bf16-exact
