@@ -2,8 +2,8 @@
 
 g is never aligned (S0's gate kernel reads it packed, S5 reads it and stores dg packed), and the
 stages whose kernels take the call store their gradients packed (S3 dv, S4 dq and dk), so no XLA pass
-unaligns them; q, k, v, beta and do are aligned once, as in the aligned backward. The same
-gradients as the stages on the aligned layout.
+unaligns them; S3 and S4 also read q, k, v packed, so their aligned copies (S0 reads them, with beta
+and do aligned once) die in S0. The same gradients as the stages on the aligned layout.
 
 apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None, probe=False)
   -> kda.pipeline.Grads (probe: with `finite`, from S0's kernel).
