@@ -327,3 +327,36 @@ def packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c, body, tail, dsts, BT=64
     pl.when(jnp.logical_not(live))(tail)
   zero_gap_pieces(pieces_g, c, src_g.shape[0], stage, dsts)
   plgpu.wait_smem_to_gmem(0)          # every TMA store has landed before the program exits
+
+
+# Pairs: a float32 [Ta, HV, D] operand held as its two bf16 terms (`split`) per chunk and head, in a
+# bf16 [NTa, HV, 2 * BT, D] array: rows [0, BT) of [c, h] are chunk c's hi terms, rows [BT, 2 BT)
+# its lo terms (~2^-17 relative together). Where D == 2 * BT that is the shape and dtype of a
+# per-chunk [K, V] bf16 state (S0's h, S2's dh), so a kernel can store a pair over a state whose
+# chunk it has already read.
+
+def pair_load(ref, c, h, cols, BT=64):
+  """Chunk c, head h, columns `cols` of a pair ref, float32 [BT, cols] (WGMMA layout)."""
+  hi, lo = (load(ref.at[c, h, pl.ds(i * BT, BT), cols]).astype(F32) for i in range(2))
+  return hi + lo
+
+
+def pair_store(ref, c, h, cols, x, BT=64):
+  """float32 x [BT, cols] (registers) into chunk c, head h, columns `cols` of a pair ref."""
+  for i, part in enumerate(split(x)):
+    ref[c, h, pl.ds(i * BT, BT), cols] = part
+
+
+def to_pairs(x, BT=64):
+  """[1, Ta, HV, D] float32 -> its pairs [1, NTa, HV, 2 BT, D] bf16 (the layout above)."""
+  _, Ta, HV, D = x.shape
+  c = x.astype(F32).reshape(Ta // BT, BT, HV, D).transpose(0, 2, 1, 3)
+  hi = c.astype(BF16)
+  return jnp.concatenate([hi, (c - hi.astype(F32)).astype(BF16)], axis=2)[None]
+
+
+def from_pairs(p, BT=64):
+  """Pairs [1, NTa, HV, 2 BT, D] bf16 -> [1, Ta, HV, D] float32 (hi + lo)."""
+  _, NTa, HV, _, D = p.shape
+  x = p[0, :, :, :BT].astype(F32) + p[0, :, :, BT:].astype(F32)
+  return x.transpose(0, 2, 1, 3).reshape(1, NTa * BT, HV, D)

@@ -27,7 +27,7 @@ from kda import fused, padding
 from kda.padding import Layout
 from kda.padding.pieces import reset_gates
 from kda.plan import FORWARD, BACKWARD, Plan, group_backend, run  # noqa: F401  (re-exported names)
-from kda.steps import Grads, Saved, o_dtype, prepare, s2_du_kw, scope  # noqa: F401  (the records)
+from kda.steps import Grads, Saved, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
 
 
 def saved(records) -> Saved:
@@ -153,11 +153,14 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   else:
     dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
     du_kw = {} if record else s2_du_kw(plan, dh_args, (qa, ka, va, ba, *gc, saved.Ainv), **dv_dtype)
-    ds = stage("bwd_dh", *dh_args, **du_kw)
-    wy = stage("bwd_wy", qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last,
-               layout.aligned_cu, **dv_dtype)
-    it = stage("bwd_intra", qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu,
-               **grad_dtype)
+    pairs = pairs_kw(plan, du_kw, qa, va)
+    ds = stage("bwd_dh", *dh_args, **du_kw, **pairs)
+    pairs, wy_args = keep_pairs(plan, "bwd_wy", (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du,
+                                                 ds.dgc_last, layout.aligned_cu), pairs, **dv_dtype)
+    wy = stage("bwd_wy", *wy_args, **dv_dtype, **pairs)
+    pairs, it_args = keep_pairs(plan, "bwd_intra", (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta,
+                                                    wy.dgc, layout.aligned_cu), pairs, **grad_dtype)
+    it = stage("bwd_intra", *it_args, **grad_dtype, **pairs)
     gt = stage("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (it.dq, it.dk, wy.dv, it.dbeta, gt.dg, ds.dh0, gt.dA_log,
                                                     gt.ddt_bias)

@@ -432,11 +432,11 @@ def test_numpy_scale_is_accepted():
 
 # -- the fused group PACKED (align / unalign folded into the Mosaic GPU kernels) -----------------
 
-def _packed_case():
-  """bf16, GVA (H=1, HV=2), raw gates in kernel with lower_bound, l2norm, initial states,
+def _packed_case(D=64):
+  """bf16, GVA (H=1, HV=2), K = V = D, raw gates in kernel with lower_bound, l2norm, initial states,
   sequences of 37, 0, 64, 65, 1 tokens and 33 tokens after the last one holding NaN."""
   r = [np.random.default_rng(s) for s in range(8)]
-  T, H, HV, K, V = 200, 1, 2, 64, 64
+  T, H, HV, K, V = 200, 1, 2, D, D
   lens = [37, 0, 64, 65, 1]
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
   none = (np.arange(T) >= cu[-1])[None, :, None, None]
@@ -542,14 +542,46 @@ def test_packed_backward_equals_the_aligned_one(monkeypatch):
   assert np.abs(f32(ht) - f32(want_ht)).max() <= 1e-2 * np.abs(f32(want_ht)).max()
 
 
-def test_packed_backward_lowers_for_cuda():
+def test_packed_backward_pairs_at_128(monkeypatch):
+  """K = V = 128, impl="mosaic_gpu" (simulator): S2 stores dqg, dkg as pairs over h and dh and S3, S4
+  take them (pairs=True reaches the three kernels); the packed backward's gradients are bit for bit
+  the aligned pipeline's (which pairs them as well), 0 at tokens of no sequence, and within bf16
+  rounding of the reference's."""
+  from kda.stages.bwd_dh import mosaic_gpu as mgd
+  from kda.stages.bwd_intra import mosaic_gpu as mgi
+  from kda.stages.bwd_wy import mosaic_gpu as mgw
+  x, kw = _packed_case(128)
+  seen = []
+  for mod in (mgd, mgw, mgi):
+    real = mod.apply
+    monkeypatch.setattr(mod, "apply", lambda *a, _real=real, **k: seen.append(k.get("pairs")) or _real(*a, **k))
+
+  def grads(impl, **config):
+    loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl=impl, config=config or None)[0].astype(jnp.float32))
+    return jax.jit(jax.grad(loss))(x)
+
+  got = grads("mosaic_gpu")
+  assert seen == [True] * 3, seen
+  want = grads("mosaic_gpu", pipeline=planning.PipelineConfig(packed=False))
+  assert seen == [True] * 6, seen
+  ref = grads("reference")
+  end = int(kw["cu_seqlens"][-1])
+  for name, a, b, r in zip("q k v g beta".split(), got, want, ref):
+    a, b, r = (np.asarray(t.astype(jnp.float32)) for t in (a, b, r))
+    np.testing.assert_array_equal(a, b, name)
+    assert np.all(a[:, end:] == 0), name
+    assert np.abs(a[:, :end] - r[:, :end]).max() <= 2e-2 * np.abs(r[:, :end]).max(), name
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_packed_backward_lowers_for_cuda(K):
   """The whole jax.grad with impl=None as on an H200 (the platform mocked), lowered for CUDA from the
   CPU: the packed backward's kernels (bwd_gate, bwd_wy and bwd_intra in their packed modes) are
-  the ones called."""
+  the ones called (at K = V = 128 with S2's pairs)."""
   import re
   from unittest import mock
   S = jax.ShapeDtypeStruct
-  T, H, K = 256, 2, 64
+  T, H = 256, 2
   bf = lambda *s: S(s, jnp.bfloat16)
   args = (bf(1, T, H, K), bf(1, T, H, K), bf(1, T, H, K), S((1, T, H, K), jnp.float32), bf(1, T, H))
   loss = lambda q, k, v, g, beta, cu: jnp.sum(kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0].astype(jnp.float32))

@@ -395,6 +395,43 @@ def test_bwd_dh_bf16_du_over_v_new(K, V, packed):
   assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in text.splitlines()) == 2
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["aligned", "packed"])
+def test_bwd_dh_pairs_over_h_and_dh(packed):
+  """pairs=True (K = V = 128, with du_dtype=bfloat16 as the packed backward calls it): dqg and dkg
+  come as their pairs, bit for bit to_pairs of the float32 call's (the tail's zeros included), and
+  dh0, du, dw, dgc_last bit for bit that call's; with do read packed as well. Lowers for CUDA with
+  h and dh as mutable refs."""
+  from kda import padding
+  from kda._mosaic_gpu import from_pairs, to_pairs
+  from tests.stages.test_gate_mosaic import packed_layout
+  K = V = 128
+  args, acu, tail = make_case(LENS, K, V)
+  kw = dict(du_dtype=jnp.bfloat16)
+  if packed:
+    Ta, HV = args[0].shape[1], args[0].shape[2]
+    layout, _ = packed_layout(LENS, [0, 70, 0, 0, 0], extra_T=5, tail_chunks=(Ta - int(acu[-1])) // BT)
+    do_p = jax.random.normal(jax.random.key(3), (1, layout.T, HV, V)).astype(jnp.bfloat16)
+    do_p = jnp.where(padding.packed_owned_mask(layout)[None, :, None, None], do_p, jnp.bfloat16(0))
+    args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
+    kw.update(do_packed=do_p, rows=padding.chunk_rows(layout))
+  f = lambda *a, **k: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw, **k)
+  want = jax.jit(f)(*args)
+  got = jax.jit(lambda *a: f(*a, pairs=True))(*args)
+  NTa, HV = args[0].shape[1] // BT, args[0].shape[2]
+  for name in ("dqg", "dkg"):
+    p = getattr(got, name)
+    assert p.shape == (1, NTa, HV, 2 * BT, K) and p.dtype == jnp.bfloat16, (name, p.shape, p.dtype)
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(to_pairs(getattr(want, name))), name)
+    x, ref = np.asarray(from_pairs(p)), np.asarray(getattr(want, name))
+    assert np.abs(x - ref).max() <= 2 ** -16 * np.abs(ref).max() and np.abs(ref).max() > 0, name
+  for name in ("dh0", "du", "dw", "dgc_last"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  lo = {k: v for k, v in kw.items()}
+  text = jax.jit(lambda *a: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, pairs=True, **lo)).trace(
+      *args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in text.splitlines()) == 2
+
+
 def test_bwd_dh_terms_kernel_smem():
   """The terms kernel lowers for CUDA at K = V = 128 in two CTAs per SM, aligned and reading do
   packed (do's plain landing shares v_new's bytes; one barrier more), with the SMEM `terms_smem_bytes`

@@ -547,3 +547,42 @@ def test_one_term_cotangents_stay_within_bf16_rounding():
   assert errs["dv"][0] > 10 * TOL["dv"][0], fmt(errs)
   for name in ("dq", "dg_state"):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(exact, name)), name)
+
+
+@pytest.mark.parametrize("case,packed,split", [("K128-V128-HV1-130", False, False), ("K128-V128-HV1-130", True, True),
+                                               ("K64-V128-HV2-64_50", True, False)],
+                         ids=["K128", "K128-packed-split", "K64-V128-packed"])
+def test_pairs_give_the_same_bits(case, packed, split):
+  """pairs=True: dqg, dkg given as their pairs (S2's `pairs`) give dq, dk as theirs, bit for bit
+  to_pairs of the call on float32 dqg, dkg = hi + lo, and every other output that call's bits
+  (simulator; in-order and split kernels, aligned and packed dv, bf16 du); dq, dk go over dqg, dkg:
+  three in-place aliases, as with bf16 du alone."""
+  from kda._mosaic_gpu import from_pairs, to_pairs
+  lens, Ta, HV, K, V = CASES[case]
+  args, _ = make_inputs(case, "strong")
+  kw = {}
+  if packed:
+    layout, kw = _packed_kw(lens, Ta)
+    args = args + (layout.aligned_cu,)
+  args = list(args)
+  args[10] = args[10].astype(BF16)                         # du in bf16, as the pipeline hands it
+  pairs = [to_pairs(x) for x in args[7:9]]
+  args[7:9] = [from_pairs(p) for p in pairs]               # the float32 values the pairs hold
+  cfg = mgw.Config(cotangent_terms=1, split=split)
+  run = lambda *a, **k: jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
+                                                  dv_dtype=BF16 if packed else None, config=cfg, **kw, **k))(*a)
+  want = run(*args)
+  got = run(*args[:7], *pairs, *args[9:], pairs=True)
+  for name in FIELDS:
+    w = getattr(want, name)
+    w = to_pairs(w) if name in ("dq", "dk") else w
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(w), name)
+  assert float(np.abs(np.asarray(got.dk, np.float32)).max()) > 0
+  S = jax.ShapeDtypeStruct
+  lowered = list(_abstract(4096, 2, 128, 128))
+  lowered[7:9] = [S((1, 4096 // BT, 2, 2 * BT, 128), BF16)] * 2
+  lowered[10] = S(lowered[10].shape, BF16)
+  txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, config=cfg, pairs=True)).trace(
+      *lowered, S((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  call = [line for line in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+  assert len(call) == 1 and len(re.findall(r"output_operand_alias<", call[0])) == 3

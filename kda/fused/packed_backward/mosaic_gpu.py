@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from kda import padding, stages
 from kda.padding.pieces import segment_rows
 from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
-from kda.steps import Grads, query_keys, s2_du_kw, scope
+from kda.steps import Grads, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope
 
 
 def _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state):
@@ -81,19 +81,22 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   dv_dtype = dict(dv_dtype=va.dtype)
   if dh_kw:
     dh_kw.update(s2_du_kw(plan, dh_args, (qa, ka, va, ba, *gc, saved.Ainv), **dv_dtype))
-  ds = stage("bwd_dh", *dh_args, **dh_kw)
+  pairs = pairs_kw(plan, dh_kw, qa, va)
+  ds = stage("bwd_dh", *dh_args, **dh_kw, **pairs)
   grad_dtype = dict(grad_dtype=qa.dtype) if qa.dtype == ka.dtype else {}
   wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
-  wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype)
+  pairs, wy_args = keep_pairs(plan, "bwd_wy", wy_args, pairs, **dv_dtype)
+  wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype, **pairs)
   if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
     wy_args = (qp, kp, v) + wy_args[3:]
-    wy_kw["qkv_packed"] = True
+    wy_kw.update(pairs, qkv_packed=True)
   wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw)
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
-  it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype)
+  pairs, it_args = keep_pairs(plan, "bwd_intra", it_args, pairs, **grad_dtype)
+  it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype, **pairs)
   if it_kw:
     it_args = (qp, kp) + it_args[2:]
-    it_kw.update(seg, qk_packed=True)
+    it_kw.update(**seg, **pairs, qk_packed=True)
   it = stage("bwd_intra", *it_args, **grad_dtype, **it_kw)
   with scope("bwd_gate"):          # dg packed in g's dtype, zeros at tokens of no sequence
     gt = bwd_gate_mgpu.packed(g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=interpret,

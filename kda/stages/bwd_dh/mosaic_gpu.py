@@ -75,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, live_chunk
-from kda._mosaic_gpu import sequence_order, tile_shapes, zeros
+from kda._mosaic_gpu import pair_store, sequence_order, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, mm as _mm, params as _params, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dh import Out
@@ -246,12 +246,14 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
   plgpu.wait_smem_to_gmem(0)     # every dh store has landed before the program exits
 
 
-def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=False):
+def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=False, pairs=False):
   # GMEM: cu [N+1] int32; (packed: src, count [NTa] int32); h, dh [NTa, HV, K, V], vn [Ta, HV, V],
   # do [Ta, HV, V] bf16 (packed: [T, HV, V]); du [Ta, HV, V], dec [NTa, HV, K] f32; out dqg, dkg,
   # dw [Ta, HV, K], dgc [NTa, HV, K] f32. SMEM: 64-column slabs; v_new's tile takes bf16(-du) after
   # dkg's product has read it. store_du: bf16(du) is stored over v_new's rows (vn is a mutable ref,
   # read into SMEM before), and dw may be du's ref (every du tile is in registers before dw's store).
+  # pairs: dqg, dkg are h's and dh's refs, taking their pairs (kda._mosaic_gpu.pair_store) over the
+  # chunk's state, which is in SMEM before either is stored.
   if packed:
     src_g, cnt_g, *refs = refs
     (h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g,
@@ -263,6 +265,12 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
   live = live_chunk(cu_g, c, BT)   # chunks at or past aligned_cu[-1]: nothing is read, zeros out
+
+  def store(o_g, x):
+    if pairs:
+      pair_store(o_g, c, i_h, slice(None), x, BT)
+    else:
+      o_g[rows, i_h, :] = x
 
   @pl.when(live)
   def _():
@@ -282,10 +290,10 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
     else:
       copy_chunk_slabs(((vn_g, vn_s), (do_g, do_s)), rows, i_h, bar)
       plgpu.barrier_wait(bar)
-    dqg_g[rows, i_h, :] = scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
+    store(dqg_g, scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K)))
     if packed:
       plgpu.barrier_wait(bar_vn)
-    dkg_g[rows, i_h, :] = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K))
+    store(dkg_g, _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K)))
     for j in range(nv):            # dkg's store above waited for its wgmma: v_new's tile is free
       du = _load(du_g.at[rows, i_h, slab(j)]).astype(BF16)
       vn_s.at[j][...] = -du
@@ -302,8 +310,8 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
       for j in range(nv):
         vn_g[rows, i_h, slab(j)] = _load(du_g.at[rows, i_h, slab(j)]).astype(BF16)
     zk = zeros((BT, K))
-    dqg_g[rows, i_h, :] = zk
-    dkg_g[rows, i_h, :] = zk
+    store(dqg_g, zk)
+    store(dkg_g, zk)
     dw_g[rows, i_h, :] = zk
     dgc_g[c, i_h, :] = zeros((K,), ROW)
 
@@ -311,27 +319,27 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
     pl.when(jnp.logical_not(live))(tail)
 
 
-def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False, store_du=False):
+def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False, store_du=False, pairs=False):
   """The terms kernel; packed: it reads do packed; store_du: v_new and du are mutable refs, bf16(du)
-  is stored over v_new and, where K == V, dw over du (_terms_body)."""
+  is stored over v_new and, where K == V, dw over du; pairs: h and dh are mutable refs taking dqg's
+  and dkg's pairs (_terms_body)."""
   NTa = Ta // BT
   kw = {} if tail_zeros else dict(tail_zeros=False)
   if packed:
     kw["packed"] = True
-  body = functools.partial(_terms_body, nv=V // SLAB, scale=scale, **kw)
+  body = functools.partial(_terms_body, nv=V // SLAB, scale=scale, store_du=store_du, pairs=pairs, **kw)
   dw_over_du = store_du and K == V
-  if store_du:
-    n_in = 7 + 2 * packed          # cu, (src, count), h, dh, vn, do, du, dec
+  n_in = 7 + 2 * packed            # cu, (src, count), h, dh, vn, do, du, dec
 
-    def body(*refs, _body=functools.partial(body, store_du=True)):
-      refs = list(refs)
-      if dw_over_du:
-        refs.insert(n_in + 2, refs[n_in - 2])    # dw_g: du's ref
-      return _body(*refs)
+  def wrapped(*refs):              # the body's refs: inputs, then dqg, dkg, dw, dgc_last, scratch
+    ins, rest = list(refs[:n_in]), list(refs[n_in:])
+    dqk = ins[n_in - 6:n_in - 4] if pairs else [rest.pop(0), rest.pop(0)]
+    dw = ins[n_in - 2] if dw_over_du else rest.pop(0)
+    return body(*ins, *dqk, dw, *rest)
   fk = jax.ShapeDtypeStruct((Ta, HV, K), F32)
   return plgpu.kernel(
-      body,
-      out_type=(fk, fk, *[fk] * (not dw_over_du),                  # dqg, dkg, dw
+      wrapped,
+      out_type=(*[fk] * (2 * (not pairs) + (not dw_over_du)),     # dqg, dkg, dw
                 jax.ShapeDtypeStruct((NTa, HV, K), F32)),          # dgc_last
       grid=(HV, NTa), grid_names=("h", "c"),
       scratch_types=_terms_scratch(K, V, packed),
@@ -365,7 +373,7 @@ def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False,
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
           interpret=False, config=None, dht_zero=False, need_dh0=True, tail_zeros=True, do_packed=None,
-          rows=None, du_dtype=None):
+          rows=None, du_dtype=None, pairs=False):
   """The stage on the kernels; bf16 or float32 operands (qg, kg, w, h, v_new, do rounded to bf16;
   the predicate `supports` adds the dtype policy). dht_zero: dht is known to be zero (not read: XLA
   drops a zeros array nobody reads); need_dh0=False: dh0 is not stored (zeros returned, for callers
@@ -377,7 +385,10 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   aligned do need not outlive the walk; do (aligned) still feeds the walk. The same bits.
   du_dtype=bfloat16 (for a consumer that rounds du to bf16 anyway): the terms kernel stores bf16(du)
   over v_new's buffer and, where K == V, dw over du's, so neither outlives the call as an extra
-  buffer (v_new is then not read after this stage). The same bits of dqg, dkg, dw, dgc_last."""
+  buffer (v_new is then not read after this stage). The same bits of dqg, dkg, dw, dgc_last.
+  pairs=True (K == V == 128): dqg and dkg come as their pairs [1, NTa, HV, 128, K] bf16
+  (kda._mosaic_gpu.pair_store: hi + lo, ~2^-17 relative), stored over h's and dh's buffers (h is
+  then not read after this stage), so neither takes a float32 buffer of its own."""
   config = config or Config()
   packed = do_packed is not None
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
@@ -386,11 +397,14 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     raise ValueError(f"mosaic_gpu bwd_dh kernel: {reason}")
   _, Ta, HV, K = qg.shape
   V = v_new.shape[-1]
+  if pairs and not K == V == 2 * BT:
+    raise ValueError(f"mosaic_gpu bwd_dh kernel: pairs need K == V == {2 * BT}, got K={K}, V={V}")
   N = aligned_cu.shape[0] - 1
   NTa, NV = Ta // BT, V // BV
   if N == 0:                                  # no program to launch; every chunk is tail
     zk = jnp.zeros((1, Ta, HV, K), F32)
-    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(du_dtype or F32), zk, zk, zk, jnp.zeros((1, NTa, HV, K), F32))
+    zp = jnp.zeros((1, NTa, HV, 2 * BT, K), BF16) if pairs else zk
+    return Out(jnp.zeros((0, HV, K, V), F32), dv.astype(du_dtype or F32), zp, zp, zk, jnp.zeros((1, NTa, HV, K), F32))
   if packed and (rows is None or do_packed.ndim != 4 or do_packed.shape[0] != 1
                  or do_packed.shape[2:] != (HV, V) or do_packed.dtype != BF16):
     raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
@@ -417,13 +431,14 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
 
   store_du = du_dtype is not None and jnp.dtype(du_dtype) == jnp.dtype(BF16)
   terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), interp=interp, tail_zeros=tail_zeros, packed=packed,
-                        store_du=store_du)
+                        store_du=store_du, pairs=pairs)
   lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32)) if packed else ()
-  if store_du:                     # v_new's buffer takes bf16(du), du's takes dw (K == V)
-    vn, du = jax.new_ref(v_new), jax.new_ref(du)
-    dqg, dkg, *dw, dgc = terms(aligned_cu, *lead, h, dh, vn, do_packed[0] if packed else dob, du, decay)
-    dw = dw[0] if dw else jax.ref.freeze(du)
-    du = jax.ref.freeze(vn)
-  else:
-    dqg, dkg, dw, dgc = terms(aligned_cu, *lead, h, dh, v_new, do_packed[0] if packed else dob, du, decay)
+  # in place: v_new's buffer takes bf16(du) and du's dw (K == V) with store_du; h's and dh's the pairs
+  ref = lambda x, mutable: jax.new_ref(x) if mutable else x
+  hr, dhr, vn, dur = ref(h, pairs), ref(dh, pairs), ref(v_new, store_du), ref(du, store_du)
+  outs = list(terms(aligned_cu, *lead, hr, dhr, vn, do_packed[0] if packed else dob, dur, decay))
+  dqg, dkg = (jax.ref.freeze(hr), jax.ref.freeze(dhr)) if pairs else (outs.pop(0), outs.pop(0))
+  dw = jax.ref.freeze(dur) if store_du and K == V else outs.pop(0)
+  dgc = outs.pop(0)
+  du = jax.ref.freeze(vn) if store_du else du
   return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])

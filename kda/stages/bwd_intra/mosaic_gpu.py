@@ -76,7 +76,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, packed_chunk
-from kda._mosaic_gpu import packed_tile, skipping_tail, zeros
+from kda._mosaic_gpu import packed_tile, pair_load, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_intra import Out
@@ -129,12 +129,12 @@ def smem_bytes(stage_dtype=None, packed_qk=False):
 
 
 def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu,
-            stage_dtype=None, qk_T=None) -> Optional[str]:
+            stage_dtype=None, qk_T=None, pairs=False) -> Optional[str]:
   """What the kernel can run (bf16 or float32 q, k); `apply` raises with it. qk_T: q, k are packed
-  [1, qk_T, HV, K]."""
-  lead = k if qk_T is None else dk          # the aligned layout's shape: k's, or with packed q, k dk's
+  [1, qk_T, HV, K]; pairs: dq, dk are pairs (bf16 [1, NTa, HV, 2 * 64, K])."""
+  lead = k if qk_T is None else dgc         # the aligned layout's shape: k's, or with packed q, k dgc's
   if lead.ndim != 4 or lead.shape[0] != 1:
-    return f"{'k' if qk_T is None else 'dk'} must be [1, Ta, HV, K], got shape {lead.shape}"
+    return f"{'k' if qk_T is None else 'dgc'} must be [1, Ta, HV, K], got shape {lead.shape}"
   _, Ta, HV, K = lead.shape
   T = Ta if qk_T is None else qk_T
   for name, x in (("q", q), ("k", k)):
@@ -147,7 +147,8 @@ def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
   aligned = (1, Ta, HV, K)
-  want = {"gc_int": aligned, "gc_frac": aligned, "dq": aligned, "dk": aligned, "dgc": aligned,
+  dqk = (1, Ta // BT, HV, 2 * BT, K) if pairs else aligned
+  want = {"gc_int": aligned, "gc_frac": aligned, "dq": dqk, "dk": dqk, "dgc": aligned,
           "beta": (1, Ta, HV), "dbeta": (1, Ta, HV), "dAqk": (1, Ta, HV, BT), "dAkk": (1, Ta, HV, BT)}
   given = dict(gc_int=gc_int, gc_frac=gc_frac, dq=dq, dk=dk, dgc=dgc, beta=beta, dbeta=dbeta, dAqk=dAqk,
                dAkk=dAkk)
@@ -161,13 +162,17 @@ def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned
                   ("dq", dq), ("dk", dk), ("dbeta", dbeta), ("dgc", dgc)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_intra takes floating {name}, got {jnp.dtype(x.dtype).name}"
+  if pairs and (bad := [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("dq", dq), ("dk", dk))
+                        if jnp.dtype(x.dtype) != jnp.dtype(BF16)]):
+    return f"pairs are bfloat16, got {', '.join(bad)}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
   return smem_reason(smem_bytes(stage_dtype, qk_T is not None), "bwd_intra")
 
 
 def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale,
-             chunk_size, config=None, grad_dtype=None, rows=None, T=None, qk_packed=False, **_) -> Optional[str]:
+             chunk_size, config=None, grad_dtype=None, rows=None, T=None, qk_packed=False, pairs=False,
+             **_) -> Optional[str]:
   """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
   what the kernel can run (rows given: packed dq, dk, their stage in grad_dtype counted), q and k
   must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
@@ -179,7 +184,7 @@ def supports(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligne
   if qk_packed and (rows is None or not isinstance(T, int)):
     return "packed q, k need rows and a static int T"
   reason = _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu, stage,
-                   T if qk_packed else None)
+                   T if qk_packed else None, pairs)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
@@ -208,10 +213,11 @@ def bounded_levels(gc_int, gc_frac):
   return lb.T.reshape(-1).astype(jnp.int32)
 
 
-def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_rows=None):
+def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_rows=None, pairs=False):
   """One program. seg: a [2, Ta] float32 input after the flags (kda.pipeline.segment_rows): dA's
   pairs masked to the chunk's segments, gc_int taken without the resets' -128 steps. qk_rows
-  (src, count): q, k are packed (kda._mosaic_gpu.packed_tile)."""
+  (src, count): q, k are packed (kda._mosaic_gpu.packed_tile). pairs: S3's dq, dk are pair refs
+  (kda._mosaic_gpu.pair_load)."""
   seg_g, refs = (refs[0], refs[1:]) if seg else (None, refs)
   (q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g, odb_g,
    q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar) = refs
@@ -300,12 +306,13 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
     bG = beta * G
     at = lambda ref: ref.at[rows, i_h, cols]
+    ld = (lambda ref: pair_load(ref, c, i_h, cols)) if pairs else (lambda ref: _load(at(ref)))
     if store is None:
-      oq_g[rows, i_h, cols] = (_load(at(aq_g)) + (P + d * kx)).astype(oq_g.dtype)
-      ok_g[rows, i_h, cols] = (_load(at(ak_g)) + (W + d * qx + bG)).astype(ok_g.dtype)
+      oq_g[rows, i_h, cols] = (ld(aq_g) + (P + d * kx)).astype(oq_g.dtype)
+      ok_g[rows, i_h, cols] = (ld(ak_g) + (W + d * qx + bG)).astype(ok_g.dtype)
     else:
-      store(oq_g, _load(at(aq_g)) + (P + d * kx))
-      store(ok_g, _load(at(ak_g)) + (W + d * qx + bG))
+      store(oq_g, ld(aq_g) + (P + d * kx))
+      store(ok_g, ld(ak_g) + (W + d * qx + bG))
     og_g[rows, i_h, cols] = _load(at(ag_g)) + (qx * P - kx * W + kx * bG)
     odb_g[s, i_h, rows] = jnp.sum(kx * G, axis=1)
 
@@ -318,19 +325,20 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
   finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), (zero, zero, zero)))
 
 
-def _tail(flag_g, *refs, grads=True, seg=False):
+def _tail(flag_g, *refs, grads=True, seg=False, pairs=False):
   (q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g,
    odb_g) = refs[1 if seg else 0:][:14]
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
   for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g), (ag_g, og_g))[0 if grads else 2:]:
-    o_g[rows, i_h, cols] = _load(a_g.at[rows, i_h, cols]).astype(o_g.dtype)
+    x = pair_load(a_g, c, i_h, cols) if pairs and o_g is not og_g else _load(a_g.at[rows, i_h, cols])
+    o_g[rows, i_h, cols] = x.astype(o_g.dtype)
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True, seg=False, dA_terms=2,
-                 packed_qk=False):
+                 packed_qk=False, pairs=False):
   """Packed dq, dk (`packed_chunk`, the stage is the last scratch): program (s, h, c) stores its
   chunk's dq, dk rows packed and zeroes the gap pieces c, c + NTa, ... of both at its head and
   columns; packed_qk: q, k are read packed too."""
@@ -340,7 +348,7 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
   dst = lambda o_g: lambda ds: o_g.at[ds, i_h, cols]
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg, dA_terms=dA_terms,
+               lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg, dA_terms=dA_terms, pairs=pairs,
                                    qk_rows=(src_g[c], cnt_g[c]) if packed_qk else None,
                                    store=lambda o_g, x: store(dst(o_g), x)),
                (lambda: _tail(*refs, grads=False, seg=seg)) if tail_zeros else None,
@@ -348,17 +356,19 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros
 
 
 def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None,
-            tail_zeros=True, seg=False, packed_qk=False):
+            tail_zeros=True, seg=False, packed_qk=False, pairs=False):
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
-  segkw = dict(seg=True) if seg else {}
+  kw = dict(seg=True) if seg else {}        # the body's and the tail's
+  if pairs:
+    kw["pairs"] = True
   body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
-                           **segkw)
+                           **kw)
   if packed_T is not None:
     body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
-                             packed_qk=packed_qk, **({} if tail_zeros else dict(tail_zeros=False)), **segkw)
+                             packed_qk=packed_qk, **({} if tail_zeros else dict(tail_zeros=False)), **kw)
   elif skip_tail:
-    body = skipping_tail(body, functools.partial(_tail, **segkw) if tail_zeros else None)
+    body = skipping_tail(body, functools.partial(_tail, **kw) if tail_zeros else None)
   Tq = Ta if packed_T is None else packed_T
   return plgpu.kernel(
       body,
@@ -373,7 +383,7 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
           grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          seg=None, qk_packed=False):
+          seg=None, qk_packed=False, pairs=False):
   """The stage on the kernel; bf16 or float32 q, k (rounded to bf16; the predicate `supports` adds
   the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or past
   aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
@@ -388,17 +398,17 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   chunk holding one keeps the bounded levels; the same results up to rounding. qk_packed (with
   packed dq, dk): q, k are the packed [1, T, HV, K] arrays, chunk c's rows read from packed rows
   src[c] + r, r < count[c] (the rest of the landed tile taken as 0), so no aligned copy of them need
-  exist; the same bits as the aligned call."""
+  exist; the same bits as the aligned call. pairs: dq, dk come as their pairs (S3's `pairs`)."""
   config = config or Config()
   packed = rows is not None
   grad_dtype = jnp.dtype(grad_dtype or F32)
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
             "qk_packed needs packed dq, dk (rows, pieces, T)" if qk_packed and not packed else
             _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu,
-                    grad_dtype if packed else None, T if qk_packed else None))
+                    grad_dtype if packed else None, T if qk_packed else None, pairs))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_intra kernel: {reason}")
-  _, Ta, HV, K = dk.shape
+  _, Ta, HV, K = dgc.shape
   f32 = lambda x: x[0].astype(F32)
   q, k = (x[0].astype(BF16) for x in (q, k))
   beta_t = beta[0].astype(F32).T                   # [HV, Ta]: a head's chunk rows contiguous
@@ -408,7 +418,8 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   skip = config.skip_tail and aligned_cu is not None
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
               grad_dtype=grad_dtype, packed_T=T if packed else None,
-              tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None, packed_qk=bool(qk_packed))
+              tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None, packed_qk=bool(qk_packed),
+              pairs=bool(pairs))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
@@ -417,7 +428,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   else:
     flag = jnp.zeros((HV * (Ta // BT),), jnp.int32)
   segs = () if seg is None else (seg.astype(F32),)
-  oq, ok, og, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), f32(dq), f32(dk),
-                      f32(dgc))
+  dqk = (dq[0], dk[0]) if pairs else (f32(dq), f32(dk))
+  oq, ok, og, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), *dqk, f32(dgc))
   db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
   return Out(oq[None], ok[None], db, og[None])

@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, last_row, skipping_tail
-from kda._mosaic_gpu import packed_chunk, packed_tile, tile_shapes, zeros
+from kda._mosaic_gpu import packed_chunk, packed_tile, pair_load, pair_store, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_wy import Out
@@ -126,11 +126,11 @@ def smem_bytes(K, V, stage_dtype=None, packed_qkv=False):
 
 
 def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-            stage_dtype=None, config=None, qkv_T=None) -> Optional[str]:
+            stage_dtype=None, config=None, qkv_T=None, pairs=False) -> Optional[str]:
   """What the kernel can run (any float dtypes); `apply` raises with it. qkv_T: q, k, v are packed
-  [1, qkv_T, HV, D]."""
+  [1, qkv_T, HV, D]; pairs: dqg, dkg are pairs (bf16 [1, NTa, HV, 2 * 64, K])."""
   # the aligned layout's shapes: k's, v's, or with packed q, k, v the terms'
-  reason, dims = tile_shapes(BT, "k", k, "v", v) if qkv_T is None else tile_shapes(BT, "dkg", dkg, "du", du)
+  reason, dims = tile_shapes(BT, "k", k, "v", v) if qkv_T is None else tile_shapes(BT, "dw", dw, "du", du)
   if reason is not None:
     return reason
   Ta, HV, K, V = dims
@@ -142,7 +142,8 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
     return f"Ta must be a multiple of {BT}, got {Ta}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid limit), got {HV}"
-  want = {"gc_int": (1, Ta, HV, K), "gc_frac": (1, Ta, HV, K), "dqg": (1, Ta, HV, K), "dkg": (1, Ta, HV, K),
+  dqk = (1, Ta // BT, HV, 2 * BT, K) if pairs else (1, Ta, HV, K)
+  want = {"gc_int": (1, Ta, HV, K), "gc_frac": (1, Ta, HV, K), "dqg": dqk, "dkg": dqk,
           "dw": (1, Ta, HV, K), "du": (1, Ta, HV, V), "beta": (1, Ta, HV), "Ainv": (1, Ta, HV, BT),
           "dgc_last": (1, Ta // BT, HV, K)}
   given = dict(gc_int=gc_int, gc_frac=gc_frac, dqg=dqg, dkg=dkg, dw=dw, du=du, beta=beta, Ainv=Ainv,
@@ -153,6 +154,8 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
   for name, x in dict(given, q=q, k=k, v=v).items():
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
+  if pairs and (bad := [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("dqg", dqg), ("dkg", dkg)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]):
+    return f"pairs are bfloat16, got {', '.join(bad)}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
   config = config or Config()
@@ -162,7 +165,8 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
-             chunk_size, config=None, dv_dtype=None, rows=None, T=None, qkv_packed=False, **_) -> Optional[str]:
+             chunk_size, config=None, dv_dtype=None, rows=None, T=None, qkv_packed=False, pairs=False,
+             **_) -> Optional[str]:
   """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
   what the kernel can run (rows given: packed dv, its stage in dv_dtype counted), q, k, v and Ainv
   must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
@@ -173,7 +177,7 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, a
   if qkv_packed and (rows is None or not isinstance(T, int)):
     return "packed q, k, v need rows and a static int T"
   reason = _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu, stage, config,
-                   T if qkv_packed else None)
+                   T if qkv_packed else None, pairs)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v), ("Ainv", Ainv))
@@ -190,8 +194,9 @@ takes = supports                  # the name kda.stages.bwd_wy registers
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
           a_s, t0, t1, t2, t3, l_s, bar, q_s, k_s, v_s, *, nk, nv, store_dv=None, ct=2, overlap=False,
-          qkv_rows=None):
-  """qkv_rows (src, count): q, k, v are packed, chunk c's row r < count at packed row src + r."""
+          qkv_rows=None, pairs=False):
+  """qkv_rows (src, count): q, k, v are packed, chunk c's row r < count at packed row src + r.
+  pairs: dqg, dkg (and so dq, dk over them) are pair refs (kda._mosaic_gpu.pair_load)."""
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
@@ -235,7 +240,14 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   # operand i + 1 is loaded while operand i's dAinv product runs
   operands = [(du_g, j) for j in range(nv)] + [(dw_g, j) for j in range(nk)]
   operand = lambda i: _load(at(*operands[i])) if i < len(operands) else None
-  loads = lambda *refs, j: tuple(_load(at(r, j)) for r in refs)
+  paired = lambda ref: pairs and (ref is dqg_g or ref is dkg_g)
+  loads = lambda *refs, j: tuple(pair_load(r, c, h, slab(j)) if paired(r) else _load(at(r, j)) for r in refs)
+
+  def store(o_g, j, x):            # dq, dk as pairs where dqg, dkg are
+    if pairs:
+      pair_store(o_g, c, h, slab(j), x)
+    else:
+      o_g[rows, h, slab(j)] = x
 
   plgpu.barrier_wait(bar)
   dAinv = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
@@ -263,8 +275,8 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     dqg, dkg = early if overlap else loads(dqg_g, dkg_g, j=j)
     keg = kx * eg
     kb = beta * keg
-    oq_g[rows, h, slab(j)] = dqg * eg
-    ok_g[rows, h, slab(j)] = dkg * el + dkb * beta * eg
+    store(oq_g, j, dqg * eg)
+    store(ok_g, j, dkg * el + dkb * beta * eg)
     og_g[rows, h, slab(j)] = dqg * qx * eg + dkb * kb
     dbeta.append(jnp.sum(dkb * keg, axis=1))
     put(kb, t2, t3)
@@ -282,7 +294,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
 
 
 def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
-           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, nk, nv, dv=True):
+           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, nk, nv, dv=True, pairs=False):
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
@@ -291,13 +303,16 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     ov_g[rows, h, slab(j)] = z.astype(ov_g.dtype)
   for j in range(nk):
     for o_g in (oq_g, ok_g, og_g, ogs_g):
-      o_g[rows, h, slab(j)] = z
+      if pairs and (o_g is oq_g or o_g is ok_g):
+        pair_store(o_g, c, h, slab(j), z)
+      else:
+        o_g[rows, h, slab(j)] = z
   oa_g[rows, h, :] = z
   odb_g[h, rows] = zeros((BT,), ROW)
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, ct=2, overlap=False,
-                 packed_qkv=False):
+                 packed_qkv=False, pairs=False):
   """Packed dv (`packed_chunk`, the stage is the last scratch): program (h, c) stores its chunk's dv
   rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h; packed_qkv: q, k, v are
   read packed too."""
@@ -307,9 +322,9 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, c
   dst = lambda j: lambda ds: ov_g.at[ds, h, pl.ds(j * SLAB, SLAB)]
   qkv_rows = (src_g[c], cnt_g[c]) if packed_qkv else None
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, overlap=overlap, qkv_rows=qkv_rows,
+               lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, overlap=overlap, qkv_rows=qkv_rows, pairs=pairs,
                                    store_dv=lambda j, x: store(dst(j), x)),
-               (lambda: _zeros(*refs, nk=nk, nv=nv, dv=False)) if tail_zeros else None,
+               (lambda: _zeros(*refs, nk=nk, nv=nv, dv=False, pairs=pairs)) if tail_zeros else None,
                [dst(j) for j in range(nv)], BT)
 
 
@@ -326,7 +341,7 @@ def _in_place(body, n_lead, alias_du):
   return wrapped
 
 
-def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2, packed_qkv=False):
+def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2, packed_qkv=False, pairs=False):
   """The split kernel's packed dv: program (p, h, c) stores its slab of its chunk's dv rows packed
   and zeroes the gap pieces c, c + NTa, ... of that slab; packed_qkv: q, k, v are read packed too."""
   *refs, stage = refs
@@ -335,26 +350,27 @@ def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=
   dst = lambda ds: ov_g.at[ds, h, pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)]
   qkv_rows = (src_g[c], cnt_g[c]) if packed_qkv else None
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: split.body(*refs, ct=ct, qkv_rows=qkv_rows, store_dv=lambda x: store(dst, x)),
-               (lambda: split.zeros_body(*refs, dv=False)) if tail_zeros else None, [dst], BT)
+               lambda store: split.body(*refs, ct=ct, qkv_rows=qkv_rows, pairs=pairs, store_dv=lambda x: store(dst, x)),
+               (lambda: split.zeros_body(*refs, dv=False, pairs=pairs)) if tail_zeros else None, [dst], BT)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2, overlap=False, split_slabs=False, du_bf16=False, packed_qkv=False):
+            tail_zeros=True, ct=2, overlap=False, split_slabs=False, du_bf16=False, packed_qkv=False, pairs=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   stage_dtype = None if packed_T is None else dv_dtype
   lanes = dict(tail_zeros=False) if not tail_zeros else {}
   alias_du = K == V and not du_bf16          # dg_state over du (float32 only)
   if split_slabs:
-    body, zeros_body = functools.partial(split.body, ct=ct), split.zeros_body
-    packed_body = functools.partial(_split_packed_body, ct=ct, packed_qkv=packed_qkv, **lanes)
+    body = functools.partial(split.body, ct=ct, pairs=pairs)
+    zeros_body = functools.partial(split.zeros_body, pairs=pairs)
+    packed_body = functools.partial(_split_packed_body, ct=ct, packed_qkv=packed_qkv, pairs=pairs, **lanes)
   else:
-    body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap)
-    zeros_body = functools.partial(_zeros, nk=nk, nv=nv)
+    body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap, pairs=pairs)
+    zeros_body = functools.partial(_zeros, nk=nk, nv=nv, pairs=pairs)
     packed_body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, overlap=overlap, packed_qkv=packed_qkv,
-                                    **lanes)
+                                    pairs=pairs, **lanes)
   if packed_T is not None:
     body = packed_body
   elif skip_tail:
@@ -373,7 +389,7 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
       body,
       out_type=out_type,
       **grid,
-      scratch_types=(split.scratch(stage_dtype, du_bf16, packed_qkv) if split_slabs else
+      scratch_types=(split.scratch(stage_dtype, du_bf16, packed_qkv, pairs) if split_slabs else
                      _scratch(K, V, stage_dtype, packed_qkv)),
       compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
       kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
@@ -383,7 +399,7 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
           dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          qkv_packed=False):
+          qkv_packed=False, pairs=False):
   """The stage on the kernel; any float inputs (q, k, v, Ainv rounded to bf16; the predicate
   `supports` adds the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
@@ -396,17 +412,19 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   that never read them: the packed backward). qkv_packed (with packed dv): q, k, v are the packed
   [1, T, HV, D] arrays, chunk c's rows read from packed rows src[c] + r, r < count[c] (the rest of
   the landed tile, another sequence's tokens or the zero fill past T, taken as 0), so no aligned
-  copy of them need exist; every output bit for bit the aligned call's."""
+  copy of them need exist; every output bit for bit the aligned call's. pairs: dqg, dkg come as
+  their pairs (S2's `pairs`: bf16 [1, NTa, HV, 2 * 64, K], kda._mosaic_gpu.pair_store) and dq, dk
+  leave as theirs, over them."""
   config = config or Config()
   packed = rows is not None
   dv_dtype = jnp.dtype(dv_dtype or F32)
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
             "qkv_packed needs packed dv (rows, pieces, T)" if qkv_packed and not packed else
             _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-                    dv_dtype if packed else None, config, T if qkv_packed else None))
+                    dv_dtype if packed else None, config, T if qkv_packed else None, pairs))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
-  _, Ta, HV, K = dkg.shape
+  _, Ta, HV, K = dw.shape
   V = du.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
@@ -419,13 +437,14 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
               ct=config.cotangent_terms, overlap=config.overlap_loads, split_slabs=split_slabs, du_bf16=du_bf16,
-              packed_qkv=bool(qkv_packed))
+              packed_qkv=bool(qkv_packed), pairs=bool(pairs))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
   ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
   # S2's terms: dq, dk, dgc (dg_state where du is float32 and K == V) in place
-  refs = [jax.new_ref(f32(x)) for x in (dqg, dkg, dw)] + [jax.new_ref(du[0] if du_bf16 else f32(du))]
+  refs = ([jax.new_ref(x[0] if pairs else f32(x)) for x in (dqg, dkg)] + [jax.new_ref(f32(dw))]
+          + [jax.new_ref(du[0] if du_bf16 else f32(du))])
   dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
   if split_slabs:                  # the slabs' parts
     dbeta, dAkk = jnp.sum(dbeta, 0), jnp.sum(dAkk, 0)

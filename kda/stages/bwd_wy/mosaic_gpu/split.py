@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, packed_tile, zeros
+from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, packed_tile, pair_store, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes
 from kda.stages.gate import exponent
@@ -35,15 +35,17 @@ BT = SLAB = 64
 GROUPS = (3, 5, 2)       # TMA copies per barrier: (du, Ainv, v), (dw, gc_int, gc_frac, k, q), (dqg, dkg)
 
 
-def scratch(stage_dtype=None, du_bf16=False, packed_qkv=False):
+def scratch(stage_dtype=None, du_bf16=False, packed_qkv=False, pairs=False):
   """The split kernel's scratch types; stage_dtype: packed dv's plain stage (None: aligned); du_bf16:
-  du's landing in bf16; packed_qkv: plain q, k, v tiles (packed rows land there)."""
+  du's landing in bf16; packed_qkv: plain q, k, v tiles (packed rows land there); pairs: dqg's and
+  dkg's landings take their pairs (hi rows, then lo rows: the same bytes)."""
   tile = (lambda: plgpu.SMEM((BT, SLAB), BF16)) if packed_qkv else (lambda: _swz((BT, SLAB)))
   return [
       tile(), tile(), tile(),                                             # q, k, v
       _swz((BT, BT)),                                                     # Ainv
       plgpu.SMEM((BT, SLAB), BF16 if du_bf16 else F32),                   # du
-      *[plgpu.SMEM((BT, SLAB), F32) for _ in range(5)],                   # dw, gc_int, gc_frac, dqg, dkg
+      *[plgpu.SMEM((BT, SLAB), F32) for _ in range(3)],                   # dw, gc_int, gc_frac
+      *[plgpu.SMEM((2 * BT, SLAB), BF16) if pairs else plgpu.SMEM((BT, SLAB), F32) for _ in range(2)],  # dqg, dkg
       *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
       _swz((BT, BT)),                                                     # L
       *[plgpu.Barrier(num_arrivals=n) for n in GROUPS],
@@ -52,16 +54,18 @@ def scratch(stage_dtype=None, du_bf16=False, packed_qkv=False):
 
 
 def smem_bytes(stage_dtype=None, du_bf16=False, packed_qkv=False):
-  """Shared memory per program (the body's dbeta row sums reserve the reduction scratch)."""
+  """Shared memory per program (the body's dbeta row sums reserve the reduction scratch; pairs
+  take the float32 landings' bytes)."""
   return _smem_bytes(scratch(stage_dtype, du_bf16, packed_qkv), reduction=True)
 
 
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
          oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
          q_s, k_s, v_s, a_s, du_s, dw_s, gi_s, gf_s, dqg_s, dkg_s, t0, t1, t2, t3, l_s, *bars,
-         store_dv=None, ct=1, qkv_rows=None):
+         store_dv=None, ct=1, qkv_rows=None, pairs=False):
   """Program (p, h, c); odb_g [P, HV, Ta] and oa_g [P, Ta, HV, 64] take its parts of dbeta, dAkk.
-  qkv_rows (src, count): q, k, v are packed (kda._mosaic_gpu.packed_tile)."""
+  qkv_rows (src, count): q, k, v are packed (kda._mosaic_gpu.packed_tile); pairs: dqg, dkg (and dq,
+  dk over them) are pair refs (kda._mosaic_gpu.pair_load)."""
   p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)
@@ -69,7 +73,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   qkv = (lambda ref: ref.at[pl.ds(qkv_rows[0], BT), h, cols]) if qkv_rows is not None else at
   groups = (((at(du_g), du_s), (a_g.at[rows, h, :], a_s), (qkv(v_g), v_s)),
             ((at(dw_g), dw_s), (at(gi_g), gi_s), (at(gf_g), gf_s), (qkv(k_g), k_s), (qkv(q_g), q_s)),
-            ((at(dqg_g), dqg_s), (at(dkg_g), dkg_s)))
+            tuple((ref.at[c, h, :, cols] if pairs else at(ref), s) for ref, s in ((dqg_g, dqg_s), (dkg_g, dkg_s))))
   for bar, group in zip(bars, groups):
     for src, dst in group:
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -113,9 +117,14 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   put(kb, t2, t3)
   dAinv = dAinv + _acc(cross, shape)
   plgpu.barrier_wait(bars[2])
-  dqg, dkg = _load(dqg_s), _load(dkg_s)
-  oq_g[rows, h, cols] = dqg * eg
-  ok_g[rows, h, cols] = dkg * el + dkb * beta * eg
+  if pairs:
+    dqg, dkg = (_load(s.at[pl.ds(0, BT)]).astype(F32) + _load(s.at[pl.ds(BT, BT)]).astype(F32) for s in (dqg_s, dkg_s))
+    pair_store(oq_g, c, h, cols, dqg * eg)
+    pair_store(ok_g, c, h, cols, dkg * el + dkb * beta * eg)
+  else:
+    dqg, dkg = _load(dqg_s), _load(dkg_s)
+    oq_g[rows, h, cols] = dqg * eg
+    ok_g[rows, h, cols] = dkg * el + dkb * beta * eg
   og_g[rows, h, cols] = dqg * qx * eg + dkb * kb
   put(dkg * (kx * el), t0, t1, t2)                           # dkg kg, in three terms
   before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
@@ -130,7 +139,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
 
 
 def zeros_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
-               oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, dv=True):
+               oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch, dv=True, pairs=False):
   """A tail chunk's zeros at program (p, h, c)'s slab (dv's too unless packed), nothing read."""
   p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
@@ -139,6 +148,9 @@ def zeros_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dg
   if dv:
     ov_g[rows, h, cols] = z.astype(ov_g.dtype)
   for o_g in (oq_g, ok_g, og_g, ogs_g):
-    o_g[rows, h, cols] = z
+    if pairs and (o_g is oq_g or o_g is ok_g):
+      pair_store(o_g, c, h, cols, z)
+    else:
+      o_g[rows, h, cols] = z
   oa_g[p, rows, h, :] = z
   odb_g[p, h, rows] = zeros((BT,), ROW)
