@@ -30,7 +30,10 @@ bf16(-du) is formed from du in registers into v_new's tile once dkg's product ha
 dkg's accumulator waits for that wgmma), so the kernel fits two CTAs per SM.
 
 In place: the walk stores du over dv (a mutable ref: each chunk's dv tile is in SMEM before du's
-rows are stored, and dv is read nowhere else), so the two never take two buffers.
+rows are stored, and dv is read nowhere else), so the two never take two buffers. With `pairs`
+(K == V == 128) the terms kernel stores dqg, dkg as their bf16 pairs (kda._mosaic_gpu.pair_store:
+a chunk's [64, K] float32 tile as its hi rows, then its lo rows: the bytes of the chunk's [K, V]
+bf16 state) over h[c] and dh[c], which its program has in SMEM before either store.
 
 Tail: the chunks at or past aligned_cu[-1] (no sequence; h = 0 there, as the state stage stores
 it) keep du = dv (du's buffer is dv's) and get dqg = dkg = dw = dgc_last = 0 from the terms kernel,

@@ -57,6 +57,9 @@ into their stores, through one plain [64, 64] SMEM stage (dq, then dk; 8 KiB mor
 per SM) and kda._mosaic_gpu.store_rows to packed rows src[c] + r, r < count[c]; program (s, h, c)
 zeroes the gap pieces c, c + NTa, ... of its head and columns. dgc and dbeta stay aligned.
 
+Pairs (`apply(..., pairs=True)`): S3's dq, dk come as bf16 pairs (kda._mosaic_gpu.pair_load: hi +
+lo in float32, ~2^-17 relative), read where S2 and S3 stored them, over S0's h and S2's dh.
+
 The simulator's callbacks run jax ops, so eager jax ops dispatched while a simulated kernel is
 still running can deadlock (block_until_ready first).
 

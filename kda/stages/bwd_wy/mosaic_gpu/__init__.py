@@ -27,7 +27,9 @@ those tiles of its chunk before it writes the same rows, and the backward's peak
 and S3's float32 results live together in this launch) loses four [Ta, HV, K] float32 buffers.
 Where nothing else reads S2's terms, XLA writes the results into their buffers. A bf16 du (S2's
 du_dtype, what the pipeline asks for with cotangent_terms=1, which rounds du to bf16 anyway) is read
-as is: the same bits, half the bytes; dg_state then has a buffer of its own.
+as is: the same bits, half the bytes; dg_state then has a buffer of its own. With `pairs` dqg, dkg
+come as S2's bf16 pairs (hi + lo per chunk and head, kda._mosaic_gpu.pair_load) and dq, dk leave as
+theirs over them: float32 hi + lo in registers, the same arithmetic.
 
 SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four work tiles and L,
 [64, 64] bf16 tiles of 8 KiB, the reduction scratch of dbeta's row sums and a barrier: 100360 bytes
