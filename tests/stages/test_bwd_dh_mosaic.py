@@ -365,23 +365,30 @@ def test_bwd_dh_packed_do_equals_aligned(K, V):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
 
 
+def _with_packed_do(K, V, packed):
+  """make_case(LENS, K, V)'s arguments and, where packed, do replaced by the aligned copy of a packed
+  do (a 70-token gap and 5 tokens after the last sequence, zeros there) with the keywords that hand
+  the terms kernel the packed one."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  args, acu, _ = make_case(LENS, K, V)
+  if not packed:
+    return args, {}
+  Ta, HV = args[0].shape[1], args[0].shape[2]
+  layout, _ = packed_layout(LENS, [0, 70, 0, 0, 0], extra_T=5, tail_chunks=(Ta - int(acu[-1])) // BT)
+  do_p = jax.random.normal(jax.random.key(3), (1, layout.T, HV, V)).astype(jnp.bfloat16)
+  do_p = jnp.where(padding.packed_owned_mask(layout)[None, :, None, None], do_p, jnp.bfloat16(0))
+  args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
+  return args, dict(do_packed=do_p, rows=padding.chunk_rows(layout))
+
+
 @pytest.mark.parametrize("K,V,packed", [(64, 64, False), (64, 64, True), (64, 128, False)],
                          ids=["K64-V64", "K64-V64-packed", "K64-V128"])
 def test_bwd_dh_bf16_du_over_v_new(K, V, packed):
   """du_dtype=bfloat16: du comes back as bf16(du) (stored over v_new's buffer; the tail's too) and
   dh0, dqg, dkg, dw, dgc_last bit for bit the float32 call's (dw stored over du's buffer where
   K == V); with do read packed as well. Lowers for CUDA with v_new and du as mutable refs."""
-  from kda import padding
-  from tests.stages.test_gate_mosaic import packed_layout
-  args, acu, _ = make_case(LENS, K, V)
-  kw = {}
-  if packed:
-    Ta, HV = args[0].shape[1], args[0].shape[2]
-    layout, _ = packed_layout(LENS, [0, 70, 0, 0, 0], extra_T=5, tail_chunks=(Ta - int(acu[-1])) // BT)
-    do_p = jax.random.normal(jax.random.key(3), (1, layout.T, HV, V)).astype(jnp.bfloat16)
-    do_p = jnp.where(padding.packed_owned_mask(layout)[None, :, None, None], do_p, jnp.bfloat16(0))
-    args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
-    kw = dict(do_packed=do_p, rows=padding.chunk_rows(layout))
+  args, kw = _with_packed_do(K, V, packed)
   f = lambda *a, **k: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw, **k)
   want = jax.jit(f)(*args)
   got = jax.jit(lambda *a: f(*a, du_dtype=jnp.bfloat16))(*args)
@@ -401,19 +408,10 @@ def test_bwd_dh_pairs_over_h_and_dh(packed):
   come as their pairs, bit for bit to_pairs of the float32 call's (the tail's zeros included), and
   dh0, du, dw, dgc_last bit for bit that call's; with do read packed as well. Lowers for CUDA with
   h and dh as mutable refs."""
-  from kda import padding
   from kda._mosaic_gpu import from_pairs, to_pairs
-  from tests.stages.test_gate_mosaic import packed_layout
   K = V = 128
-  args, acu, tail = make_case(LENS, K, V)
-  kw = dict(du_dtype=jnp.bfloat16)
-  if packed:
-    Ta, HV = args[0].shape[1], args[0].shape[2]
-    layout, _ = packed_layout(LENS, [0, 70, 0, 0, 0], extra_T=5, tail_chunks=(Ta - int(acu[-1])) // BT)
-    do_p = jax.random.normal(jax.random.key(3), (1, layout.T, HV, V)).astype(jnp.bfloat16)
-    do_p = jnp.where(padding.packed_owned_mask(layout)[None, :, None, None], do_p, jnp.bfloat16(0))
-    args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
-    kw.update(do_packed=do_p, rows=padding.chunk_rows(layout))
+  args, kw = _with_packed_do(K, V, packed)
+  kw["du_dtype"] = jnp.bfloat16
   f = lambda *a, **k: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw, **k)
   want = jax.jit(f)(*args)
   got = jax.jit(lambda *a: f(*a, pairs=True))(*args)
@@ -426,8 +424,7 @@ def test_bwd_dh_pairs_over_h_and_dh(packed):
     assert np.abs(x - ref).max() <= 2 ** -16 * np.abs(ref).max() and np.abs(ref).max() > 0, name
   for name in ("dh0", "du", "dw", "dgc_last"):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
-  lo = {k: v for k, v in kw.items()}
-  text = jax.jit(lambda *a: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, pairs=True, **lo)).trace(
+  text = jax.jit(lambda *a: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, pairs=True, **kw)).trace(
       *args).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in text.splitlines()) == 2
 

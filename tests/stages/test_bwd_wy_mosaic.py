@@ -415,12 +415,7 @@ def test_overlapped_loads_give_the_same_bits(K, V, packed):
   cotangent-term count; and it lowers for CUDA (each operand still read before its rows are
   written in place)."""
   case = {(128, 128): "K128-V128-HV1-130", (64, 128): "K64-V128-HV2-64_50"}[(K, V)]
-  lens, Ta, HV, _, _ = CASES[case]
-  args, _ = make_inputs(case, "strong")
-  kw = {}
-  if packed:
-    layout, kw = _packed_kw(lens, Ta)
-    args = args + (layout.aligned_cu,)
+  args, kw = _strong_args(case, packed)
   for ct in (1, 2):
     run = lambda overlap: jax.jit(functools.partial(
         mgw.apply, chunk_size=BT, interpret=True, dv_dtype=BF16 if packed else None,
@@ -438,12 +433,8 @@ def test_split_kernel_matches_the_in_order_kernel(case, packed):
   output but dbeta and dAkk bit for bit the in-order kernel's; those two are sums over the slabs'
   parts (float32 associated by slab: the same bits at one slab, K = 64), and all within the
   reference's tolerance (simulator; aligned, and packed dv with a gap)."""
-  lens, Ta, HV, K, V = CASES[case]
-  args, _ = make_inputs(case, "strong")
-  kw = {}
-  if packed:
-    layout, kw = _packed_kw(lens, Ta)
-    args = args + (layout.aligned_cu,)
+  K = CASES[case][3]
+  args, kw = _strong_args(case, packed)
   run = lambda **c: jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
                                               dv_dtype=BF16 if packed else None,
                                               config=dataclasses.replace(EXACT, **c), **kw))(*args)
@@ -511,13 +502,7 @@ def test_bf16_du_gives_the_same_bits(case, packed, split):
   """cotangent_terms=1 rounds du to one bf16 term: du given in bf16 (S2's du_dtype) is read as is and
   every output is bit for bit the float32 du's (simulator; in-order and split kernels, packed dv);
   dg_state then has its own buffer: three in-place aliases where K == V."""
-  lens, Ta, HV, K, V = CASES[case]
-  args, _ = make_inputs(case, "strong")
-  kw = {}
-  if packed:
-    layout, kw = _packed_kw(lens, Ta)
-    args = args + (layout.aligned_cu,)
-  args = list(args)
+  args, kw = _strong_args(case, packed)
   args[10] = args[10].astype(BF16).astype(F32)             # du, bf16-exact
   cfg = mgw.Config(cotangent_terms=1, split=split)
   run = lambda *a: jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True,
@@ -526,12 +511,30 @@ def test_bf16_du_gives_the_same_bits(case, packed, split):
   got = run(*args[:10], args[10].astype(BF16), *args[11:])
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
-  lowered = _abstract(4096, 2, 128, 128)
-  lowered = lowered[:10] + (jax.ShapeDtypeStruct(lowered[10].shape, BF16),) + lowered[11:]
-  txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, config=cfg)).trace(
+  lowered = list(_abstract(4096, 2, 128, 128))
+  lowered[10] = jax.ShapeDtypeStruct(lowered[10].shape, BF16)
+  assert _aliases(cfg, lowered) == 3
+
+
+def _strong_args(case, packed):
+  """make_inputs(case, "strong")'s arguments as a list (aligned_cu appended where packed) and the
+  packed-dv keywords (where packed)."""
+  lens, Ta, HV, K, V = CASES[case]
+  args, _ = make_inputs(case, "strong")
+  kw = {}
+  if packed:
+    layout, kw = _packed_kw(lens, Ta)
+    args = args + (layout.aligned_cu,)
+  return list(args), kw
+
+
+def _aliases(cfg, lowered, **kw):
+  """The kernel's in-place aliases as lowered for CUDA on abstract arguments (aligned_cu appended)."""
+  txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, config=cfg, **kw)).trace(
       *lowered, jax.ShapeDtypeStruct((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   call = [line for line in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
-  assert len(call) == 1 and len(re.findall(r"output_operand_alias<", call[0])) == 3
+  assert len(call) == 1
+  return len(re.findall(r"output_operand_alias<", call[0]))
 
 
 def test_one_term_cotangents_stay_within_bf16_rounding():
@@ -558,13 +561,7 @@ def test_pairs_give_the_same_bits(case, packed, split):
   (simulator; in-order and split kernels, aligned and packed dv, bf16 du); dq, dk go over dqg, dkg:
   three in-place aliases, as with bf16 du alone."""
   from kda._mosaic_gpu import from_pairs, to_pairs
-  lens, Ta, HV, K, V = CASES[case]
-  args, _ = make_inputs(case, "strong")
-  kw = {}
-  if packed:
-    layout, kw = _packed_kw(lens, Ta)
-    args = args + (layout.aligned_cu,)
-  args = list(args)
+  args, kw = _strong_args(case, packed)
   args[10] = args[10].astype(BF16)                         # du in bf16, as the pipeline hands it
   pairs = [to_pairs(x) for x in args[7:9]]
   args[7:9] = [from_pairs(p) for p in pairs]               # the float32 values the pairs hold
@@ -582,7 +579,4 @@ def test_pairs_give_the_same_bits(case, packed, split):
   lowered = list(_abstract(4096, 2, 128, 128))
   lowered[7:9] = [S((1, 4096 // BT, 2, 2 * BT, 128), BF16)] * 2
   lowered[10] = S(lowered[10].shape, BF16)
-  txt = jax.jit(functools.partial(mgw.apply, chunk_size=BT, config=cfg, pairs=True)).trace(
-      *lowered, S((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  call = [line for line in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
-  assert len(call) == 1 and len(re.findall(r"output_operand_alias<", call[0])) == 3
+  assert _aliases(cfg, lowered, pairs=True) == 3
