@@ -266,6 +266,7 @@ def test_supports_reasons():
   assert "dv" in S(qg, kg, w, gi, gf, h, vn, do, dv[:, :64], dht, cu)
   assert "float16" in S(qg, kg.astype(jnp.float16), w, gi, gf, h, vn, do, dv, dht, cu)
   assert "aligned_cu" in S(*args[:10], cu.astype(jnp.float32))
+  assert "pairs need K == V == 128, got K=64, V=64" in mgd.supports(*args, chunk_size=BT, pairs=True)
   with pytest.raises(ValueError, match="chunk_size"):
     mgd.apply(*args, scale=0.125, chunk_size=32, interpret=True)
 

@@ -167,7 +167,7 @@ def _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packe
 
 
 def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, chunk_size, config=None,
-             do_packed=None, **_) -> Optional[str]:
+             do_packed=None, pairs=False, **_) -> Optional[str]:
   """The stage's predicate: None if the kernels take this call, else the reason in words. Beyond
   what they can run (do_packed given: the terms kernel's packed landing counted), qg, kg, w, h,
   v_new must be bfloat16 (the dtype policy's bf16 intermediates; float32 ones would be rounded to
@@ -176,6 +176,8 @@ def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, c
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
   reason = _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, do_packed is not None)
+  if reason is None and pairs and not qg.shape[-1] == v_new.shape[-1] == 2 * BT:
+    reason = f"pairs need K == V == {2 * BT}, got K={qg.shape[-1]}, V={v_new.shape[-1]}"
   if reason is None:
     named = dict(qg=qg, kg=kg, w=w, h=h, v_new=v_new)
     if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for x in named.values()):
