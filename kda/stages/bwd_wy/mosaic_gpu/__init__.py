@@ -15,11 +15,13 @@ c's rows only. Per program, with a = Ainv's [64, 64] block (bf16, the dtype poli
   lower [64, 64] ones matrix (the exclusive cumsum over the chunk's rows as one product; its
   operand split in three bf16 terms, ~2^-24 relative, so the gate gradient keeps float32 accuracy).
 - Last: P = dAinv @ a^T, M = a^T @ P (each operand split, a exact), dAkk = strict_tril(-M).
-The dAinv sum [64, 64] float32 stays in registers across the slabs; the four work tiles that hold
-the split operands are reused by every product (reading an accumulator waits for its wgmma). One
-warpgroup issues every load and wgmma in order: S2's float32 cotangents are read straight into
-registers when needed, with no TMA prefetch; Config.overlap_loads issues those loads while the
-tensor cores run the products before them (kda._mosaic_gpu.acc's `during`).
+The dAinv sum [64, 64] float32 stays in registers across the slabs, whose K part runs as a loop (not
+unrolled: one slab's arrays live at a time; unrolled, ptxas spills four times the bytes at K = V =
+128); the four work tiles that hold the split operands are reused by every product (reading an
+accumulator waits for its wgmma). One warpgroup issues every load and wgmma in order: S2's float32
+cotangents are read straight into registers when needed, with no TMA prefetch; Config.overlap_loads
+issues those loads while the tensor cores run the products before them (kda._mosaic_gpu.acc's
+`during`).
 
 In place: dq, dk, dgc (and dg_state where K == V and du is float32) are written into S2's dqg, dkg,
 dw (du) buffers, which the kernel takes as mutable refs (aliased in and out): each program reads
@@ -265,9 +267,12 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
       store_dv(j, dvb * beta)
     dbeta.append(jnp.sum(dvb * vx, axis=1))
     put(beta * vx, t2, t3)                                   # vb
-    dAinv, x = product(cross, lambda: operand(j + 1), plus=dAinv)
-  for j in range(nk):
-    put(x, *cts)                                             # dw
+    dAinv, x = product(cross, lambda: operand(j + 1) if overlap or j + 1 < nv else None, plus=dAinv)
+
+  def k_slab(j, carry):
+    # carry: dAinv, dbeta's sum and, with overlap, this slab's dw (loaded while the last products ran)
+    dAinv, dsum, *x = carry
+    put(x[0] if overlap else _load(at(dw_g, j)), *cts)       # dw
     # with overlap this slab's dqg, dkg too are loaded while dkb's products run
     dkb, (gi, gf, *early) = product([(aT, t) for t in cts],
                                     lambda: loads(gi_g, gf_g, *((dqg_g, dkg_g) if overlap else ()), j=j))
@@ -280,19 +285,26 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     store(oq_g, j, dqg * eg)
     store(ok_g, j, dkg * el + dkb * beta * eg)
     og_g[rows, h, slab(j)] = dqg * qx * eg + dkb * kb
-    dbeta.append(jnp.sum(dkb * keg, axis=1))
+    dsum = dsum + jnp.sum(dkb * keg, axis=1)
+    dkg_kg = dkg * (kx * el)       # one array, not three, through the products
     put(kb, t2, t3)
-    dAinv, ahead = product(cross, lambda: operand(nv + j + 1) if overlap else None, plus=dAinv)
-    put(dkg * (kx * el), t0, t1, t2)                         # dkg kg, in three terms
+    # with overlap the next slab's dw (the last slab's again at the end) is loaded while they run
+    dAinv, ahead = product(cross, lambda: _load(at(dw_g, jnp.minimum(j + 1, nk - 1))) if overlap else None,
+                           plus=dAinv)
+    put(dkg_kg, t0, t1, t2)                                  # dkg kg, in three terms
     before, dgl = product([(l_s, t0), (l_s, t1), (l_s, t2)], lambda: _load(dgl_g.at[c, h, slab(j)], COL))
     ogs_g[rows, h, slab(j)] = before + lax.broadcast_in_dim(dgl, shape, [1])
-    x = ahead if overlap else operand(nv + j + 1)            # in order: after this slab's stores
+    return (dAinv, dsum, *([ahead] if overlap else []))
+
+  # a loop, not unrolled: the slabs' arrays never pile up in registers
+  carry = (dAinv, functools.reduce(jnp.add, dbeta), *([x] if overlap else []))
+  dAinv, dsum, *_ = lax.fori_loop(0, nk, k_slab, carry)
   put(dAinv, t0, t1)
   p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
   put(p, t2, t3)
   m = _acc([(aT, t2), (aT, t3)], shape)                      # Ainv^T @ that
   oa_g[rows, h, :] = jnp.where(strict, -m, 0.0)
-  odb_g[h, rows] = functools.reduce(jnp.add, dbeta)
+  odb_g[h, rows] = dsum
 
 
 def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
