@@ -292,15 +292,15 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     split_into(kx * er, rh_s, rl_s)
     split_into(qx * el, xh_s, xl_s)
     plgpu.commit_smem()
-    p = prod(dh_s, dl_s, rh_s, rl_s)
+    # each product folds into its sum as soon as it is read: fewer arrays live through the next ones
+    p_acc = p_acc + el * prod(dh_s, dl_s, rh_s, rl_s)
     wa = prod(dh_s.T, dl_s.T, xh_s, xl_s)
     # dAkk's pairs (the buffers are free: reading the accumulators waited for the wgmmas)
     dA_into(jnp.where(pair, dA(dakk_g), 0.0))
     split_into(beta * kx * el, xh_s, xl_s)
     plgpu.commit_smem()
-    g = prod(dh_s, dl_s, rh_s, rl_s)
-    wb = prod(dh_s.T, dl_s.T, xh_s, xl_s)
-    return p_acc + el * p, g_acc + el * g, w_acc + er * (wa + wb)
+    g_acc = g_acc + el * prod(dh_s, dl_s, rh_s, rl_s)
+    return p_acc, g_acc, w_acc + er * (wa + prod(dh_s.T, dl_s.T, xh_s, xl_s))
 
   def finish(carry):
     P, G, W = carry
