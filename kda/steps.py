@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kda import padding
+from kda._mosaic_gpu import from_pairs
 
 
 def scope(name: str):
@@ -96,8 +97,8 @@ def pairs_kw(plan, du_kw, q, v) -> dict:
   """{"pairs": True} where S2 stores du in bf16 for S3's kernel (`s2_du_kw`'s answer du_kw) and
   K == V == 2 * chunk_size: S2 then stores dqg, dkg as their pairs (kda._mosaic_gpu.pair_store,
   ~2^-17 relative) over h's and dh's buffers, S3 dq, dk as theirs over those, and S4 reads them
-  there, so none of the four takes a float32 buffer (the backward's peak is S2's terms kernel).
-  Else {}."""
+  there, so none of the four takes a float32 buffer (where they did, S2's terms kernel was the
+  backward's peak). Else {}."""
   if "du_dtype" in du_kw and q.shape[-1] == v.shape[-1] == 2 * plan.chunk_size:
     return dict(pairs=True)
   return {}
@@ -107,6 +108,5 @@ def keep_pairs(plan, name, args, pairs, **extra):
   """(pairs, args) for S3 or S4 (`name`) whose arguments 7 and 8 are the previous stage's pairs:
   unchanged where its kernel takes them, else ({}, args with those two back in float32)."""
   if pairs and plan.choose(name, *args, **plan.stage_kwargs(name), **extra, **pairs) != "mosaic_gpu":
-    from kda._mosaic_gpu import from_pairs
     return {}, args[:7] + (from_pairs(args[7]), from_pairs(args[8])) + args[9:]
   return pairs, args

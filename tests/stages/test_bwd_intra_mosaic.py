@@ -572,3 +572,8 @@ def test_pairs_give_the_same_bits(packed):
   txt = jax.jit(lambda *a: mgb.apply(*a, scale=0.1, chunk_size=BT, pairs=True)).trace(
       *low, S((9,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+  assert mgb.supports(*low, scale=0.1, chunk_size=BT, pairs=True) is None
+  assert "pairs are bfloat16, got dq float32" in mgb.supports(*low[:7], S(low[7].shape, F32), *low[8:], scale=0.1,
+                                                              chunk_size=BT, pairs=True)
+  assert "dq must have shape (1, 64, 16, 128, 128)" in mgb.supports(*_abstract(4096, 16, 128), scale=0.1,
+                                                                    chunk_size=BT, pairs=True)

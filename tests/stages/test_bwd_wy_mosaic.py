@@ -580,3 +580,8 @@ def test_pairs_give_the_same_bits(case, packed, split):
   lowered[7:9] = [S((1, 4096 // BT, 2, 2 * BT, 128), BF16)] * 2
   lowered[10] = S(lowered[10].shape, BF16)
   assert _aliases(cfg, lowered, pairs=True) == 3
+  assert mgw.supports(*lowered, chunk_size=BT, pairs=True) is None
+  assert "pairs are bfloat16, got dqg float32" in mgw.supports(
+      *lowered[:7], S(lowered[7].shape, F32), *lowered[8:], chunk_size=BT, pairs=True)
+  assert "dqg must have shape (1, 64, 2, 128, 128)" in mgw.supports(*_abstract(4096, 2, 128, 128), chunk_size=BT,
+                                                                   pairs=True)

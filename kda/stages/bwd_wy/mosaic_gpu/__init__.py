@@ -158,7 +158,8 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
   for name, x in dict(given, q=q, k=k, v=v).items():
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return f"mosaic_gpu bwd_wy takes floating {name}, got {jnp.dtype(x.dtype).name}"
-  if pairs and (bad := [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("dqg", dqg), ("dkg", dkg)) if jnp.dtype(x.dtype) != jnp.dtype(BF16)]):
+  if pairs and (bad := [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("dqg", dqg), ("dkg", dkg))
+                        if jnp.dtype(x.dtype) != jnp.dtype(BF16)]):
     return f"pairs are bfloat16, got {', '.join(bad)}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason

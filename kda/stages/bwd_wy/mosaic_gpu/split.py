@@ -70,10 +70,11 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)
   at = lambda ref: ref.at[rows, h, cols]
+  pair_at = lambda ref: ref.at[c, h, :, cols]      # a pair's tile: hi rows, then lo rows
   qkv = (lambda ref: ref.at[pl.ds(qkv_rows[0], BT), h, cols]) if qkv_rows is not None else at
   groups = (((at(du_g), du_s), (a_g.at[rows, h, :], a_s), (qkv(v_g), v_s)),
             ((at(dw_g), dw_s), (at(gi_g), gi_s), (at(gf_g), gf_s), (qkv(k_g), k_s), (qkv(q_g), q_s)),
-            tuple((ref.at[c, h, :, cols] if pairs else at(ref), s) for ref, s in ((dqg_g, dqg_s), (dkg_g, dkg_s))))
+            tuple(((pair_at if pairs else at)(ref), s) for ref, s in ((dqg_g, dqg_s), (dkg_g, dkg_s))))
   for bar, group in zip(bars, groups):
     for src, dst in group:
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -118,7 +119,8 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   dAinv = dAinv + _acc(cross, shape)
   plgpu.barrier_wait(bars[2])
   if pairs:
-    dqg, dkg = (_load(s.at[pl.ds(0, BT)]).astype(F32) + _load(s.at[pl.ds(BT, BT)]).astype(F32) for s in (dqg_s, dkg_s))
+    hi_lo = lambda s: _load(s.at[pl.ds(0, BT)]).astype(F32) + _load(s.at[pl.ds(BT, BT)]).astype(F32)
+    dqg, dkg = hi_lo(dqg_s), hi_lo(dkg_s)
     pair_store(oq_g, c, h, cols, dqg * eg)
     pair_store(ok_g, c, h, cols, dkg * el + dkb * beta * eg)
   else:
