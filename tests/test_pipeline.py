@@ -542,11 +542,9 @@ def test_packed_backward_equals_the_aligned_one(monkeypatch):
   assert np.abs(f32(ht) - f32(want_ht)).max() <= 1e-2 * np.abs(f32(want_ht)).max()
 
 
-def test_packed_backward_pairs_at_128(monkeypatch):
-  """K = V = 128, impl="mosaic_gpu" (simulator): S2 stores dqg, dkg as pairs over h and dh and S3, S4
-  take them (pairs=True reaches the three kernels); the packed backward's gradients are bit for bit
-  the aligned pipeline's (which pairs them as well), 0 at tokens of no sequence, and within bf16
-  rounding of the reference's."""
+def _pairs_grads(monkeypatch, **config):
+  """K = V = 128, impl="mosaic_gpu" (simulator): jax.grad of _packed_case(128)'s sum(o) and the
+  `pairs` keyword each of S2's, S3's and S4's kernels got."""
   from kda.stages.bwd_dh import mosaic_gpu as mgd
   from kda.stages.bwd_intra import mosaic_gpu as mgi
   from kda.stages.bwd_wy import mosaic_gpu as mgw
@@ -555,22 +553,33 @@ def test_packed_backward_pairs_at_128(monkeypatch):
   for mod in (mgd, mgw, mgi):
     real = mod.apply
     monkeypatch.setattr(mod, "apply", lambda *a, _real=real, **k: seen.append(k.get("pairs")) or _real(*a, **k))
+  loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=config or None)[0].astype(jnp.float32))
+  return jax.jit(jax.grad(loss))(x), seen, x, kw
 
-  def grads(impl, **config):
-    loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl=impl, config=config or None)[0].astype(jnp.float32))
-    return jax.jit(jax.grad(loss))(x)
 
-  got = grads("mosaic_gpu")
+def test_packed_backward_pairs_at_128(monkeypatch):
+  """K = V = 128, impl="mosaic_gpu" (simulator): S2 stores dqg, dkg as pairs over h and dh and S3, S4
+  take them (pairs=True reaches the three kernels); the packed backward's gradients are 0 at tokens
+  of no sequence and within bf16 rounding of the reference's."""
+  got, seen, x, kw = _pairs_grads(monkeypatch)
   assert seen == [True] * 3, seen
-  want = grads("mosaic_gpu", pipeline=planning.PipelineConfig(packed=False))
-  assert seen == [True] * 6, seen
-  ref = grads("reference")
+  ref = jax.jit(jax.grad(lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="reference")[0].astype(jnp.float32))))(x)
   end = int(kw["cu_seqlens"][-1])
-  for name, a, b, r in zip("q k v g beta".split(), got, want, ref):
-    a, b, r = (np.asarray(t.astype(jnp.float32)) for t in (a, b, r))
-    np.testing.assert_array_equal(a, b, name)
+  for name, a, r in zip("q k v g beta".split(), got, ref):
+    a, r = (np.asarray(t.astype(jnp.float32)) for t in (a, r))
     assert np.all(a[:, end:] == 0), name
     assert np.abs(a[:, :end] - r[:, :end]).max() <= 2e-2 * np.abs(r[:, :end]).max(), name
+
+
+@pytest.mark.large
+def test_packed_backward_pairs_equal_the_aligned_ones(monkeypatch):
+  """K = V = 128 (simulator): the aligned pipeline pairs S2-S4's terms too, and its gradients are
+  the packed backward's bit for bit."""
+  got, _, _, _ = _pairs_grads(monkeypatch)
+  want, seen, _, _ = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(packed=False))
+  assert seen == [True] * 3, seen
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
 
 
 @pytest.mark.parametrize("K", [64, 128])
