@@ -582,7 +582,7 @@ def test_packed_backward_pairs_equal_the_aligned_ones(monkeypatch):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
 
 
-@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("K", [64, pytest.param(128, marks=pytest.mark.large)])   # 128: pairs (CI time)
 def test_packed_backward_lowers_for_cuda(K):
   """The whole jax.grad with impl=None as on an H200 (the platform mocked), lowered for CUDA from the
   CPU: the packed backward's kernels (bwd_gate, bwd_wy and bwd_intra in their packed modes) are
