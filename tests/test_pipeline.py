@@ -571,6 +571,30 @@ def test_packed_backward_pairs_at_128(monkeypatch):
     assert np.abs(a[:, :end] - r[:, :end]).max() <= 2e-2 * np.abs(r[:, :end]).max(), name
 
 
+def test_keep_pairs_turns_them_back_where_the_kernel_does_not_run():
+  """kda.steps.keep_pairs: S4 on the reference gets S3's pairs back in float32 (hi + lo) and no
+  `pairs` keyword; S3 on its kernel keeps them."""
+  from kda._mosaic_gpu import from_pairs, to_pairs
+  from kda.steps import keep_pairs
+  Ta, HV, K, BT = 128, 1, 128, 64
+  r = np.random.default_rng(0)
+  f32 = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
+  bf = lambda *s: f32(*s).astype(jnp.bfloat16)
+  cu = jnp.asarray([0, Ta], jnp.int32)
+  plan = planning.make_plan(scale=K ** -0.5, chunk_size=BT, impl={"bwd_wy": "mosaic_gpu", "bwd_intra": "reference"},
+                            dtype="bfloat16")
+  pq, pk = to_pairs(f32(1, Ta, HV, K)), to_pairs(f32(1, Ta, HV, K))
+  it = (bf(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta, HV), f32(1, Ta, HV, K), f32(1, Ta, HV, K),
+        f32(1, Ta, HV, BT), f32(1, Ta, HV, BT), pq, pk, f32(1, Ta, HV), f32(1, Ta, HV, K), cu)
+  pairs, args = keep_pairs(plan, "bwd_intra", it, dict(pairs=True))
+  assert pairs == {} and args[:7] == it[:7] and args[9:] == it[9:]
+  np.testing.assert_array_equal(np.asarray(args[7]), np.asarray(from_pairs(pq)))
+  np.testing.assert_array_equal(np.asarray(args[8]), np.asarray(from_pairs(pk)))
+  wy = (bf(1, Ta, HV, K), bf(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta, HV), f32(1, Ta, HV, K), f32(1, Ta, HV, K),
+        bf(1, Ta, HV, BT), pq, pk, f32(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta // BT, HV, K), cu)
+  assert keep_pairs(plan, "bwd_wy", wy, dict(pairs=True), dv_dtype=jnp.bfloat16) == (dict(pairs=True), wy)
+
+
 @pytest.mark.large
 def test_packed_backward_pairs_equal_the_aligned_ones(monkeypatch):
   """K = V = 128 (simulator): the aligned pipeline pairs S2-S4's terms too, and its gradients are
