@@ -335,10 +335,15 @@ def packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c, body, tail, dsts, BT=64
 # per-chunk [K, V] bf16 state (S0's h, S2's dh), so a kernel can store a pair over a state whose
 # chunk it has already read.
 
+def pair_tile(tile, BT=64):
+  """A pair's [2 BT, cols] tile (GMEM or SMEM ref) -> float32 [BT, cols], hi + lo (WGMMA layout)."""
+  hi, lo = (load(tile.at[pl.ds(i * BT, BT)]).astype(F32) for i in range(2))
+  return hi + lo
+
+
 def pair_load(ref, c, h, cols, BT=64):
   """Chunk c, head h, columns `cols` of a pair ref, float32 [BT, cols] (WGMMA layout)."""
-  hi, lo = (load(ref.at[c, h, pl.ds(i * BT, BT), cols]).astype(F32) for i in range(2))
-  return hi + lo
+  return pair_tile(ref.at[c, h, :, cols], BT)
 
 
 def pair_store(ref, c, h, cols, x, BT=64):

@@ -136,12 +136,15 @@ def terms_smem_bytes(K, V, packed=False):
   return _smem_bytes(_terms_scratch(K, V, packed), reduction=True)
 
 
-def _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packed=False) -> Optional[str]:
+def _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packed=False,
+            pairs=False) -> Optional[str]:
   """What the kernels can run (bf16 or float32 operands); `apply` raises with it."""
   reason, dims = tile_shapes(BT, "qg", qg, "v_new", v_new)
   if reason is not None:
     return reason
   Ta, HV, K, V = dims
+  if pairs and not K == V == 2 * BT:
+    return f"pairs need K == V == {2 * BT}, got K={K}, V={V}"
   if Ta % BT:
     return f"Ta must be a multiple of chunk_size {BT}, got {Ta}"
   NTa = Ta // BT
@@ -175,9 +178,7 @@ def supports(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, c
   del config                      # no switch changes what the kernels take
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
-  reason = _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, do_packed is not None)
-  if reason is None and pairs and not qg.shape[-1] == v_new.shape[-1] == 2 * BT:
-    reason = f"pairs need K == V == {2 * BT}, got K={qg.shape[-1]}, V={v_new.shape[-1]}"
+  reason = _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, do_packed is not None, pairs)
   if reason is None:
     named = dict(qg=qg, kg=kg, w=w, h=h, v_new=v_new)
     if any(jnp.dtype(x.dtype) != jnp.dtype(BF16) for x in named.values()):
@@ -397,13 +398,11 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   config = config or Config()
   packed = do_packed is not None
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
-            _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packed))
+            _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packed, pairs))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_dh kernel: {reason}")
   _, Ta, HV, K = qg.shape
   V = v_new.shape[-1]
-  if pairs and not K == V == 2 * BT:
-    raise ValueError(f"mosaic_gpu bwd_dh kernel: pairs need K == V == {2 * BT}, got K={K}, V={V}")
   N = aligned_cu.shape[0] - 1
   NTa, NV = Ta // BT, V // BV
   if N == 0:                                  # no program to launch; every chunk is tail

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, packed_tile, pair_store, zeros
+from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, packed_tile, pair_store, pair_tile, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes
 from kda.stages.gate import exponent
@@ -119,8 +119,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   dAinv = dAinv + _acc(cross, shape)
   plgpu.barrier_wait(bars[2])
   if pairs:
-    hi_lo = lambda s: _load(s.at[pl.ds(0, BT)]).astype(F32) + _load(s.at[pl.ds(BT, BT)]).astype(F32)
-    dqg, dkg = hi_lo(dqg_s), hi_lo(dkg_s)
+    dqg, dkg = pair_tile(dqg_s), pair_tile(dkg_s)
     pair_store(oq_g, c, h, cols, dqg * eg)
     pair_store(ok_g, c, h, cols, dkg * el + dkb * beta * eg)
   else:
