@@ -249,3 +249,49 @@ def test_wy_probe_marks_every_non_finite_input():
   nan_tail = [jnp.where(at_tail(x), jnp.nan, x).astype(x.dtype) for x in args]
   for tz in (True, False):
     assert not np.asarray(run(*nan_tail, acu, tail_zeros=tz)[4]).any(), tz
+
+
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 64)])
+def test_wy_packed_qkv_equals_aligned(K, V):
+  """rows given: q, k, v read from the packed arrays (NaN at tokens of no sequence: a 3- and a
+  70-token gap, 5 tokens after the last) give w, u, qg, kg and the probe bit for bit the call on
+  their aligned copies, the tail unwritten or not; a NaN in one sequence's v marks the probe in its
+  chunks only, as on the aligned copy. Lowered for CUDA: one kernel, the aligned call's SMEM."""
+  from tests.stages import bwd_setup
+  from tests.stages.test_gate_mosaic import packed_layout
+  lens, HV = [30, 64, 0, 65, 1], 2
+  layout, valid = packed_layout(lens, [3, 70, 0, 0, 0], extra_T=5, tail_chunks=1)
+  Ta = layout.Ta
+  at_pad = lambda x: ~jnp.asarray(valid).reshape((1, Ta) + (1,) * (x.ndim - 2))
+  q, k, v, A, gi = bwd_setup.randn(7, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT),
+                                   (1, Ta, HV, K))
+  (b,) = bwd_setup.randn(8, (1, Ta, HV))
+  gc = jnp.cumsum((-jnp.abs(gi) * 0.05).reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
+  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False).astype(jnp.bfloat16)
+  beta = jnp.where(at_pad(b), 0.0, jax.nn.sigmoid(b)).astype(jnp.bfloat16)
+  packed, aligned = bwd_setup.packed_and_aligned(layout, [jnp.where(at_pad(x), 0.0, x) for x in (q, k, v)])
+  rows = padding.chunk_rows(layout)
+  rest = (beta, gc, jnp.zeros_like(gc), A, layout.aligned_cu)
+  run = lambda qkv, **kw: jax.block_until_ready(jax.jit(functools.partial(
+      mgr.wy_from_saved, interpret=True, probe=True, **kw))(*qkv, *rest))
+  for tz in (True, False):
+    want, got = run(aligned, tail_zeros=tz), run(packed, tail_zeros=tz, rows=rows)
+    live = slice(None) if tz else slice(0, int(layout.aligned_cu[-1]))
+    for name, x, y in zip(("w", "u", "qg", "kg", "probe"), got, want):
+      x, y = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (x, y))
+      np.testing.assert_array_equal(x[..., live, :, :] if x.ndim == 4 else x[:, live],
+                                    y[..., live, :, :] if y.ndim == 4 else y[:, live], name)
+    assert float(np.abs(np.asarray(want[1], np.float32)[:, live]).max()) > 0
+  t = int(layout.starts[3]) + 10                              # a token of the fourth sequence
+  bad_v = packed[2].at[0, t, 1, 0].set(jnp.nan)
+  p = np.asarray(run(packed[:2] + [bad_v], rows=rows)[4])
+  owned = padding.packed_owned_mask(layout)[None, :, None, None]
+  want = np.asarray(run(aligned[:2] + [padding.align_with(layout, jnp.where(owned, bad_v, 0))])[4])
+  np.testing.assert_array_equal(p, want)
+  assert (~np.isfinite(p)).sum() == BT and not np.isfinite(p[1]).all()    # one chunk of head 1
+  S = jax.ShapeDtypeStruct
+  spec = [S(x.shape, x.dtype) for x in packed] + [S(x.shape, x.dtype) for x in rest]
+  f = functools.partial(mgr.wy_from_saved, rows=rows)
+  txt = jax.jit(f).trace(*spec).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  assert lowered_smem_bytes(f, *spec) == mgr.smem_bytes(K, V, packed_qkv=True) == mgr.smem_bytes(K, V)

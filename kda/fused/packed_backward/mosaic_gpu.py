@@ -65,9 +65,10 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
     with scope(name):
       return plan.run(name, *args, **kw(name), **extra)
 
-  rc_args = (qa, ka, va, g, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
+  # S0 reads q, k, v packed (as g): where S3 and S4 do too, no aligned copy of them is formed
+  rc_args = (qp, kp, v, g, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
   with scope("bwd_recompute"):
-    rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows,
+    rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows, qkv_packed=True,
                                      config=plan.config("bwd_recompute", "mosaic_gpu"),
                                      **kw("bwd_recompute"), **tail, **seg, probe=probe)
     rc, finite = rc if probe else (rc, None)

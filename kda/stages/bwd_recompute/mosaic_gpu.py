@@ -16,8 +16,11 @@ parts from GMEM into registers; eg = exp(gc), el = exp(gc_last - gc) (exponents 
 w = Ainv @ (beta k eg) and u = Ainv @ (beta v) as wgmmas on hi + lo bf16 splits of the right-hand
 side (Ainv exact), qg = q eg, kg = k el; all four rounded to bf16 and stored from swizzled SMEM
 tiles by TMA. SMEM (`smem_bytes`): 13 [64, 64] bf16 tiles and a barrier at K = V = 128, 106504
-bytes, two CTAs per SM. Lane lowering semantics: the same code as Warpgroup here, lowered without
-layout inference. Against the forward's w, u (formed from its float32 in-kernel inverse) the
+bytes, two CTAs per SM. Packed q, k, v (`rows`, the packed backward): each chunk's rows come by
+TMA from its first packed row into plain tiles (read into registers only) and the rows past its
+count are taken as 0 by a select (another sequence's tokens, maybe NaN), as align leaves them: the
+same bits as on the aligned copies. Lane lowering semantics: the same code as Warpgroup here,
+lowered without layout inference. Against the forward's w, u (formed from its float32 in-kernel inverse) the
 difference is the bf16 rounding of Ainv, ~2^-9 relative, the same the reference S0 sees.
 """
 from __future__ import annotations
@@ -33,8 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, last_row
-from kda._mosaic_gpu import live_chunk, tile_shapes, zeros
-from kda._mosaic_gpu import acc as _acc, load as _load, params as _params, split as _split, swz as _swz
+from kda._mosaic_gpu import live_chunk, packed_tile, tile_shapes, zeros
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_recompute import Out
 from kda.stages.gate import exponent
@@ -54,25 +57,28 @@ class Config:
   skip_tail: bool = True
 
 
-def _wy_scratch(K, V):
-  """The wy kernel's scratch types."""
+def _wy_scratch(K, V, packed_qkv=False):
+  """The wy kernel's scratch types; packed_qkv: plain q, k, v tiles (TMA lands packed rows there;
+  they are only read into registers, and qg, kg leave from them by TMA)."""
   nk, nv = K // SLAB, V // SLAB
-  return [_swz((nk, BT, SLAB)), _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),   # q, k, v
+  tile = (lambda n: plgpu.SMEM((n, BT, SLAB), BF16)) if packed_qkv else (lambda n: _swz((n, BT, SLAB)))
+  return [tile(nk), tile(nk), tile(nv),                                       # q, k, v
           _swz((BT, BT)),                                                     # Ainv
           _swz((nk, BT, SLAB)), _swz((nv, BT, SLAB)),                         # w, u
           _swz((BT, SLAB)), _swz((BT, SLAB)),                                 # split operand
           plgpu.Barrier(num_arrivals=2 * nk + nv + 1)]
 
 
-def smem_bytes(K, V, probe=False):
+def smem_bytes(K, V, probe=False, packed_qkv=False):
   """Shared memory per wy program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates;
   the probe's row sums reserve the reduction scratch)."""
-  return _smem_bytes(_wy_scratch(K, V), reduction=probe)
+  return _smem_bytes(_wy_scratch(K, V, packed_qkv), reduction=probe)
 
 
-def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
+def _wy_reason(q, k, v, beta, Ainv, aligned_cu, packed_qkv=False) -> Optional[str]:
   """What the wy kernel takes: shapes, head dims, grid, SMEM, and bf16 q, k, v (the dtype policy:
-  float32 inputs keep float32 accuracy on the reference; `wy_from_saved` itself rounds them)."""
+  float32 inputs keep float32 accuracy on the reference; `wy_from_saved` itself rounds them). With
+  packed_qkv, q, k, v are the aligned stand-ins of packed ones (`_aligned_qkv`)."""
   reason, dims = tile_shapes(BT, "k", k, "v", v)
   if reason is not None:
     return reason
@@ -90,15 +96,25 @@ def _wy_reason(q, k, v, beta, Ainv, aligned_cu) -> Optional[str]:
          if jnp.dtype(x.dtype) != jnp.dtype(BF16)]
   if bad:
     return f"mosaic_gpu bwd_recompute takes bfloat16 q, k, v, got {', '.join(bad)}"
-  return smem_reason(smem_bytes(K, V, probe=True), "bwd_recompute wy")
+  return smem_reason(smem_bytes(K, V, probe=True, packed_qkv=packed_qkv), "bwd_recompute wy")
+
+
+def _aligned_qkv(q, k, v, beta):
+  """(reason or None, aligned stand-ins of packed q, k, v [1, T, HV, D]: beta's [1, Ta] rows)."""
+  S = jax.ShapeDtypeStruct
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4 or x.shape[0] != 1 or x.shape[1] != k.shape[1]:
+      return f"packed {name} must be [1, T, HV, D] with k's T, got shape {tuple(x.shape)}", None
+  return None, tuple(S((1, beta.shape[1]) + x.shape[2:], x.dtype) for x in (q, k, v))
 
 
 def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
-             use_gate_in_kernel, lower_bound, config=None, rows=None, **_) -> Optional[str]:
+             use_gate_in_kernel, lower_bound, config=None, rows=None, qkv_packed=False, **_) -> Optional[str]:
   """The stage's predicate: None if the wy and state kernels take the call, else the first reason.
   rows (a padding.ChunkRows): g is packed [1, T, HV, K] and the gate kernel's packed mode is asked
-  too (valid unused); aligned g takes the gate kernel or, where it refuses, the XLA gate. Ainv may
-  be None (a question before the forward has run)."""
+  too (valid unused); aligned g takes the gate kernel or, where it refuses, the XLA gate. qkv_packed
+  (with rows): q, k, v are packed [1, T, HV, D] too (the wy kernel reads them so). Ainv may be None
+  (a question before the forward has run)."""
   del config                      # no switch changes what the kernels take
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   S = jax.ShapeDtypeStruct
@@ -106,7 +122,13 @@ def supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, align
     return reason                 # aligned g: the XLA gate where the kernel refuses (`apply`)
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
-  reason = _wy_reason(q, k, v, beta, Ainv, aligned_cu)
+  if qkv_packed:
+    if rows is None:
+      return "packed q, k, v need rows (padding.ChunkRows)"
+    reason, (q, k, v) = _aligned_qkv(q, k, v, beta)
+    if reason is not None:
+      return reason
+  reason = _wy_reason(q, k, v, beta, Ainv, aligned_cu, qkv_packed)
   if reason is not None:
     return reason
   gc, kb = S(k.shape, F32), S(k.shape, BF16)
@@ -132,8 +154,11 @@ def stores(q, k, v, *_, chunk_size, config=None, **__) -> dict:
   return dict.fromkeys(_BF16_FIELDS, BF16)
 
 
-def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False):
-  if skip_tail:                # aligned_cu's ref first: the chunks at or past aligned_cu[-1] store zeros
+def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, packed_qkv=False):
+  qkv_rows = None
+  if packed_qkv:               # ChunkRows' src and count refs first: q, k, v are packed
+    qkv_rows, refs = refs[:2], refs[2:]
+  if skip_tail:                # aligned_cu's ref next: the chunks at or past aligned_cu[-1] store zeros
     cu_g, refs = refs[0], refs[1:]
   if not probe:                # no probe output: a stand-in nothing writes
     refs = refs[:11] + (None,) + refs[11:]
@@ -153,7 +178,7 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False):
     plgpu.wait_smem_to_gmem(0)
 
   def compute():
-    _wy_compute(h, c, rows, slab, refs, nk, nv)
+    _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows)
 
   live = live_chunk(cu_g, c, BT) if skip_tail else None
   if skip_tail and probe:      # the probe's tail is read, whatever the other outputs': zeros there
@@ -185,15 +210,21 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False):
   store()
 
 
-def _wy_compute(h, c, rows, slab, refs, nk, nv):
+def _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows=None):
   """The wy kernel's loads and arithmetic for chunk c: w, u, qg, kg into their SMEM tiles; with a
   probe ref, its rows get sum(0 * x) over the row's w, u, qg, kg (float32, before rounding): 0
-  where they are all finite, NaN where one is not."""
+  where they are all finite, NaN where one is not. qkv_rows (src, count refs): q, k, v are packed,
+  chunk c's row r < count[c] at packed row src[c] + r (kda._mosaic_gpu.packed_tile)."""
   (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
    q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
-  copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), rows, h, bar)
+  if qkv_rows is not None:
+    qkv_rows = (qkv_rows[0][c], qkv_rows[1][c])
+  qkv = rows if qkv_rows is None else pl.ds(qkv_rows[0], BT)
+  copy_chunk_slabs(((q_g, q_s), (k_g, k_s), (v_g, v_s)), qkv, h, bar)
   plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
   shape = (BT, SLAB)
+  row = _iota(0, shape)
+  tile = lambda x_s, j: packed_tile(x_s.at[j], row, qkv_rows)   # slab j of q, k or v, float32
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   last = lambda ref, j: last_row(ref, c, h, slab(j), shape)
   seen = []                    # 0 * x of every output (probe): NaN exactly where x is not finite
@@ -210,12 +241,12 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv):
 
   plgpu.barrier_wait(bar)
   for j in range(nv):
-    u_s.at[j][...] = kept(times_a(beta * _load(v_s.at[j]).astype(F32))).astype(BF16)
+    u_s.at[j][...] = kept(times_a(beta * tile(v_s, j))).astype(BF16)
   for j in range(nk):
     gi, gf = _load(gi_g.at[rows, h, slab(j)]), _load(gf_g.at[rows, h, slab(j)])
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
-    kx, qx = _load(k_s.at[j]).astype(F32), _load(q_s.at[j]).astype(F32)
+    kx, qx = tile(k_s, j), tile(q_s, j)
     w_s.at[j][...] = kept(times_a(beta * kx * eg)).astype(BF16)
     q_s.at[j][...] = kept(qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
     k_s.at[j][...] = kept(kx * el).astype(BF16)
@@ -224,42 +255,47 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv):
 
 
 @functools.lru_cache(maxsize=None)
-def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True, probe=False):
+def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True, probe=False,
+               packed_qkv=False):
   out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
   return plgpu.kernel(
       functools.partial(_wy_body, nk=K // SLAB, nv=V // SLAB, skip_tail=skip_tail, tail_zeros=tail_zeros,
-                        probe=probe),
+                        probe=probe, packed_qkv=packed_qkv),
       out_type=(out(K), out(V), out(K), out(K))                   # w, u, qg, kg
       + ((jax.ShapeDtypeStruct((HV, Ta), F32),) if probe else ()),   # the finiteness probe
       grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=_wy_scratch(K, V),
+      scratch_types=_wy_scratch(K, V, packed_qkv),
       compiler_params=_params(lane=True, approx_math=approx_math),
       kernel_name="kda_bwd_recompute_wy", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
 def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, interpret=False, config=None,
-                  tail_zeros=True, probe=False):
+                  tail_zeros=True, probe=False, rows=None):
   """(w, u, qg, kg) [1, Ta, HV, D] bf16 from the saved Ainv: reference.wy_from_inverse's formulas
   on the wy kernel (module docstring). q, k, v, Ainv are cast to bf16. With aligned_cu and
   Config.skip_tail the chunks at or past aligned_cu[-1] store zeros (tail_zeros=False: nothing),
   nothing of them read. probe: a fifth output, [HV, Ta] float32, 0 at the rows whose w, u, qg, kg
-  are all finite and NaN elsewhere (0 at the tail)."""
+  are all finite and NaN elsewhere (0 at the tail). rows (padding.ChunkRows): q, k, v are packed
+  [1, T, HV, D], chunk c's row r < count[c] read from packed row src[c] + r and the chunk's other
+  rows taken as 0 (the align folded into the loads: the same bits as on their aligned copies)."""
   config = config or Config()
-  _, Ta, HV, K = k.shape
-  V = v.shape[-1]
+  _, Ta, HV, _ = Ainv.shape
+  K, V = k.shape[-1], v.shape[-1]
   bf = lambda x: x[0].astype(BF16)
   skip = config.skip_tail and aligned_cu is not None
   f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
-                 tail_zeros=bool(tail_zeros) or not skip, probe=bool(probe))
+                 tail_zeros=bool(tail_zeros) or not skip, probe=bool(probe), packed_qkv=rows is not None)
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
+  if rows is not None:
+    cu = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32)) + cu
   outs = f(*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
   return tuple(x[None] for x in outs[:4]) + tuple(outs[4:])
 
 
 def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, *, chunk_size,
           use_gate_in_kernel, lower_bound, interpret=False, config=None, zero_h0=False, rows=None,
-          tail_zeros=True, seg=None, probe=False):
+          tail_zeros=True, seg=None, probe=False, qkv_packed=False):
   """The stage on the gate, wy and state kernels (Ainv required: the forward's saved inverse).
   zero_h0: initial_state is known to be zero; the state kernel then neither reads it nor stores the
   final state (the stage never returns it). rows (a padding.ChunkRows): g is PACKED [1, T, HV, K]
@@ -271,13 +307,16 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   resets, as the packed forward does (the wy kernel reads the saved Ainv, which has them).
   probe=True: (Out, finite) with finite a () bool, whether every w, u, qg, kg the wy kernel formed
   was finite before rounding (kda.confine: they hold every input of every token), at one row sum per
-  token and head."""
+  token and head. qkv_packed (with rows): q, k, v are packed [1, T, HV, D] as well, and the wy
+  kernel reads them so (`wy_from_saved`): their aligned copies are never formed."""
   config = config or Config()
   gkw = dict(chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
   if rows is not None:       # the packed g stands in for the aligned one in the shape checks
-    reason = supports(q, k, v, g, beta, None, A_log, dt_bias, Ainv, initial_state, aligned_cu, rows=rows, **gkw)
+    reason = supports(q, k, v, g, beta, None, A_log, dt_bias, Ainv, initial_state, aligned_cu, rows=rows,
+                      qkv_packed=qkv_packed, **gkw)
   else:
-    reason = supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu, **gkw)
+    reason = supports(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_cu,
+                      qkv_packed=qkv_packed, **gkw)
   if reason is None and Ainv is None:
     reason = "Ainv (the forward's saved inverse) is required"
   if reason is not None:
@@ -290,7 +329,8 @@ def apply(q, k, v, g, beta, valid, A_log, dt_bias, Ainv, initial_state, aligned_
   else:                      # e.g. HV * K = 64: the forward's gate stage ran XLA there too
     gt = gate_xla.apply(g, valid, A_log, dt_bias, **gkw)
   w, u, qg, kg, *pr = wy_from_saved(q, k, v, beta, gt.gc_int, gt.gc_frac, Ainv, aligned_cu, interpret=interpret,
-                                    config=config, tail_zeros=tail_zeros, probe=probe)
+                                    config=config, tail_zeros=tail_zeros, probe=probe,
+                                    rows=rows if qkv_packed else None)
   elide = dict(zero_h0=True, store_final=False) if zero_h0 else {}
   st = state_mgpu.apply(kg, w, u, gt.gc_int, gt.gc_frac, initial_state, aligned_cu, chunk_size=chunk_size,
                         interpret=interpret, **elide)
