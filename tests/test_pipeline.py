@@ -507,24 +507,26 @@ def test_packed_backward_equals_the_aligned_one(monkeypatch):
   gate kernel reads it there, S5 reads it and stores dg there; S3 stores dv, S4 dq and dk packed)
   every gradient is bit for bit the one with g aligned and the gradients unaligned in XLA
   (packed_backward_rows off); every gradient exactly 0 at tokens of no sequence, though the
-  inputs are NaN there (l2norm's backward included). The packed forward's o (the same call) is 0
-  there and close to the recurrence."""
+  inputs and the cotangent of o (random elsewhere) are NaN there (l2norm's backward included). The
+  packed forward's o (the same call) is 0 there and close to the recurrence."""
   x, kw = _packed_case()
   calls = []
   real = packed_backward_mgpu.apply
   monkeypatch.setattr(packed_backward_mgpu, "apply", lambda *a, **k: calls.append(1) or real(*a, **k))
+  end = int(kw["cu_seqlens"][-1])
+  wo = np.random.default_rng(9).standard_normal(x[2].shape)
+  wo = jnp.asarray(np.where(np.arange(wo.shape[1])[None, :, None, None] < end, wo, np.nan), jnp.float32)
 
   def grads(**config):
     def loss(x):
       o, ht = kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=config or None)
-      return jnp.sum(o.astype(jnp.float32)) + 0.5 * jnp.sum(ht), (o, ht)
+      return jnp.sum(o.astype(jnp.float32) * wo) + 0.5 * jnp.sum(ht), (o, ht)
     return jax.jit(jax.grad(loss, has_aux=True))(x)
 
   got, (o, ht) = grads()
   assert calls
   want, _ = grads(pipeline=planning.PipelineConfig(packed=False))
   assert len(calls) == 1
-  end = int(kw["cu_seqlens"][-1])
   for name, a, b in zip("q k v g beta".split(), got, want):
     a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
     assert np.isfinite(a).all(), name

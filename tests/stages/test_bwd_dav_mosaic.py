@@ -288,3 +288,38 @@ def test_skip_tail_lowers_for_cuda():
     txt[skip] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt[skip].splitlines()) == 1
   assert txt[True] != txt[False]
+
+
+@pytest.mark.parametrize("V", [64, 128])
+def test_packed_do_equals_aligned(V):
+  """do_packed + rows: the kernel reads do packed (a 70-token gap and 5 tokens after the last
+  sequence: NaN, never read into a result) and both outputs are bit for bit the aligned do's, with
+  and without the tail's zeros; the aligned do is not read (NaN everywhere changes nothing). It
+  lowers for CUDA with its plain landing counted in `smem_bytes`."""
+  from kda import padding
+  from tests.stages.test_gate_mosaic import packed_layout
+  lens, HV = [30, 64, 0, 65, 1], 2
+  layout, valid = packed_layout(lens, [0, 70, 0, 0, 0], extra_T=5, tail_chunks=1)
+  Ta = layout.Ta
+  real = jnp.asarray(valid)[None, :, None, None]
+  vn, A = bwd_setup.randn(11, (1, Ta, HV, V), (1, Ta, HV, BT))
+  vn = jnp.where(real, vn, 0.0).astype(BF16)
+  A = bwd_setup.mask_rows(jnp.where(real, A, 0.0), BT, strict=False).astype(BF16)
+  (do_p,) = bwd_setup.randn(12, (1, layout.T, HV, V))
+  owned = padding.packed_owned_mask(layout)[None, :, None, None]
+  do_p = jnp.where(owned, do_p, jnp.nan).astype(BF16)
+  do = padding.align_with(layout, jnp.where(owned, do_p, 0))
+  rows = padding.chunk_rows(layout)
+  run = lambda do, **kw: jax.block_until_ready(jax.jit(functools.partial(
+      mgv.apply, chunk_size=BT, interpret=True, **kw))(vn, A, do, layout.aligned_cu))
+  for tz in (True, False):
+    want = run(do, tail_zeros=tz)
+    got = run(jnp.full_like(do, jnp.nan), tail_zeros=tz, do_packed=do_p, rows=rows)
+    live = slice(None) if tz else slice(0, int(layout.aligned_cu[-1]))
+    for name in FIELDS:
+      np.testing.assert_array_equal(np.asarray(getattr(got, name))[:, live], np.asarray(getattr(want, name))[:, live],
+                                    name)
+    assert float(np.abs(np.asarray(want.dv)[:, live]).max()) > 0
+  assert "packed do must be bf16" in mgv.supports(vn, A, do, chunk_size=BT, do_packed=do_p.astype(F32))
+  smem = lowered_smem_bytes(lambda *a: mgv.apply(*a, chunk_size=BT, do_packed=do_p, rows=rows), vn, A, do)
+  assert smem == mgv.smem_bytes(V, True, packed=True) == mgv.smem_bytes(V, True) + BT * V * 2

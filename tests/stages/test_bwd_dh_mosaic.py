@@ -347,8 +347,9 @@ def test_bwd_dh_on_forward_records():
 @pytest.mark.parametrize("K,V", [(64, 64), pytest.param(64, 128, marks=pytest.mark.large)],
                          ids=["K64-V64", "K64-V128"])
 def test_bwd_dh_packed_do_equals_aligned(K, V):
-  """do_packed + rows: the terms kernel reads do packed (a 70-token gap and 5 tokens after the
-  last sequence: NaN, never read into a result) and every output is bit for bit the aligned do's."""
+  """do_packed + rows: the walk and terms kernels read do packed (a 70-token gap and 5 tokens after
+  the last sequence: NaN, never read into a result) and every output is bit for bit the aligned
+  do's; the aligned do is not read then (NaN everywhere changes nothing)."""
   from kda import padding
   from tests.stages.test_gate_mosaic import packed_layout
   args, acu, _ = make_case(LENS, K, V)
@@ -361,9 +362,14 @@ def test_bwd_dh_packed_do_equals_aligned(K, V):
   args = args[:7] + (padding.align_with(layout, do_p),) + args[8:]
   f = lambda *a, **kw: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, interpret=True, **kw)
   want = jax.jit(f)(*args)
-  got = jax.jit(lambda *a: f(*a, do_packed=do_p, rows=padding.chunk_rows(layout)))(*args)
+  unread = args[:7] + (jnp.full_like(args[7], jnp.nan),) + args[8:]
+  kw = dict(do_packed=do_p, rows=padding.chunk_rows(layout))
+  got = jax.jit(lambda *a: f(*a, **kw))(*unread)
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  # the walk (lowered first) with its two landings of packed rows: the predicate's figure
+  smem = lowered_smem_bytes(lambda *a: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, **kw), *args)
+  assert smem == mgd.walk_smem_bytes(K, packed=True) == SMEM_AS_LOWERED[K] + 2 * BT * 64 * 2
 
 
 def _with_packed_do(K, V, packed):

@@ -72,13 +72,13 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
                                      config=plan.config("bwd_recompute", "mosaic_gpu"),
                                      **kw("bwd_recompute"), **tail, **seg, probe=probe)
     rc, finite = rc if probe else (rc, None)
+  # S1 and S2's kernels read bf16 do packed: then no aligned copy of do is formed either
+  read_do = lambda kw: dict(kw, do_packed=do_packed, rows=rows) if kw and do_packed.dtype == jnp.bfloat16 else kw
   av_args = (rc.v_new, saved.Aqk, do, layout.aligned_cu)
-  av = stage("bwd_dav", *av_args, **packed_kw("bwd_dav", *av_args))
+  av = stage("bwd_dav", *av_args, **read_do(packed_kw("bwd_dav", *av_args)))
   gc = (rc.gc_int, rc.gc_frac)
   dh_args = (rc.qg, rc.kg, rc.w, *gc, rc.h, rc.v_new, do, av.dv, dht, layout.aligned_cu)
-  dh_kw = packed_kw("bwd_dh", *dh_args)
-  if do_packed.dtype == jnp.bfloat16 and dh_kw:
-    dh_kw.update(do_packed=do_packed, rows=rows)   # the terms kernel reads do packed: aligned do dies early
+  dh_kw = read_do(packed_kw("bwd_dh", *dh_args))
   dv_dtype = dict(dv_dtype=va.dtype)
   if dh_kw:
     dh_kw.update(s2_du_kw(plan, dh_args, (qa, ka, va, ba, *gc, saved.Ainv), **dv_dtype))

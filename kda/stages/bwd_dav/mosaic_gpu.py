@@ -58,20 +58,22 @@ def _all_bf16(*xs):
   return all(jnp.dtype(x.dtype) == jnp.dtype(BF16) for x in xs)
 
 
-def _scratch(V, all_bf16):
-  """The kernel's scratch types: bf16 body do, v_new, Aqk and a barrier; split body hi, lo of each."""
+def _scratch(V, all_bf16, packed=False):
+  """The kernel's scratch types: bf16 body do, v_new, Aqk and a barrier (packed: and do's plain
+  landing); split body hi, lo of each."""
   if all_bf16:
-    return [_swz((BT, V)), _swz((BT, V)), _swz((BT, BT)), plgpu.Barrier(num_arrivals=3)]
+    return ([_swz((BT, V)), _swz((BT, V)), _swz((BT, BT)), plgpu.Barrier(num_arrivals=3)]
+            + [plgpu.SMEM((BT, V), BF16)] * packed)
   return [*[_swz((BT, V)) for _ in range(4)], _swz((BT, BT)), _swz((BT, BT))]
 
 
-def smem_bytes(V, all_bf16=True):
+def smem_bytes(V, all_bf16=True, packed=False):
   """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates)."""
-  return _smem_bytes(_scratch(V, all_bf16))
+  return _smem_bytes(_scratch(V, all_bf16, packed))
 
 
-def _reason(v_new, Aqk, do, aligned_cu) -> Optional[str]:
-  """What the kernel can run (any float dtypes); `apply` raises with it."""
+def _reason(v_new, Aqk, do, aligned_cu, do_packed=None) -> Optional[str]:
+  """What the kernel can run (any float dtypes; packed do: bf16 all); `apply` raises with it."""
   if v_new.ndim != 4 or v_new.shape[0] != 1:
     return f"v_new must be [1, Ta, HV, V], got shape {v_new.shape}"
   _, Ta, HV, V = v_new.shape
@@ -89,18 +91,23 @@ def _reason(v_new, Aqk, do, aligned_cu) -> Optional[str]:
       return f"mosaic_gpu bwd_dav takes floating {name}, got {jnp.dtype(x.dtype).name}"
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
-  return smem_reason(smem_bytes(V, _all_bf16(v_new, Aqk, do)), "bwd_dav")
+  packed = do_packed is not None
+  if packed and (do_packed.ndim != 4 or do_packed.shape[0] != 1 or do_packed.shape[2:] != (HV, V)
+                 or not _all_bf16(v_new, Aqk, do_packed)):
+    return (f"packed do must be bf16 [1, T, {HV}, {V}] with bf16 v_new and Aqk, got do "
+            f"{jnp.dtype(do_packed.dtype).name}{list(do_packed.shape)}")
+  return smem_reason(smem_bytes(V, _all_bf16(v_new, Aqk, do_packed if packed else do), packed), "bwd_dav")
 
 
-def supports(v_new, Aqk, do, aligned_cu=None, *, chunk_size, config=None, **_) -> Optional[str]:
+def supports(v_new, Aqk, do, aligned_cu=None, *, chunk_size, config=None, do_packed=None, **_) -> Optional[str]:
   """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
   what the kernel can run, v_new and Aqk must be bfloat16 (what the forward's kernels store for
   bf16 inputs; float32 ones come from float32 inputs, whose gradients keep the reference). do may
-  be float32."""
+  be float32 (packed do: bf16)."""
   del config                      # no switch changes what the kernel takes
   if chunk_size != BT:
     return f"chunk_size must be {BT}, got {chunk_size}"
-  reason = _reason(v_new, Aqk, do, aligned_cu)
+  reason = _reason(v_new, Aqk, do, aligned_cu, do_packed)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("v_new", v_new), ("Aqk", Aqk))
@@ -136,14 +143,25 @@ def _body(vn_g, A_g, do_g, odA_g, odv_g, doh_s, dol_s, vnh_s, vnl_s, Ah_s, Al_s)
   odv_g[rows, i_h, :] = prod(Ah_s.T, Al_s.T, doh_s, dol_s, (BT, V))      # Aqk^T @ do
 
 
-def _body_bf16(vn_g, A_g, do_g, odA_g, odv_g, do_s, vn_s, A_s, bar):
-  """The bf16 body: TMA straight into the wgmma tiles, one wgmma per product."""
+def _body_bf16(vn_g, A_g, do_g, odA_g, odv_g, do_s, vn_s, A_s, bar, land_s=None, *, rows_g=None):
+  """The bf16 body: TMA straight into the wgmma tiles, one wgmma per product. rows_g (src, count
+  [NTa] int32): do is packed [T, HV, V], chunk c's rows r < count[c] at packed row src[c] + r; they
+  land in land_s and the other rows become 0 in do's tile (a select: another sequence's tokens,
+  maybe NaN)."""
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   V = do_g.shape[-1]
-  for g, t in ((do_g, do_s), (vn_g, vn_s), (A_g, A_s)):
-    plgpu.copy_gmem_to_smem(g.at[rows, i_h, :], t, bar)
+  loads = ((vn_g.at[rows, i_h, :], vn_s), (A_g.at[rows, i_h, :], A_s))
+  if rows_g is None:
+    loads += ((do_g.at[rows, i_h, :], do_s),)
+  else:
+    loads += ((do_g.at[pl.ds(rows_g[0][c], BT), i_h, :], land_s),)
+  for g, t in loads:
+    plgpu.copy_gmem_to_smem(g, t, bar)
   plgpu.barrier_wait(bar)
+  if rows_g is not None:
+    do_s[...] = jnp.where(_iota(0, (BT, V)) < rows_g[1][c], _load(land_s), jnp.zeros((), BF16))
+    plgpu.commit_smem()
   shape = (BT, BT)
   dA = _acc([(do_s, vn_s.T)], shape)                          # do @ v_new^T
   odA_g[rows, i_h, :] = jnp.where(_iota(1, shape) <= _iota(0, shape), dA, 0.0)
@@ -158,32 +176,45 @@ def _zeros(vn_g, A_g, do_g, odA_g, odv_g, *scratch):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False, tail_zeros=True):
+def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False, tail_zeros=True, packed=False):
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
-  body = _body_bf16 if all_bf16 else _body
+  body, zeros = (_body_bf16 if all_bf16 else _body), _zeros
+  if packed:                     # ChunkRows' src and count refs first (after aligned_cu's)
+    body = lambda src_g, cnt_g, *refs: _body_bf16(*refs, rows_g=(src_g, cnt_g))
+    zeros = lambda src_g, cnt_g, *refs: _zeros(*refs)
   if skip_tail:
-    body = skipping_tail(body, _zeros if tail_zeros else None)
+    body = skipping_tail(body, zeros if tail_zeros else None)
   return plgpu.kernel(
       body,
       out_type=(out((Ta, HV, BT)), out((Ta, HV, V))),
       grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=_scratch(V, all_bf16),
+      scratch_types=_scratch(V, all_bf16, packed),
       kernel_name="kda_bwd_dav", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
 
 
-def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, config=None, tail_zeros=True):
+def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, config=None, tail_zeros=True,
+          do_packed=None, rows=None):
   """The stage on the kernel; any float v_new, Aqk, do (the predicate `supports` adds the dtype
   policy). aligned_cu (optional): with Config.skip_tail the chunks at or past aligned_cu[-1] get
   zeros without being read; tail_zeros=False leaves them unwritten (for callers that never read
-  them: the packed backward)."""
+  them: the packed backward). do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows), v_new
+  and Aqk bf16: the kernel reads do packed (the align folded into its load: chunk c's rows
+  r < count[c] from packed row src[c] + r, the others 0) and the aligned do is not read (only its
+  shape is checked). The same bits."""
   config = config or Config()
-  reason = f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else _reason(v_new, Aqk, do, aligned_cu)
+  packed = do_packed is not None
+  reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
+            "packed do needs rows (padding.ChunkRows)" if packed and rows is None else
+            _reason(v_new, Aqk, do, aligned_cu, do_packed))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_dav kernel: {reason}")
   _, Ta, HV, V = v_new.shape
   skip = config.skip_tail and aligned_cu is not None
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
-  dA, dv = _kernel(Ta, HV, V, bool(interpret), _all_bf16(v_new, Aqk, do), skip, bool(tail_zeros) or not skip)(
-      *cu, v_new[0], Aqk[0], do[0])
+  if packed:
+    cu += (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32))
+  f = _kernel(Ta, HV, V, bool(interpret), _all_bf16(v_new, Aqk, do_packed if packed else do), skip,
+              bool(tail_zeros) or not skip, packed)
+  dA, dv = f(*cu, v_new[0], Aqk[0], (do_packed if packed else do)[0])
   return Out(dA[None], dv[None])

@@ -59,11 +59,12 @@ bf16(dS) and bf16(-du) and two barriers: 173072 bytes at K = 128, 115728 at K = 
 program per SM). The terms kernel's h, dh, v_new and do tiles, the reduction scratch and a barrier:
 100360 bytes at K = V = 128 (two CTAs per SM).
 
-Packed do (`apply(..., do_packed=, rows=)`): the terms kernel reads do packed [1, T, HV, V] bf16
-(chunk c's rows r < count[c] at packed row src[c] + r) by TMA into a plain landing that shares
-v_new's bytes, keeps do with the other rows zero (a select: they may hold other sequences' tokens
-or NaN), and only then brings v_new by TMA, on a second barrier; the walk still takes the aligned
-do. The same bits.
+Packed do (`apply(..., do_packed=, rows=)`): both kernels read do packed [1, T, HV, V] bf16 (chunk
+c's rows r < count[c] at packed row src[c] + r) by TMA into a plain landing and keep do with the
+other rows zero (a select: they may hold other sequences' tokens or NaN) in the wgmma tile. The
+terms kernel's landing shares v_new's bytes, which then arrive by TMA on a second barrier; the
+walk's two landings (16 KiB more SMEM) are masked into the slot's do tile while du's wgmma runs.
+The same bits, and the aligned do is not read.
 """
 from __future__ import annotations
 
@@ -99,8 +100,9 @@ class Config:
 _DTYPES = (jnp.dtype(BF16), jnp.dtype(F32))
 
 
-def _walk_scratch(K):
-  """The walk kernel's scratch types."""
+def _walk_scratch(K, packed=False):
+  """The walk kernel's scratch types; packed: two plain landings of packed do's rows, after the
+  barriers."""
   return [
       _swz((2, BT, K)), _swz((2, BT, K)), _swz((2, BT, K)),    # qg, kg, w: two slots each
       _swz((2, BT, BV)),                                        # do
@@ -108,12 +110,12 @@ def _walk_scratch(K):
       plgpu.SMEM((2, K), F32),                                  # decay rows
       _swz((K, BV)), _swz((BT, BV)),                            # bf16(dS), bf16(-du): wgmma operands
       plgpu.Barrier(num_arrivals=6, num_barriers=2),
-  ]
+  ] + [plgpu.SMEM((2, BT, BV), BF16)] * packed
 
 
-def walk_smem_bytes(K):
+def walk_smem_bytes(K, packed=False):
   """Shared memory per walk program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates)."""
-  return _smem_bytes(_walk_scratch(K))
+  return _smem_bytes(_walk_scratch(K, packed))
 
 
 def _terms_scratch(K, V, packed=False):
@@ -165,7 +167,7 @@ def _reason(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, packe
     return f"dht must have shape {(N, HV, K, V)}, got {dht.shape}"
   if HV > MAX_GRID_YZ:
     return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
-  return (smem_reason(walk_smem_bytes(K), "bwd_dh walk")
+  return (smem_reason(walk_smem_bytes(K, packed), "bwd_dh walk")
           or smem_reason(terms_smem_bytes(K, V, packed), "bwd_dh terms"))
 
 
@@ -191,12 +193,14 @@ takes = supports                  # the name kda.stages.bwd_dh registers
 
 
 def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, du_g, dh_g,
-               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, scale):
+               qg_s, kg_s, w_s, do_s, dv_s, dec_s, dsb_s, dub_s, bars, *, scale, rows_g=None, land_s=None):
   # GMEM: order [N] (the sequence of each rank), cu [N+1] int32; qg, kg, w [Ta, HV, K], do [Ta, HV, V]
   # bf16 (do unscaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32 (None: not
   # read / not stored); du [Ta, HV, V] f32: dv's ref (each chunk's dv tile lands in SMEM before du
   # is stored over it; the tail keeps du = dv); dh [NTa, HV, K, V] bf16 (dS_next of every chunk;
-  # unwritten at the tail).
+  # unwritten at the tail). rows_g (src, count [NTa] int32): do is packed [T, HV, V], chunk c's rows
+  # r < count[c] at packed row src[c] + r; they land in land_s and the other rows become 0 (a select:
+  # another sequence's tokens, maybe NaN) in do's tile while du's wgmma runs.
   K = dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
   i_n = order_g[r]
@@ -211,7 +215,10 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
     plgpu.copy_gmem_to_smem(qg_g.at[rows, i_h, :], qg_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(kg_g.at[rows, i_h, :], kg_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(w_g.at[rows, i_h, :], w_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(do_g.at[rows, i_h, cols], do_s.at[slot], bar)
+    if rows_g is None:
+      plgpu.copy_gmem_to_smem(do_g.at[rows, i_h, cols], do_s.at[slot], bar)
+    else:
+      plgpu.copy_gmem_to_smem(do_g.at[pl.ds(rows_g[0][c], BT), i_h, cols], land_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(dv_g.at[rows, i_h, cols], dv_s.at[slot], bar)
     plgpu.copy_gmem_to_smem(dec_g.at[c, i_h, :], dec_s.at[slot], bar)
 
@@ -235,7 +242,16 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
     plgpu.barrier_wait(bars.at[slot])
     qg, kg, w, do = (x.at[slot] for x in (qg_s, kg_s, w_s, do_s))
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of dS
-    du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
+
+    def mask_do():             # packed do: the chunk's rows, the others 0 (the commit below publishes it)
+      real = _iota(0, (BT, BV)) < rows_g[1][c]
+      do[...] = jnp.where(real, _load(land_s.at[slot]), jnp.zeros((), BF16))
+
+    if rows_g is None:
+      du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
+    else:
+      kd, _ = _acc([(kg, dsb_s)], (BT, BV), during=mask_do)
+      du = _load(dv_s.at[slot]) + kd
     dub_s[...] = (du * (-1.0 / scale)).astype(BF16)
     plgpu.commit_smem()
     du_g[rows, i_h, cols] = du
@@ -354,24 +370,27 @@ def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False,
   )
 
 
-def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False, need_dh0=True):
+def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False, need_dh0=True, packed=False):
   """The walk kernel, du stored over dv (a mutable ref); dht_zero: dht not read; need_dh0=False: dh0
-  not stored (_walk_body)."""
+  not stored; packed: do is packed, with ChunkRows' src and count after aligned_cu (_walk_body)."""
   absent = [8] * dht_zero + [9] * (not need_dh0)     # dht_g, dh0_g in _walk_body's refs
 
   def body(*refs):
     refs = list(refs)
+    kw = {}
+    if packed:
+      kw = dict(rows_g=(refs.pop(2), refs.pop(2)), land_s=refs.pop())
     for i in absent:
       refs.insert(i, None)
     refs.insert(10, refs[6])                          # du_g: dv's ref
-    return _walk_body(*refs, scale=scale)
+    return _walk_body(*refs, scale=scale, **kw)
 
   return plgpu.kernel(
       body,
       out_type=(*[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * need_dh0,   # dh0
                 jax.ShapeDtypeStruct((Ta // BT, HV, K, V), BF16)),  # dh: dS_next per chunk
       grid=grid, grid_names=names,
-      scratch_types=_walk_scratch(K),
+      scratch_types=_walk_scratch(K, packed),
       compiler_params=_params(lane=True),
       kernel_name="kda_bwd_dh_walk", interpret=interp,
   )
@@ -386,9 +405,9 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   that drop it). The pipeline sets them for a final state nobody uses and an initial state made of
   zeros inside chunk_kda. tail_zeros=False: dqg, dkg, dw, dgc_last are left unwritten at the
   chunks at or past aligned_cu[-1] (for callers that never read them: the packed backward).
-  do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): the terms kernel reads do packed
-  (the align folded into its load: chunk c's rows r < count[c] from packed row src[c] + r), so the
-  aligned do need not outlive the walk; do (aligned) still feeds the walk. The same bits.
+  do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): both kernels read do packed (the
+  align folded into their loads: chunk c's rows r < count[c] from packed row src[c] + r) and the
+  aligned do is not read (only its shape is checked). The same bits.
   du_dtype=bfloat16 (for a consumer that rounds du to bf16 anyway): the terms kernel stores bf16(du)
   over v_new's buffer and, where K == V, dw over du's, so neither outlives the call as an extra
   buffer (v_new is then not read after this stage). The same bits of dqg, dkg, dw, dgc_last.
@@ -418,7 +437,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
   qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))
   h = h[0].astype(BF16)
-  dob = do[0].astype(BF16)
+  dob = None if packed else do[0].astype(BF16)
   dv = dv[0].astype(F32)
   interp = plgpu.InterpretGPUParams() if interpret else None
 
@@ -427,16 +446,17 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   else:
     grid, names = (NV, HV, N), ("v", "h", "r")
   walk = _walk_kernel(Ta, HV, K, V, N, scale=float(scale), interp=interp, grid=grid, names=names,
-                      dht_zero=dht_zero, need_dh0=need_dh0)
+                      dht_zero=dht_zero, need_dh0=need_dh0, packed=packed)
   du = jax.new_ref(dv)                                              # du over dv: dv dies in the walk
-  *dh0, dh = walk(order, aligned_cu, qg, kg, w, dob, du, decay, *(() if dht_zero else (dht.astype(F32),)))
+  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32)) if packed else ()
+  *dh0, dh = walk(order, aligned_cu, *lead, qg, kg, w, do_packed[0] if packed else dob, du, decay,
+                  *(() if dht_zero else (dht.astype(F32),)))
   du = jax.ref.freeze(du)
   dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
 
   store_du = du_dtype is not None and jnp.dtype(du_dtype) == jnp.dtype(BF16)
   terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), interp=interp, tail_zeros=tail_zeros, packed=packed,
                         store_du=store_du, pairs=pairs)
-  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32)) if packed else ()
   # in place: v_new's buffer takes bf16(du) and du's dw (K == V) with store_du; h's and dh's the pairs
   ref = lambda x, mutable: jax.new_ref(x) if mutable else x
   hr, dhr, vn, dur = ref(h, pairs), ref(dh, pairs), ref(v_new, store_du), ref(du, store_du)
