@@ -306,12 +306,19 @@ def zero_gap_pieces(pieces_g, c, programs, stage, dsts):
 
 
 def packed_tile(tile_s, row, rows=None):
-  """A [64, 64] tile of a chunk in registers, float32. rows (src, count): the tile came from packed
-  rows src.. src + 63 (a TMA load into plain SMEM: any row), of which only r < count are the chunk's;
-  the others (another sequence's tokens, maybe NaN, or the TMA's zero fill past T) become 0, as the
-  aligned layout's padding is. row: the tile's row iota (WGMMA layout)."""
+  """A [64, 64] tile of a chunk in registers, float32. rows (src, count[, clean]): the tile came from
+  packed rows src.. src + 63 (a TMA load into plain SMEM: any row), of which only r < count are the
+  chunk's; the others (another sequence's tokens, maybe NaN, or the TMA's zero fill past T) become
+  0, as the aligned layout's padding is; with a clean flag that is not 0, so do the non-finite
+  values (kda.confine's rerun, on inputs as it cleans them). row: the tile's row iota (WGMMA
+  layout)."""
   x = load(tile_s).astype(F32)
-  return x if rows is None else jnp.where(row < rows[1], x, 0.0)
+  if rows is None:
+    return x
+  keep = row < rows[1]
+  if len(rows) > 2:
+    keep = keep & ((jnp.abs(x) < jnp.inf) | (rows[2] == 0))
+  return jnp.where(keep, x, 0.0)
 
 
 def packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c, body, tail, dsts, BT=64):

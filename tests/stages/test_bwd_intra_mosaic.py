@@ -488,7 +488,7 @@ def test_packed_dq_dk_equal_aligned_unaligned():
 def test_packed_qk_equals_aligned():
   """qk_packed: q, k read from the packed arrays (NaN at tokens of no sequence: a 70-token gap and
   3 after the last) give every output bit for bit the call on their aligned copies (packed dq, dk);
-  it lowers for CUDA."""
+  with clean, non-finite values at real tokens read as 0; it lowers for CUDA."""
   from kda import padding
   from tests.stages.test_gate_mosaic import packed_layout
   case = "K128-HV2-64_50"
@@ -506,6 +506,17 @@ def test_packed_qk_equals_aligned():
     np.testing.assert_array_equal(np.asarray(getattr(got, name).astype(F32)),
                                   np.asarray(getattr(want, name).astype(F32)), name)
   assert float(np.abs(np.asarray(got.dgc)).max()) > 0
+  # clean (traced): a NaN in q and an inf in k at real tokens read as 0, the same bits as 0 there;
+  # clean False leaves them (they reach the outputs)
+  t = int(layout.starts[1]) + 3
+  bad = [packed[0].at[0, t, 1, 2].set(jnp.nan), packed[1].at[0, t + 30, 0, 5].set(jnp.inf)]
+  zeroed = [jnp.where(jnp.isfinite(b) | ~jnp.isfinite(p), b, 0).astype(b.dtype) for b, p in zip(bad, packed)]
+  g = jax.jit(lambda clean, *a: f(*a, qk_packed=True, clean=clean))
+  want, got = g(False, *zeroed, *args[2:]), g(True, *bad, *args[2:])
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name).astype(F32)),
+                                  np.asarray(getattr(want, name).astype(F32)), name)
+  assert not all(np.isfinite(np.asarray(x.astype(F32))).all() for x in g(False, *bad, *args[2:]))
   low = jax.jit(lambda *a: mgb.apply(*a, layout.aligned_cu, qk_packed=True, **kw)).trace(
       *packed, *args[2:]).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in low.splitlines()) == 1

@@ -585,3 +585,25 @@ def test_pairs_give_the_same_bits(case, packed, split):
       *lowered[:7], S(lowered[7].shape, F32), *lowered[8:], chunk_size=BT, pairs=True)
   assert "dqg must have shape (1, 64, 2, 128, 128)" in mgw.supports(*_abstract(4096, 2, 128, 128), chunk_size=BT,
                                                                    pairs=True)
+
+
+def test_packed_qkv_clean_reads_non_finite_values_as_zero():
+  """qkv_packed with clean (traced): a NaN in q, an inf in k and a -inf in v at real tokens are read
+  as 0, every output bit for bit the call with 0 there; clean False leaves them (they reach the
+  outputs)."""
+  case = "K64-V128-HV2-64_50"
+  lens, Ta, HV, K, V = CASES[case]
+  args, _ = make_inputs(case, "ordinary")
+  layout, kw = _packed_kw(lens, Ta)
+  kw.update(dv_dtype=BF16, chunk_size=BT, qkv_packed=True)
+  packed, _ = bwd_setup.packed_and_aligned(layout, args[:3])
+  t = int(layout.starts[1]) + 5
+  bad = [packed[0].at[0, t, 1, 3].set(jnp.nan), packed[1].at[0, t + 9, 0, 0].set(jnp.inf),
+         packed[2].at[0, t + 20, 1, 7].set(-jnp.inf)]
+  zeroed = [jnp.where(jnp.isfinite(b) | ~jnp.isfinite(p), b, 0).astype(b.dtype) for b, p in zip(bad, packed)]
+  f = jax.jit(lambda clean, *a: mgw.apply(*a, layout.aligned_cu, interpret=True, clean=clean, **kw))
+  want = f(False, *zeroed, *args[3:])
+  got = f(True, *bad, *args[3:])
+  for name in FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  assert not all(np.isfinite(np.asarray(x)).all() for x in f(False, *bad, *args[3:]))

@@ -344,15 +344,21 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros
                  packed_qk=False, pairs=False):
   """Packed dq, dk (`packed_chunk`, the stage is the last scratch): program (s, h, c) stores its
   chunk's dq, dk rows packed and zeroes the gap pieces c, c + NTa, ... of both at its head and
-  columns; packed_qk: q, k are read packed too."""
+  columns; packed_qk: q, k are read packed too, and the clean flag's ref [1] int32 comes after
+  aligned_cu's."""
+  qk_rows = None
+  if packed_qk:
+    clean_g, refs = refs[0], refs[1:]
   *refs, stage = refs
   oq_g, ok_g = refs[11 + seg], refs[12 + seg]
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
   dst = lambda o_g: lambda ds: o_g.at[ds, i_h, cols]
+  if packed_qk:
+    qk_rows = (src_g[c], cnt_g[c], clean_g[0])
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
                lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg, dA_terms=dA_terms, pairs=pairs,
-                                   qk_rows=(src_g[c], cnt_g[c]) if packed_qk else None,
+                                   qk_rows=qk_rows,
                                    store=lambda o_g, x: store(dst(o_g), x)),
                (lambda: _tail(*refs, grads=False, seg=seg)) if tail_zeros else None,
                [dst(oq_g), dst(ok_g)], BT)
@@ -386,7 +392,7 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
           grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          seg=None, qk_packed=False, pairs=False):
+          seg=None, qk_packed=False, pairs=False, clean=None):
   """The stage on the kernel; bf16 or float32 q, k (rounded to bf16; the predicate `supports` adds
   the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or past
   aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
@@ -401,7 +407,9 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   chunk holding one keeps the bounded levels; the same results up to rounding. qk_packed (with
   packed dq, dk): q, k are the packed [1, T, HV, K] arrays, chunk c's rows read from packed rows
   src[c] + r, r < count[c] (the rest of the landed tile taken as 0), so no aligned copy of them need
-  exist; the same bits as the aligned call. pairs: dq, dk come as their pairs (S3's `pairs`)."""
+  exist; the same bits as the aligned call. clean (with qk_packed; a bool scalar, traced or not):
+  where true, the non-finite values of q, k are read as 0 too (kda.confine's rerun), with no copy
+  and the same kernel. pairs: dq, dk come as their pairs (S3's `pairs`)."""
   config = config or Config()
   packed = rows is not None
   grad_dtype = jnp.dtype(grad_dtype or F32)
@@ -426,6 +434,8 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
+  if qk_packed:
+    cu += (jnp.asarray(False if clean is None else clean, jnp.int32).reshape(1),)
   if config.bounded == "auto":                    # [HV * NTa]: 5, 4 or 0 (six exact levels)
     flag = bounded_levels(gc_int if seg is None else reset_free(gc_int.astype(F32), seg), gc_frac)
   else:

@@ -330,12 +330,16 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, c
                  packed_qkv=False, pairs=False):
   """Packed dv (`packed_chunk`, the stage is the last scratch): program (h, c) stores its chunk's dv
   rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h; packed_qkv: q, k, v are
-  read packed too."""
+  read packed too, and the clean flag's ref [1] int32 comes after aligned_cu's."""
+  qkv_rows = None
+  if packed_qkv:
+    clean_g, refs = refs[0], refs[1:]
   *refs, stage = refs
   ov_g = refs[14]
   h, c = lax.axis_index("h"), lax.axis_index("c")
   dst = lambda j: lambda ds: ov_g.at[ds, h, pl.ds(j * SLAB, SLAB)]
-  qkv_rows = (src_g[c], cnt_g[c]) if packed_qkv else None
+  if packed_qkv:
+    qkv_rows = (src_g[c], cnt_g[c], clean_g[0])
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
                lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, overlap=overlap, qkv_rows=qkv_rows, pairs=pairs,
                                    store_dv=lambda j, x: store(dst(j), x)),
@@ -358,12 +362,17 @@ def _in_place(body, n_lead, alias_du):
 
 def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2, packed_qkv=False, pairs=False):
   """The split kernel's packed dv: program (p, h, c) stores its slab of its chunk's dv rows packed
-  and zeroes the gap pieces c, c + NTa, ... of that slab; packed_qkv: q, k, v are read packed too."""
+  and zeroes the gap pieces c, c + NTa, ... of that slab; packed_qkv: q, k, v are read packed too
+  (the clean flag's ref after aligned_cu's, as `_packed_body`)."""
+  qkv_rows = None
+  if packed_qkv:
+    clean_g, refs = refs[0], refs[1:]
   *refs, stage = refs
   ov_g = refs[14]
   p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
   dst = lambda ds: ov_g.at[ds, h, pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)]
-  qkv_rows = (src_g[c], cnt_g[c]) if packed_qkv else None
+  if packed_qkv:
+    qkv_rows = (src_g[c], cnt_g[c], clean_g[0])
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
                lambda store: split.body(*refs, ct=ct, qkv_rows=qkv_rows, pairs=pairs, store_dv=lambda x: store(dst, x)),
                (lambda: split.zeros_body(*refs, dv=False, pairs=pairs)) if tail_zeros else None, [dst], BT)
@@ -390,7 +399,8 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
     body = packed_body
   elif skip_tail:
     body = skipping_tail(body, zeros_body if tail_zeros else None)
-  n_lead = 4 if packed_T is not None else int(skip_tail)      # src, count, pieces, aligned_cu
+  # src, count, pieces, aligned_cu (and the clean flag with packed q, k, v)
+  n_lead = 4 + bool(packed_qkv) if packed_T is not None else int(skip_tail)
   body = _in_place(body, n_lead, alias_du=alias_du)
   Tv = Ta if packed_T is None else packed_T
   # fresh outputs: dv, dbeta^T, dAkk (per slab where split; and dg_state where K != V); dq, dk, dgc
@@ -414,7 +424,7 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
           dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          qkv_packed=False, pairs=False):
+          qkv_packed=False, pairs=False, clean=None):
   """The stage on the kernel; any float inputs (q, k, v, Ainv rounded to bf16; the predicate
   `supports` adds the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
@@ -427,7 +437,9 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   that never read them: the packed backward). qkv_packed (with packed dv): q, k, v are the packed
   [1, T, HV, D] arrays, chunk c's rows read from packed rows src[c] + r, r < count[c] (the rest of
   the landed tile, another sequence's tokens or the zero fill past T, taken as 0), so no aligned
-  copy of them need exist; every output bit for bit the aligned call's. pairs: dqg, dkg come as
+  copy of them need exist; every output bit for bit the aligned call's. clean (with qkv_packed; a
+  bool scalar, traced or not): where true, the non-finite values of q, k, v are read as 0 too (as
+  kda.confine cleans its rerun's inputs), with no copy and the same kernel. pairs: dqg, dkg come as
   their pairs (S2's `pairs`: bf16 [1, NTa, HV, 2 * 64, K], kda._mosaic_gpu.pair_store) and dq, dk
   leave as theirs, over them."""
   config = config or Config()
@@ -456,6 +468,8 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
+  if qkv_packed:
+    cu += (jnp.asarray(False if clean is None else clean, jnp.int32).reshape(1),)
   ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
   # S2's terms: dq, dk, dgc (dg_state where du is float32 and K == V) in place
   refs = ([jax.new_ref(x[0] if pairs else f32(x)) for x in (dqg, dkg)] + [jax.new_ref(f32(dw))]
