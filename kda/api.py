@@ -270,13 +270,15 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   return o, (final_state if output_final_state else None)
 
 
-@functools.partial(jax.jit, static_argnames=("backward", "plan", "static"))
-def _segmented(q, k, v, g, beta, h0, A_log, dt_bias, probe=None, *, ints, backward, plan, static):
+@functools.partial(jax.jit, static_argnames=("backward", "plan", "static", "clean"))
+def _segmented(q, k, v, g, beta, h0, A_log, dt_bias, probe=None, *, ints, backward, plan, static, clean=False):
   """_core on a segmented layout (ints: its starts, lens, aligned_cu and resets; static: T, Ta,
-  chunk_size). Jitted at module level: kda.confine's rerun shares its lowering, and an eager call
-  its compile with the calls before. probe (custom_vjp): a () float32 whose cotangent is 0 where
-  the backward found its inputs finite, else 1 (kda.confine)."""
-  return _core(backward, plan, _layout_of(ints, static), q, k, v, g, beta, h0, A_log, dt_bias, ints[3], probe)
+  chunk_size). Jitted at module level: an eager call shares its compile with the calls before.
+  probe (custom_vjp): a () float32 whose cotangent is 0 where the backward found its inputs finite,
+  else 1; clean: the call on the inputs with their non-finite values replaced by 0, -inf gates
+  kept (kda.confine's rerun; its kernels are the plain call's)."""
+  return _core(backward, plan, _layout_of(ints, static), q, k, v, g, beta, h0, A_log, dt_bias, ints[3], probe,
+               clean=clean)
 
 
 def _known_lens(B, T, cu_seqlens, segment_ids):
@@ -310,55 +312,58 @@ def _with_short(backward, plan, layout, L, lens, q, k, v, g, beta, h0, A_log, dt
     return jnp.where(wrote[None, :, None, None], o, o_long), jnp.where(at_short, states, final_long)
 
 
-def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None, probe=None):
+def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None, probe=None, *, clean=False):
   """Packed inputs -> (o [1, T, HV, V], final_state [N, HV, K, V]), differentiable. resets: a
-  segmented layout's (kda.padding.pieces); probe: `_segmented`'s (custom_vjp only)."""
+  segmented layout's (kda.padding.pieces); probe, clean: `_segmented`'s (probe: custom_vjp only)."""
   # Inside shard_map every input varies over the same mesh axes, so each gradient has its input's
   # type; where an input was invariant (zeros made here, a replicated A_log) the cast's transpose
   # sums its gradient over the devices.
   q, k, v, g, beta, h0, A_log, dt_bias = vary_like((q, k, v, g, beta, h0, A_log, dt_bias),
                                                    (layout.starts, layout.lens, layout.aligned_cu))
   if backward == "autodiff":
-    o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=resets)
+    o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=resets,
+                                         clean=clean)
     return o, final_state
   static = (layout.T, layout.Ta, layout.chunk_size)
   ints = (layout.starts, layout.lens, layout.aligned_cu) + (() if resets is None else (resets,))
-  return _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe)
+  return _staged(plan, static, clean, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe)
 
 
 # The Layout's int arrays may be traced (jit over cu_seqlens), so they travel as primal arguments
-# with no cotangent; the plan and the static sizes are hashable nondiff arguments. probe (None or a
-# () float32 nothing reads) gets the cotangent 0 if the backward's inputs were all finite, else 1.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _staged(plan, static, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe):
-  o, final_state, _ = _forward(plan, static, ints, (q, k, v, g, beta, h0, A_log, dt_bias), keep=False)
+# with no cotangent; the plan, the static sizes and clean are hashable nondiff arguments. probe (None
+# or a () float32 nothing reads) gets the cotangent 0 if the backward's inputs were all finite, else 1.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _staged(plan, static, clean, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe):
+  o, final_state, _ = _forward(plan, static, clean, ints, (q, k, v, g, beta, h0, A_log, dt_bias), keep=False)
   return o, final_state
 
 
-def _staged_fwd(plan, static, ints, *args):
+def _staged_fwd(plan, static, clean, ints, *args):
   *args, probe = args
-  o, final_state, saved = _forward(plan, static, ints, args, keep=True)
+  o, final_state, saved = _forward(plan, static, clean, ints, args, keep=True)
   return (o, final_state), (ints, args, saved, None if probe is None else ())   # no leaf either way
 
 
-def _forward(plan, static, ints, args, *, keep):
+def _forward(plan, static, clean, ints, args, *, keep):
   """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp: it is the
-  primal or the fwd rule), so it may run unchecked where its kernels need it."""
+  primal or the fwd rule), so it may run unchecked where its kernels need it. The residuals hold
+  the inputs as given (clean: the backward cleans them again where it reads them)."""
   def run(ints, args):
-    o, final_state, records = pipeline.forward(plan, _layout_of(ints, static), *args, resets=_resets(ints))
+    o, final_state, records = pipeline.forward(plan, _layout_of(ints, static), *args, resets=_resets(ints),
+                                               clean=clean)
     return o, final_state, pipeline.saved(records) if keep else None
   if planning.unchecked_kernels(plan, planning.FORWARD):
     return unchecked(run, ints, args)
   return run(ints, args)
 
 
-def _staged_bwd(plan, static, res, cts):
+def _staged_bwd(plan, static, clean, res, cts):
   ints, args, saved, marker = res
   probe = marker is not None      # the call passed a probe: its cotangent reports finiteness
   do, dht = cts
   def run(ints, args, saved, do, dht):
     return pipeline.backward(plan, _layout_of(ints, static), *args, saved, do, dht, resets=_resets(ints),
-                             probe=probe)[0]
+                             probe=probe, clean=clean)[0]
   if planning.unchecked_kernels(plan, planning.BACKWARD):
     grads = unchecked(run, ints, args, saved, do, dht)
   else:

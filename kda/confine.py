@@ -17,8 +17,9 @@ cleaning them a copy of each. Instead the call runs on the inputs as given and c
 produced: a non-finite input reaches its own token's output (o_t = q_t S_t and S_t holds every
 input of token t), so outputs that are all finite mean every input a sequence reads was finite,
 and the plain result is the contract's. Only when an output is not finite does the call run again
-on the cleaned inputs, marks and all (a loop of at most one pass: on a GPU, one read of its
-predicate when it does not run). The backward reruns, forward and backward on the cleaned inputs
+as run(..., clean=True), marks and all (a loop of at most one pass: on a GPU, one read of its
+predicate when it does not run). run cleans its inputs itself, so that its kernels can read them
+cleaning (the rerun then holds no cleaned copy where they do). The backward reruns, forward and backward on the cleaned inputs
 and cotangent, only if the cotangent of o is not finite or the inputs were not: with a probed run,
 as the backward itself reports it (the cotangent of its probe, from values its first stage forms at
 every token anyway: so a program that never uses o, jax.grad of a loss linear in o, need not compute
@@ -56,11 +57,6 @@ def _marked(seqs, *xs, g=None) -> jax.Array:
   return per_seq[seq]
 
 
-def _zero_bad(x, keep_neg_inf=False):
-  ok = jnp.isfinite(x) | (x == -jnp.inf) if keep_neg_inf else jnp.isfinite(x)
-  return jnp.where(ok, x, jnp.zeros((), x.dtype))
-
-
 def _poison(mask, x):
   """x with NaN at the marked tokens ([1, T, ...]). A scatter whose indices of unmarked tokens fall
   out of range and are dropped: in place, it writes the marked rows only."""
@@ -79,11 +75,10 @@ def _finite(xs, real=None) -> jax.Array:
     return functools.reduce(jnp.logical_and, [ok(x) for x in xs])
 
 
-def _clean(seqs, q, k, v, g, beta):
-  """(mask, inputs with their bad values replaced by 0), mask `_marked` of the inputs."""
+def _mask(seqs, q, k, v, g, beta, *cts):
+  """`_marked` of the inputs (and of cts, the cotangent of o)."""
   with steps.scope("confine"):
-    mask = _marked(seqs, q, k, v, beta, g=g)
-    return mask, (_zero_bad(q), _zero_bad(k), _zero_bad(v), _zero_bad(g, keep_neg_inf=True), _zero_bad(beta))
+    return _marked(seqs, q, k, v, beta, *cts, g=g)
 
 
 def _poisoned(mask, xs):
@@ -108,20 +103,21 @@ def confined(run, probed, seqs, q, k, v, g, beta, rest):
   seqs: `sequences` of the call; rest (states, gate parameters) passes unchanged. The final state is
   passed on unchecked: the segmented layout runs only where the caller drops it. probed: rest's
   last entry is a () float32 probe whose cotangent, in run's backward, is 0 if every input that
-  backward read was finite and non-zero otherwise."""
+  backward read was finite and non-zero otherwise. run(..., clean=True) must give, value and
+  gradients, bit for bit run on the inputs with their non-finite values replaced by 0 and -inf
+  gates kept (kda.steps.cleaned)."""
   return _forward(run, seqs, (q, k, v, g, beta), rest, _primal)[0]
 
 
 def _forward(run, seqs, args, rest, call):
   """(run's outputs under the contract, (ok, call's second result for the plain run)), ok whether
   the plain run's o was finite; call is jax.vjp or `_primal`, the same for the rerun, so that both
-  trace run alike (and, run being jitted, share its lowering)."""
+  trace run alike."""
   (o, final_state), back = call(run, *args, *rest)
 
   def slow():
-    mask, clean = _clean(seqs, *args)
-    o, final_state = call(run, *clean, *rest)[0]
-    return _poisoned(mask, (o,))[0], final_state
+    o, final_state = call(functools.partial(run, clean=True), *args, *rest)[0]
+    return _poisoned(_mask(seqs, *args), (o,))[0], final_state
   ok = _finite((o,))
   return _unless(ok, (o, final_state), slow), (ok, back)
 
@@ -139,11 +135,10 @@ def _bwd(run, probed, res, cts):
     ok, grads = grads[-1] == 0, grads[:-1] + (jnp.zeros_like(grads[-1]),)
 
   def slow():
-    mask, clean = _clean(seqs, *args)
     with steps.scope("confine"):
-      mask = mask | _marked(seqs, do)
-      cdo = _zero_bad(do)
-    again = tuple(jax.vjp(run, *clean, *rest)[1]((cdo, dht)))
+      cdo = steps.zero_bad(do)
+    again = tuple(jax.vjp(functools.partial(run, clean=True), *args, *rest)[1]((cdo, dht)))
+    mask = _mask(seqs, *args, do)
     if probed:
       again = again[:-1] + (jnp.zeros_like(again[-1]),)
     return _poisoned(mask, again[:5]) + again[5:]

@@ -27,7 +27,7 @@ from kda import fused, padding
 from kda.padding import Layout
 from kda.padding.pieces import reset_gates
 from kda.plan import FORWARD, BACKWARD, Plan, group_backend, run  # noqa: F401  (re-exported names)
-from kda.steps import Grads, Saved, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
+from kda.steps import Grads, Saved, cleaned, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
 
 
 def saved(records) -> Saved:
@@ -45,15 +45,18 @@ def _group(plan, name, *args, **kwargs):
 
 
 def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-            record: bool = False, resets=None):
+            record: bool = False, resets=None, clean: bool = False):
   """Packed inputs [1, T, ...] -> (o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] f32, records).
 
   records holds "intra" (what saved() reads) and, with `record`, every stage's output record, "valid"
   (the [1, Ta] real-token mask) and "inputs" ({stage: positional args}; the keywords are
   plan.stage_kwargs). packed_forward runs where it takes the call unless the plan's pipeline config
   says packed=False (tools.gpu_check compares the two). resets: a segmented layout's (kda.padding.pieces): the
-  packed kernels take them as segment masks, the other paths as -inf gates.
+  packed kernels take them as segment masks, the other paths as -inf gates. clean: the call on the
+  inputs with their non-finite values replaced by 0, -inf gates kept (kda.confine's rerun).
   """
+  if clean:
+    q, k, v, g, beta = cleaned(q, k, v, g, beta)
   args = (q, k, v, g, beta, initial_state, A_log, dt_bias)
   if plan.config("pipeline").packed and not record:
     out = _group(plan, "packed_forward", plan, layout, *args, resets)
@@ -99,7 +102,7 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
 
 
 def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved: Saved,
-             do, dht, *, record: bool = False, resets=None, probe: bool = False):
+             do, dht, *, record: bool = False, resets=None, probe: bool = False, clean: bool = False):
   """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
 
   Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the
@@ -110,13 +113,16 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   never read. records as in forward (stage outputs and "inputs") with `record`, else empty.
   packed_backward runs where it takes the call unless the pipeline config says packed=False.
   probe: Grads.finite is set (kda.confine), from S0's kernel where packed_backward runs, else from
-  S0's outputs.
+  S0's outputs. clean: forward(clean=True)'s backward (the gradients as of the cleaned inputs);
+  packed_backward cleans only what its kernels do not read cleaning (S3, S4 take a clean flag).
   """
   args = (q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht)
   if plan.config("pipeline").packed and not record:
-    out = _group(plan, "packed_backward", plan, layout, *args, resets, probe=probe)
+    out = _group(plan, "packed_backward", plan, layout, *args, resets, probe=probe, clean=clean)
     if out is not None:
       return out, {}
+  if clean:
+    q, k, v, g, beta = cleaned(q, k, v, g, beta)
   if resets is not None:
     g = reset_gates(g, resets)
   with scope("prepare"):

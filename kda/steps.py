@@ -35,6 +35,18 @@ def query_keys(plan, q, k, HV):
   return q, k
 
 
+def zero_bad(x, keep_neg_inf=False):
+  """x with its non-finite values replaced by 0 (-inf kept where keep_neg_inf: a valid gate)."""
+  ok = jnp.isfinite(x) | (x == -jnp.inf) if keep_neg_inf else jnp.isfinite(x)
+  return jnp.where(ok, x, jnp.zeros((), x.dtype))
+
+
+def cleaned(q, k, v, g, beta):
+  """The inputs as kda.confine's rerun takes them: non-finite values replaced by 0, -inf gates kept."""
+  with scope("confine"):
+    return zero_bad(q), zero_bad(k), zero_bad(v), zero_bad(g, keep_neg_inf=True), zero_bad(beta)
+
+
 def prepare(plan, layout, q, k, v, g, beta):
   """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs and
   the [1, Ta] real-token mask."""

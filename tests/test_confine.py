@@ -4,12 +4,14 @@ run), the contract when not (a second run on cleaned inputs, the bad sequence Na
 for the backward."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import confine
+from kda import confine, steps
 
 LENS = np.array([5, 0, 3, 1, 7], np.int32)
 T = 20                                           # 16 tokens of sequences, a tail of 4
@@ -25,7 +27,9 @@ def _leaky(counter):
   runs executed."""
   real = jnp.asarray(np.arange(T) < LENS.sum())[None, :, None, None]
 
-  def run(q, k, v, g, beta, h0):
+  def run(q, k, v, g, beta, h0, clean=False):
+    if clean:
+      q, k, v, g, beta = steps.cleaned(q, k, v, g, beta)
     jax.debug.callback(counter.append, 1)
     own = jnp.where(real, q * k + v * jnp.exp(g) + beta[..., None], 0.0)
     return jnp.where(real, own + 0.0 * jnp.sum(own), 0.0), h0 * jnp.exp(jnp.sum(g))
@@ -45,20 +49,23 @@ def _probed(run):
   finite, else 1 (what kda's staged backward reports)."""
   real = jnp.asarray(np.arange(T) < LENS.sum())
 
-  @jax.custom_vjp
-  def f(q, k, v, g, beta, h0, probe):
-    return run(q, k, v, g, beta, h0)
+  def probed(clean):
+    @jax.custom_vjp
+    def f(q, k, v, g, beta, h0, probe):
+      return run(q, k, v, g, beta, h0, clean=clean)
 
-  def fwd(*x):
-    out, back = jax.vjp(run, *x[:6])
-    return out, (x[:5], back)
+    def fwd(*x):
+      out, back = jax.vjp(functools.partial(run, clean=clean), *x[:6])
+      return out, (x[:5], back)
 
-  def bwd(res, cts):
-    x, back = res
-    ok = jnp.all(jnp.stack([jnp.isfinite(a[0][real]).all() for a in x]))
-    return (*back(cts), jnp.where(ok, 0.0, 1.0))
-  f.defvjp(fwd, bwd)
-  return f
+    def bwd(res, cts):
+      x, back = res
+      ok = jnp.all(jnp.stack([jnp.isfinite(a[0][real]).all() for a in x]))
+      return (*back(cts), jnp.where(ok, 0.0, 1.0))
+    f.defvjp(fwd, bwd)
+    return f
+  fs = {False: probed(False), True: probed(True)}
+  return lambda *x, clean=False: fs[clean](*x)
 
 
 def _call(counter, probed=False):

@@ -125,19 +125,23 @@ def test_forward_with_final_state_lowers_without_while_loops():
   assert "mosaic_gpu" in txt and "stablehlo.while" not in txt
 
 
-@pytest.mark.parametrize("where,seq,K", [("v", 3, 32), ("q", 3, 32), ("g", 3, 32), ("do", 3, 32), ("g", 4, 32),
-                                           ("v", 3, 64), pytest.param("g", 4, 64, marks=pytest.mark.large)],
-                         ids=["v", "q", "g", "do", "g-at-a-reset", "v-packed", "g-at-a-reset-packed"])
-def test_a_non_finite_value_stays_in_its_sequence(where, seq, K):
+@pytest.mark.parametrize("where,seq,K,H", [("v", 3, 32, 1), ("q", 3, 32, 1), ("g", 3, 32, 1), ("do", 3, 32, 1),
+                                             ("g", 4, 32, 1), ("q", 3, 64, 2),
+                                             pytest.param("g", 4, 64, 1, marks=pytest.mark.large),
+                                             pytest.param("v", 3, 64, 1, marks=pytest.mark.large)],
+                         ids=["v", "q", "g", "do", "g-at-a-reset", "q-packed", "g-at-a-reset-packed", "v-packed"])
+def test_a_non_finite_value_stays_in_its_sequence(where, seq, K, H):
   """impl="mosaic_gpu" (simulator), two pieces over six sequences sharing chunks: one NaN at a token
   of sequence `seq` leaves every other sequence's o and gradients finite and bit-identical to the run
   with that value replaced by 0; that sequence's o (or, for do, its gradients) is NaN. Sequence 4 is
   one token at a reset, where the kernels set the gate to -inf: a NaN there must still be seen.
   K = V = 32: the backward's kernels refuse the head dims and its jnp stages run (the backward's
-  probe from S0's outputs); 64: the packed backward's kernels (the probe from S0's wy kernel)."""
+  probe from S0's outputs); 64: the packed backward's kernels (the probe from S0's wy kernel; in
+  the rerun S3 and S4 read q, k, v cleaning, S5 the raw gates). Two value heads; one query head
+  (GVA: q, k repeated, so S3 and S4 read cleaned copies) or two (S3 and S4 read the raw q, k)."""
   two = {"pipeline": planning.PipelineConfig(segment_pieces=2, segment_walks=4)}
   r = [np.random.default_rng(i) for i in range(6)]
-  T, H, HV, V = 200, 1, 2, K
+  T, HV, V = 200, 2, K
   x = [jnp.asarray(r[0].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
        jnp.asarray(r[1].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
        jnp.asarray(r[2].standard_normal((1, T, HV, V)), jnp.bfloat16),

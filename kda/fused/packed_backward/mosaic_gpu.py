@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from kda import padding, stages
 from kda.padding.pieces import segment_rows
 from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
-from kda.steps import Grads, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope
+from kda.steps import Grads, cleaned, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope
 
 
 def _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state):
@@ -37,15 +37,25 @@ def supports(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, save
 
 
 def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None, *,
-          config=None, interpret=None, probe=False):
+          config=None, interpret=None, probe=False, clean=False):
+  """clean (kda.confine's rerun): the gradients as of the inputs with their non-finite values
+  replaced by 0, -inf gates kept. S3 and S4 read q, k, v raw with their clean flag and S5 reads g
+  raw (per token, and a non-finite gate's token is the rerun's to poison), so the cleaned copies
+  XLA forms for S0 die there: the rerun holds none through S2-S5."""
   interpret = plan.interpret if interpret is None else interpret
   rows = padding.chunk_rows(layout)
   pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
   seg = {} if resets is None else dict(seg=segment_rows(layout, resets))
   tail = dict(tail_zeros=False)      # the tail's rows: unwritten, and nothing reads them
   kw = plan.stage_kwargs
+  raw_q, raw_k, raw_v, raw_g = q, k, v, g
+  if clean:
+    q, k, v, g, beta = cleaned(q, k, v, g, beta)
   with scope("prepare"):
     (qp, kp), qk_vjp = jax.vjp(lambda q, k: query_keys(plan, q, k, v.shape[2]), q, k)   # per token
+    # what S3 and S4 read with their clean flag: the raw inputs where query_keys passes them through
+    same = not plan.use_qk_l2norm and q.shape[2] == v.shape[2]
+    q3, k3, v3 = (raw_q, raw_k, raw_v) if clean and same else (qp, kp, raw_v if clean else v)
     qa, ka, va, ba = (padding.align_with(layout, x) for x in (qp, kp, v, beta))
     valid = padding.valid_mask(layout)[None]
     do_packed = do
@@ -89,18 +99,18 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   pairs, wy_args = keep_pairs(plan, "bwd_wy", wy_args, pairs, **dv_dtype)
   wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype, **pairs)
   if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
-    wy_args = (qp, kp, v) + wy_args[3:]
-    wy_kw.update(pairs, qkv_packed=True)
+    wy_args = (q3, k3, v3) + wy_args[3:]
+    wy_kw.update(pairs, qkv_packed=True, clean=clean)
   wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw)
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   pairs, it_args = keep_pairs(plan, "bwd_intra", it_args, pairs, **grad_dtype)
   it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype, **pairs)
   if it_kw:
-    it_args = (qp, kp) + it_args[2:]
-    it_kw.update(**seg, **pairs, qk_packed=True)
+    it_args = (q3, k3) + it_args[2:]
+    it_kw.update(**seg, **pairs, qk_packed=True, clean=clean)
   it = stage("bwd_intra", *it_args, **grad_dtype, **it_kw)
   with scope("bwd_gate"):          # dg packed in g's dtype, zeros at tokens of no sequence
-    gt = bwd_gate_mgpu.packed(g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=interpret,
+    gt = bwd_gate_mgpu.packed(raw_g if clean and not plan.use_gate_in_kernel else g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=interpret,
                               config=plan.config("bwd_gate", "mosaic_gpu"), **kw("bwd_gate"), **seg)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   unalign = lambda d, stored: d if "rows" in stored else padding.unalign_with(layout, d)
