@@ -313,12 +313,21 @@ def packed_tile(tile_s, row, rows=None):
   values (kda.confine's rerun, on inputs as it cleans them). row: the tile's row iota (WGMMA
   layout)."""
   x = load(tile_s).astype(F32)
-  if rows is None:
-    return x
+  return x if rows is None else kept_rows(x, row, rows)
+
+
+def clean_flag(clean=None):
+  """The clean flag kernels read ([1] int32 GMEM): 1 where `clean` (a bool, traced or not)."""
+  return jnp.asarray(False if clean is None else clean, jnp.int32).reshape(1)
+
+
+def kept_rows(x, row, rows):
+  """x (registers) with its rows past rows[1] (count) set to 0 and, where a clean flag rows[2] is
+  given and not 0, its non-finite values too (`packed_tile`)."""
   keep = row < rows[1]
   if len(rows) > 2:
     keep = keep & ((jnp.abs(x) < jnp.inf) | (rows[2] == 0))
-  return jnp.where(keep, x, 0.0)
+  return jnp.where(keep, x, jnp.zeros((), x.dtype))
 
 
 def packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c, body, tail, dsts, BT=64):

@@ -20,7 +20,7 @@ from kda.padding import pieces
 from kda._vma import unchecked, vary_like
 from kda.shapes import (CHUNK_SIZES, check_fits_int32, check_float, check_head_sizes, check_int, check_rank,
                         check_shape, is_concrete)
-from kda.steps import scope
+from kda.steps import clean_cotangent, scope
 
 
 def _as_jax(x):
@@ -323,7 +323,7 @@ def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=N
   if backward == "autodiff":
     o, final_state, _ = pipeline.forward(plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=resets,
                                          clean=clean)
-    return o, final_state
+    return (clean_cotangent(o) if clean else o), final_state
   static = (layout.T, layout.Ta, layout.chunk_size)
   ints = (layout.starts, layout.lens, layout.aligned_cu) + (() if resets is None else (resets,))
   return _staged(plan, static, clean, ints, q, k, v, g, beta, h0, A_log, dt_bias, probe)

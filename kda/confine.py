@@ -105,7 +105,7 @@ def confined(run, probed, seqs, q, k, v, g, beta, rest):
   last entry is a () float32 probe whose cotangent, in run's backward, is 0 if every input that
   backward read was finite and non-zero otherwise. run(..., clean=True) must give, value and
   gradients, bit for bit run on the inputs with their non-finite values replaced by 0 and -inf
-  gates kept (kda.steps.cleaned)."""
+  gates kept (kda.steps.cleaned), its gradients for the cotangent of o cleaned so too."""
   return _forward(run, seqs, (q, k, v, g, beta), rest, _primal)[0]
 
 
@@ -135,9 +135,7 @@ def _bwd(run, probed, res, cts):
     ok, grads = grads[-1] == 0, grads[:-1] + (jnp.zeros_like(grads[-1]),)
 
   def slow():
-    with steps.scope("confine"):
-      cdo = steps.zero_bad(do)
-    again = tuple(jax.vjp(functools.partial(run, clean=True), *args, *rest)[1]((cdo, dht)))
+    again = tuple(jax.vjp(functools.partial(run, clean=True), *args, *rest)[1]((do, dht)))
     mask = _mask(seqs, *args, do)
     if probed:
       again = again[:-1] + (jnp.zeros_like(again[-1]),)

@@ -27,7 +27,7 @@ from kda import fused, padding
 from kda.padding import Layout
 from kda.padding.pieces import reset_gates
 from kda.plan import FORWARD, BACKWARD, Plan, group_backend, run  # noqa: F401  (re-exported names)
-from kda.steps import Grads, Saved, cleaned, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
+from kda.steps import Grads, Saved, cleaned, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope, zero_bad  # noqa: F401  (the records)
 
 
 def saved(records) -> Saved:
@@ -113,8 +113,9 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
   never read. records as in forward (stage outputs and "inputs") with `record`, else empty.
   packed_backward runs where it takes the call unless the pipeline config says packed=False.
   probe: Grads.finite is set (kda.confine), from S0's kernel where packed_backward runs, else from
-  S0's outputs. clean: forward(clean=True)'s backward (the gradients as of the cleaned inputs);
-  packed_backward cleans only what its kernels do not read cleaning (S3, S4 take a clean flag).
+  S0's outputs. clean: forward(clean=True)'s backward, the gradients as of the inputs and do with
+  their non-finite values replaced by 0 (packed_backward cleans only what its kernels do not read
+  cleaning: S1-S4 take a clean flag).
   """
   args = (q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht)
   if plan.config("pipeline").packed and not record:
@@ -123,6 +124,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
       return out, {}
   if clean:
     q, k, v, g, beta = cleaned(q, k, v, g, beta)
+    do = zero_bad(do)
   if resets is not None:
     g = reset_gates(g, resets)
   with scope("prepare"):

@@ -47,6 +47,16 @@ def cleaned(q, k, v, g, beta):
     return zero_bad(q), zero_bad(k), zero_bad(v), zero_bad(g, keep_neg_inf=True), zero_bad(beta)
 
 
+@jax.custom_vjp
+def clean_cotangent(x):
+  """x, whose cotangent comes back with its non-finite values replaced by 0 (kda.confine's rerun
+  differentiated by JAX's autodiff)."""
+  return x
+
+
+clean_cotangent.defvjp(lambda x: (x, None), lambda _, ct: (zero_bad(ct),))
+
+
 def prepare(plan, layout, q, k, v, g, beta):
   """Packed [1, T, ...] inputs -> aligned, l2-normalised, head-mapped, gate-neutralised inputs and
   the [1, Ta] real-token mask."""

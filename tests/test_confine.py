@@ -32,7 +32,8 @@ def _leaky(counter):
       q, k, v, g, beta = steps.cleaned(q, k, v, g, beta)
     jax.debug.callback(counter.append, 1)
     own = jnp.where(real, q * k + v * jnp.exp(g) + beta[..., None], 0.0)
-    return jnp.where(real, own + 0.0 * jnp.sum(own), 0.0), h0 * jnp.exp(jnp.sum(g))
+    o = jnp.where(real, own + 0.0 * jnp.sum(own), 0.0)
+    return (steps.clean_cotangent(o) if clean else o), h0 * jnp.exp(jnp.sum(g))
   return run
 
 

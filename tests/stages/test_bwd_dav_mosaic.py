@@ -294,8 +294,9 @@ def test_skip_tail_lowers_for_cuda():
 def test_packed_do_equals_aligned(V):
   """do_packed + rows: the kernel reads do packed (a 70-token gap and 5 tokens after the last
   sequence: NaN, never read into a result) and both outputs are bit for bit the aligned do's, with
-  and without the tail's zeros; the aligned do is not read (NaN everywhere changes nothing). It
-  lowers for CUDA with its plain landing counted in `smem_bytes`."""
+  and without the tail's zeros; the aligned do is not read (NaN everywhere changes nothing); with
+  clean, non-finite values at real tokens read as 0. It lowers for CUDA with its plain landing
+  counted in `smem_bytes`."""
   from kda import padding
   from tests.stages.test_gate_mosaic import packed_layout
   lens, HV = [30, 64, 0, 65, 1], 2
@@ -320,6 +321,15 @@ def test_packed_do_equals_aligned(V):
       np.testing.assert_array_equal(np.asarray(getattr(got, name))[:, live], np.asarray(getattr(want, name))[:, live],
                                     name)
     assert float(np.abs(np.asarray(want.dv)[:, live]).max()) > 0
+  # clean (traced): a NaN and an inf in do at real tokens read as 0, the same bits as 0 there
+  t = int(layout.starts[1]) + 4
+  bad = do_p.at[0, t, 1, 3].set(jnp.nan).at[0, t + 40, 0, 0].set(jnp.inf)
+  zeroed = jnp.where(jnp.isfinite(bad) | ~owned, bad, 0).astype(BF16)
+  f = jax.jit(lambda clean, p: mgv.apply(vn, A, do, layout.aligned_cu, chunk_size=BT, interpret=True, do_packed=p,
+                                         rows=rows, clean=clean))
+  for name, a, b in zip(FIELDS, f(True, bad), f(False, zeroed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+  assert not np.isfinite(np.asarray(f(False, bad).dv)).all()
   assert "packed do must be bf16" in mgv.supports(vn, A, do, chunk_size=BT, do_packed=do_p.astype(F32))
   smem = lowered_smem_bytes(lambda *a: mgv.apply(*a, chunk_size=BT, do_packed=do_p, rows=rows), vn, A, do)
   assert smem == mgv.smem_bytes(V, True, packed=True) == mgv.smem_bytes(V, True) + BT * V * 2

@@ -349,7 +349,8 @@ def test_bwd_dh_on_forward_records():
 def test_bwd_dh_packed_do_equals_aligned(K, V):
   """do_packed + rows: the walk and terms kernels read do packed (a 70-token gap and 5 tokens after
   the last sequence: NaN, never read into a result) and every output is bit for bit the aligned
-  do's; the aligned do is not read then (NaN everywhere changes nothing)."""
+  do's; the aligned do is not read then (NaN everywhere changes nothing); with clean, non-finite
+  values at real tokens read as 0."""
   from kda import padding
   from tests.stages.test_gate_mosaic import packed_layout
   args, acu, _ = make_case(LENS, K, V)
@@ -367,6 +368,14 @@ def test_bwd_dh_packed_do_equals_aligned(K, V):
   got = jax.jit(lambda *a: f(*a, **kw))(*unread)
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  # clean (traced): a NaN and an inf in do at real tokens read as 0 by both kernels, the same bits
+  t = int(layout.starts[1]) + 4
+  bad = do_p.at[0, t, 1, 3].set(jnp.nan).at[0, t + 40, 0, 0].set(jnp.inf)
+  zeroed = jnp.where(jnp.isfinite(bad) | ~owned, bad, 0).astype(jnp.bfloat16)
+  g = jax.jit(lambda clean, p: f(*unread, do_packed=p, rows=kw["rows"], clean=clean))
+  for name, a, b in zip(FIELDS, g(True, bad), g(False, zeroed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+  assert not all(np.isfinite(np.asarray(x)).all() for x in g(False, bad))
   # the walk (lowered first) with its two landings of packed rows: the predicate's figure
   smem = lowered_smem_bytes(lambda *a: mgd.apply(*a, scale=K ** -0.5, chunk_size=BT, **kw), *args)
   assert smem == mgd.walk_smem_bytes(K, packed=True) == SMEM_AS_LOWERED[K] + 2 * BT * 64 * 2

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from kda import padding, stages
 from kda.padding.pieces import segment_rows
 from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
-from kda.steps import Grads, cleaned, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope
+from kda.steps import Grads, cleaned, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope, zero_bad
 
 
 def _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state):
@@ -38,10 +38,10 @@ def supports(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, save
 
 def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, do, dht, resets=None, *,
           config=None, interpret=None, probe=False, clean=False):
-  """clean (kda.confine's rerun): the gradients as of the inputs with their non-finite values
-  replaced by 0, -inf gates kept. S3 and S4 read q, k, v raw with their clean flag and S5 reads g
-  raw (per token, and a non-finite gate's token is the rerun's to poison), so the cleaned copies
-  XLA forms for S0 die there: the rerun holds none through S2-S5."""
+  """clean (kda.confine's rerun): the gradients as of the inputs and do with their non-finite values
+  replaced by 0, -inf gates kept. S3 and S4 read q, k, v raw with their clean flag, S1 and S2 do,
+  and S5 reads g raw (per token, and a non-finite gate's token is the rerun's to poison), so the
+  cleaned copies XLA forms for S0 die there: the rerun holds none through S1-S5."""
   interpret = plan.interpret if interpret is None else interpret
   rows = padding.chunk_rows(layout)
   pieces = padding.gap_pieces(rows, layout.aligned_cu, layout.T, plan.chunk_size)
@@ -59,7 +59,7 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
     qa, ka, va, ba = (padding.align_with(layout, x) for x in (qp, kp, v, beta))
     valid = padding.valid_mask(layout)[None]
     do_packed = do
-    do = padding.align_with(layout, do)
+    do = padding.align_with(layout, zero_bad(do) if clean else do)
 
   def kernel(name, *args, **extra):
     return plan.choose(name, *args, **kw(name), **extra) == "mosaic_gpu"
@@ -83,7 +83,8 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
                                      **kw("bwd_recompute"), **tail, **seg, probe=probe)
     rc, finite = rc if probe else (rc, None)
   # S1 and S2's kernels read bf16 do packed: then no aligned copy of do is formed either
-  read_do = lambda kw: dict(kw, do_packed=do_packed, rows=rows) if kw and do_packed.dtype == jnp.bfloat16 else kw
+  read_do = lambda kw: (dict(kw, do_packed=do_packed, rows=rows, clean=clean)
+                        if kw and do_packed.dtype == jnp.bfloat16 else kw)
   av_args = (rc.v_new, saved.Aqk, do, layout.aligned_cu)
   av = stage("bwd_dav", *av_args, **read_do(packed_kw("bwd_dav", *av_args)))
   gc = (rc.gc_int, rc.gc_frac)

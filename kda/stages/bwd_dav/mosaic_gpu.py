@@ -39,7 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, aligned_cu_reason, skipping_tail, zeros
+from kda._mosaic_gpu import BF16, F32, HEAD_DIMS, MAX_GRID_YZ, aligned_cu_reason, clean_flag as _flag, kept_rows
+from kda._mosaic_gpu import skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dav import Out
@@ -145,9 +146,9 @@ def _body(vn_g, A_g, do_g, odA_g, odv_g, doh_s, dol_s, vnh_s, vnl_s, Ah_s, Al_s)
 
 def _body_bf16(vn_g, A_g, do_g, odA_g, odv_g, do_s, vn_s, A_s, bar, land_s=None, *, rows_g=None):
   """The bf16 body: TMA straight into the wgmma tiles, one wgmma per product. rows_g (src, count
-  [NTa] int32): do is packed [T, HV, V], chunk c's rows r < count[c] at packed row src[c] + r; they
-  land in land_s and the other rows become 0 in do's tile (a select: another sequence's tokens,
-  maybe NaN)."""
+  [NTa] int32, clean [1] int32): do is packed [T, HV, V], chunk c's rows r < count[c] at packed row
+  src[c] + r; they land in land_s and the other rows become 0 in do's tile (a select: another
+  sequence's tokens, maybe NaN), and with clean not 0 the non-finite values too."""
   i_h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   V = do_g.shape[-1]
@@ -160,7 +161,7 @@ def _body_bf16(vn_g, A_g, do_g, odA_g, odv_g, do_s, vn_s, A_s, bar, land_s=None,
     plgpu.copy_gmem_to_smem(g, t, bar)
   plgpu.barrier_wait(bar)
   if rows_g is not None:
-    do_s[...] = jnp.where(_iota(0, (BT, V)) < rows_g[1][c], _load(land_s), jnp.zeros((), BF16))
+    do_s[...] = kept_rows(_load(land_s), _iota(0, (BT, V)), (rows_g[0][c], rows_g[1][c], rows_g[2][0]))
     plgpu.commit_smem()
   shape = (BT, BT)
   dA = _acc([(do_s, vn_s.T)], shape)                          # do @ v_new^T
@@ -179,9 +180,9 @@ def _zeros(vn_g, A_g, do_g, odA_g, odv_g, *scratch):
 def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False, tail_zeros=True, packed=False):
   out = lambda shape: jax.ShapeDtypeStruct(shape, F32)
   body, zeros = (_body_bf16 if all_bf16 else _body), _zeros
-  if packed:                     # ChunkRows' src and count refs first (after aligned_cu's)
-    body = lambda src_g, cnt_g, *refs: _body_bf16(*refs, rows_g=(src_g, cnt_g))
-    zeros = lambda src_g, cnt_g, *refs: _zeros(*refs)
+  if packed:                     # ChunkRows' src and count and the clean flag's refs first (after aligned_cu's)
+    body = lambda src_g, cnt_g, clean_g, *refs: _body_bf16(*refs, rows_g=(src_g, cnt_g, clean_g))
+    zeros = lambda src_g, cnt_g, clean_g, *refs: _zeros(*refs)
   if skip_tail:
     body = skipping_tail(body, zeros if tail_zeros else None)
   return plgpu.kernel(
@@ -194,14 +195,15 @@ def _kernel(Ta, HV, V, interpret, all_bf16=False, skip_tail=False, tail_zeros=Tr
 
 
 def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, config=None, tail_zeros=True,
-          do_packed=None, rows=None):
+          do_packed=None, rows=None, clean=None):
   """The stage on the kernel; any float v_new, Aqk, do (the predicate `supports` adds the dtype
   policy). aligned_cu (optional): with Config.skip_tail the chunks at or past aligned_cu[-1] get
   zeros without being read; tail_zeros=False leaves them unwritten (for callers that never read
   them: the packed backward). do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows), v_new
   and Aqk bf16: the kernel reads do packed (the align folded into its load: chunk c's rows
   r < count[c] from packed row src[c] + r, the others 0) and the aligned do is not read (only its
-  shape is checked). The same bits."""
+  shape is checked). The same bits. clean (with do_packed; a bool scalar, traced or not): where
+  true, non-finite values of do are read as 0 too (kda.confine's rerun), with no copy."""
   config = config or Config()
   packed = do_packed is not None
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
@@ -213,7 +215,7 @@ def apply(v_new, Aqk, do, aligned_cu=None, *, chunk_size, interpret=False, confi
   skip = config.skip_tail and aligned_cu is not None
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   if packed:
-    cu += (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32))
+    cu += (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), _flag(clean))
   f = _kernel(Ta, HV, V, bool(interpret), _all_bf16(v_new, Aqk, do_packed if packed else do), skip,
               bool(tail_zeros) or not skip, packed)
   dA, dv = f(*cu, v_new[0], Aqk[0], (do_packed if packed else do)[0])

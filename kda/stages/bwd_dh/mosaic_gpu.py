@@ -78,7 +78,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, copy_chunk_slabs, live_chunk
+from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, clean_flag, copy_chunk_slabs, kept_rows
+from kda._mosaic_gpu import live_chunk
 from kda._mosaic_gpu import pair_store, sequence_order, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, mm as _mm, params as _params, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
@@ -198,9 +199,10 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
   # bf16 (do unscaled); dv [Ta, HV, V], dec [NTa, HV, K], dht, dh0 [N, HV, K, V] f32 (None: not
   # read / not stored); du [Ta, HV, V] f32: dv's ref (each chunk's dv tile lands in SMEM before du
   # is stored over it; the tail keeps du = dv); dh [NTa, HV, K, V] bf16 (dS_next of every chunk;
-  # unwritten at the tail). rows_g (src, count [NTa] int32): do is packed [T, HV, V], chunk c's rows
-  # r < count[c] at packed row src[c] + r; they land in land_s and the other rows become 0 (a select:
-  # another sequence's tokens, maybe NaN) in do's tile while du's wgmma runs.
+  # unwritten at the tail). rows_g (src, count [NTa], clean [1] int32): do is packed [T, HV, V],
+  # chunk c's rows r < count[c] at packed row src[c] + r; they land in land_s and the other rows
+  # (another sequence's tokens, maybe NaN) and, with clean, non-finite values become 0 (a select) in
+  # do's tile while du's wgmma runs.
   K = dec_g.shape[2]
   r, i_h, i_v = lax.axis_index("r"), lax.axis_index("h"), lax.axis_index("v")
   i_n = order_g[r]
@@ -244,8 +246,7 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of dS
 
     def mask_do():             # packed do: the chunk's rows, the others 0 (the commit below publishes it)
-      real = _iota(0, (BT, BV)) < rows_g[1][c]
-      do[...] = jnp.where(real, _load(land_s.at[slot]), jnp.zeros((), BF16))
+      do[...] = kept_rows(_load(land_s.at[slot]), _iota(0, (BT, BV)), (None, rows_g[1][c], rows_g[2][0]))
 
     if rows_g is None:
       du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
@@ -277,7 +278,7 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
   # pairs: dqg, dkg are h's and dh's refs, taking their pairs (kda._mosaic_gpu.pair_store) over the
   # chunk's state, which is in SMEM before either is stored.
   if packed:
-    src_g, cnt_g, *refs = refs
+    src_g, cnt_g, clean_g, *refs = refs
     (h_g, dh_g, vn_g, do_g, du_g, dec_g, dqg_g, dkg_g, dw_g, dgc_g,
      h_s, dh_s, (vn_s, land_s), do_s, bar, bar_vn) = refs
   else:
@@ -304,9 +305,9 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
       for j in range(nv):
         plgpu.copy_gmem_to_smem(do_g.at[pl.ds(src, BT), i_h, slab(j)], land_s.at[j], bar)
       plgpu.barrier_wait(bar)
-      real = _iota(0, (BT, SLAB)) < cnt   # other sequences' rows (maybe NaN) out, by a select
+      row = _iota(0, (BT, SLAB))   # other sequences' rows (maybe NaN) out, by a select
       for j in range(nv):
-        do_s.at[j][...] = jnp.where(real, _load(land_s.at[j]), jnp.zeros((), BF16))
+        do_s.at[j][...] = kept_rows(_load(land_s.at[j]), row, (src, cnt, clean_g[0]))
       plgpu.commit_smem()   # also a warpgroup barrier: the landing is read before v_new's TMA reuses its bytes
       copy_chunk_slabs(((vn_g, vn_s),), rows, i_h, bar_vn)
     else:
@@ -351,7 +352,7 @@ def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False,
     kw["packed"] = True
   body = functools.partial(_terms_body, nv=V // SLAB, scale=scale, store_du=store_du, pairs=pairs, **kw)
   dw_over_du = store_du and K == V
-  n_in = 7 + 2 * packed            # cu, (src, count), h, dh, vn, do, du, dec
+  n_in = 7 + 3 * packed            # cu, (src, count, clean), h, dh, vn, do, du, dec
 
   def wrapped(*refs):              # the body's refs: inputs, then dqg, dkg, dw, dgc_last, scratch
     ins, rest = list(refs[:n_in]), list(refs[n_in:])
@@ -379,7 +380,7 @@ def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False,
     refs = list(refs)
     kw = {}
     if packed:
-      kw = dict(rows_g=(refs.pop(2), refs.pop(2)), land_s=refs.pop())
+      kw = dict(rows_g=(refs.pop(2), refs.pop(2), refs.pop(2)), land_s=refs.pop())
     for i in absent:
       refs.insert(i, None)
     refs.insert(10, refs[6])                          # du_g: dv's ref
@@ -398,7 +399,7 @@ def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False,
 
 def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scale, chunk_size,
           interpret=False, config=None, dht_zero=False, need_dh0=True, tail_zeros=True, do_packed=None,
-          rows=None, du_dtype=None, pairs=False):
+          rows=None, du_dtype=None, pairs=False, clean=None):
   """The stage on the kernels; bf16 or float32 operands (qg, kg, w, h, v_new, do rounded to bf16;
   the predicate `supports` adds the dtype policy). dht_zero: dht is known to be zero (not read: XLA
   drops a zeros array nobody reads); need_dh0=False: dh0 is not stored (zeros returned, for callers
@@ -407,7 +408,9 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   chunks at or past aligned_cu[-1] (for callers that never read them: the packed backward).
   do_packed [1, T, HV, V] bf16 with rows (padding.ChunkRows): both kernels read do packed (the
   align folded into their loads: chunk c's rows r < count[c] from packed row src[c] + r) and the
-  aligned do is not read (only its shape is checked). The same bits.
+  aligned do is not read (only its shape is checked). The same bits. clean (with do_packed; a bool
+  scalar, traced or not): where true, non-finite values of do are read as 0 too (kda.confine's
+  rerun), with no copy.
   du_dtype=bfloat16 (for a consumer that rounds du to bf16 anyway): the terms kernel stores bf16(du)
   over v_new's buffer and, where K == V, dw over du's, so neither outlives the call as an extra
   buffer (v_new is then not read after this stage). The same bits of dqg, dkg, dw, dgc_last.
@@ -448,7 +451,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   walk = _walk_kernel(Ta, HV, K, V, N, scale=float(scale), interp=interp, grid=grid, names=names,
                       dht_zero=dht_zero, need_dh0=need_dh0, packed=packed)
   du = jax.new_ref(dv)                                              # du over dv: dv dies in the walk
-  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32)) if packed else ()
+  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), clean_flag(clean)) if packed else ()
   *dh0, dh = walk(order, aligned_cu, *lead, qg, kg, w, do_packed[0] if packed else dob, du, decay,
                   *(() if dht_zero else (dht.astype(F32),)))
   du = jax.ref.freeze(du)

@@ -79,7 +79,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, packed_chunk
-from kda._mosaic_gpu import packed_tile, pair_load, skipping_tail, zeros
+from kda._mosaic_gpu import clean_flag, packed_tile, pair_load, skipping_tail, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_intra import Out
@@ -435,7 +435,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
   if qk_packed:
-    cu += (jnp.asarray(False if clean is None else clean, jnp.int32).reshape(1),)
+    cu += (clean_flag(clean),)
   if config.bounded == "auto":                    # [HV * NTa]: 5, 4 or 0 (six exact levels)
     flag = bounded_levels(gc_int if seg is None else reset_free(gc_int.astype(F32), seg), gc_frac)
   else:

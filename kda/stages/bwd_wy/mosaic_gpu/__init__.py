@@ -71,7 +71,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, last_row, skipping_tail
-from kda._mosaic_gpu import packed_chunk, packed_tile, pair_load, pair_store, tile_shapes, zeros
+from kda._mosaic_gpu import clean_flag, packed_chunk, packed_tile, pair_load, pair_store, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_wy import Out
@@ -469,7 +469,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
   if qkv_packed:
-    cu += (jnp.asarray(False if clean is None else clean, jnp.int32).reshape(1),)
+    cu += (clean_flag(clean),)
   ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
   # S2's terms: dq, dk, dgc (dg_state where du is float32 and K == V) in place
   refs = ([jax.new_ref(x[0] if pairs else f32(x)) for x in (dqg, dkg)] + [jax.new_ref(f32(dw))]
