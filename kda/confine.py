@@ -18,12 +18,12 @@ produced: a non-finite input reaches its own token's output (o_t = q_t S_t and S
 input of token t), so outputs that are all finite mean every input a sequence reads was finite,
 and the plain result is the contract's. Only when an output is not finite does the call run again
 as run(..., clean=True), marks and all (a loop of at most one pass: on a GPU, one read of its
-predicate when it does not run). run cleans its inputs itself, so that its kernels can read them
-cleaning (the rerun then holds no cleaned copy where they do). The backward reruns, forward and backward on the cleaned inputs
-and cotangent, only if the cotangent of o is not finite or the inputs were not: with a probed run,
-as the backward itself reports it (the cotangent of its probe, from values its first stage forms at
-every token anyway: so a program that never uses o, jax.grad of a loss linear in o, need not compute
-o for the check), else as the forward's o showed it.
+predicate when it does not run). run cleans its inputs itself, so that its kernels may clean what
+they read (then no cleaned copy is held). The backward reruns, forward and backward on the
+cleaned inputs and cotangent, only if the cotangent of o is not finite or the inputs were not:
+with a probed run, as the backward itself reports it (the cotangent of its probe, from values its
+first stage forms at every token anyway: so a program that never uses o, jax.grad of a loss linear
+in o, need not compute o for the check), else as the forward's o showed it.
 """
 from __future__ import annotations
 

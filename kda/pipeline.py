@@ -27,7 +27,8 @@ from kda import fused, padding
 from kda.padding import Layout
 from kda.padding.pieces import reset_gates
 from kda.plan import FORWARD, BACKWARD, Plan, group_backend, run  # noqa: F401  (re-exported names)
-from kda.steps import Grads, Saved, cleaned, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope, zero_bad  # noqa: F401  (the records)
+from kda.steps import Grads, Saved, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
+from kda.steps import cleaned, zero_bad
 
 
 def saved(records) -> Saved:

@@ -111,7 +111,8 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
     it_kw.update(**seg, **pairs, qk_packed=True, clean=clean)
   it = stage("bwd_intra", *it_args, **grad_dtype, **it_kw)
   with scope("bwd_gate"):          # dg packed in g's dtype, zeros at tokens of no sequence
-    gt = bwd_gate_mgpu.packed(raw_g if clean and not plan.use_gate_in_kernel else g, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=interpret,
+    g5 = raw_g if clean and not plan.use_gate_in_kernel else g
+    gt = bwd_gate_mgpu.packed(g5, rows, pieces, A_log, dt_bias, it.dgc, wy.dg_state, interpret=interpret,
                               config=plan.config("bwd_gate", "mosaic_gpu"), **kw("bwd_gate"), **seg)
   like = lambda d, x: None if x is None else d.astype(x.dtype)
   unalign = lambda d, stored: d if "rows" in stored else padding.unalign_with(layout, d)
