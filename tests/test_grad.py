@@ -216,7 +216,7 @@ def test_forward_saves_no_state_buffer():
   plan = planning.make_plan(scale=case.K ** -0.5, chunk_size=case.BT)
   args = (p["q"], p["k"], p["v"], p["g"], p["beta"], p["initial_state"], None, None)
   ints = (layout.starts, layout.lens, layout.aligned_cu)
-  _, res = jax.eval_shape(lambda ints, *a: api._staged_fwd(plan, (T, layout.Ta, case.BT), ints, *a, None),
+  _, res = jax.eval_shape(lambda ints, *a: api._staged_fwd(plan, (T, layout.Ta, case.BT), False, ints, *a, None),
                           ints, *args)
   shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(res))
   want = [tuple(x.shape) for x in jax.tree.leaves((ints, args))] + [(1, layout.Ta, case.HV, case.BT)] * 2
@@ -270,8 +270,8 @@ def test_backward_holds_one_state_buffer():
   args = (p["q"], p["k"], p["v"], p["g"], p["beta"], p["initial_state"], None, None)
   ints = (layout.starts, layout.lens, layout.aligned_cu)
   static = (T, layout.Ta, case.BT)
-  cts, res = jax.eval_shape(lambda ints, *a: api._staged_fwd(plan, static, ints, *a, None), ints, *args)
-  bwd = jax.make_jaxpr(lambda res, cts: api._staged_bwd(plan, static, res, cts))(res, cts)
+  cts, res = jax.eval_shape(lambda ints, *a: api._staged_fwd(plan, static, False, ints, *a, None), ints, *args)
+  bwd = jax.make_jaxpr(lambda res, cts: api._staged_bwd(plan, static, False, res, cts))(res, cts)
   one = [("scan", (NTa, case.HV, case.K, case.V))]
   assert state_sized(bwd.jaxpr, size) == one, f"backward: {state_sized(bwd.jaxpr, size)}, expected {one}"
 

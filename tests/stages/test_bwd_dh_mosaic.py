@@ -458,7 +458,7 @@ def test_bwd_dh_terms_kernel_smem():
                                S((5,), i32), *common, S((Ta, HV, V), bf), *tail)
   packed = lowered_smem_bytes(
       lambda *a: mgd._terms_kernel(Ta, HV, K, V, scale=K ** -0.5, interp=None, packed=True)(*a),
-      S((5,), i32), S((NTa,), i32), S((NTa,), i32), *common, S((T, HV, V), bf), *tail)
+      S((5,), i32), S((NTa,), i32), S((NTa,), i32), S((1,), i32), *common, S((T, HV, V), bf), *tail)
   print(f"\n  bwd_dh terms SMEM: aligned {aligned}, packed do {packed} bytes")
   assert aligned == mgd.terms_smem_bytes(K, V) == 100360 and packed == mgd.terms_smem_bytes(K, V, True) == 100368
   assert packed <= SMEM_TWO_CTAS
