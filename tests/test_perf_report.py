@@ -121,6 +121,23 @@ def test_states_table(tmp_path):
   assert "| `st/states.json` | states |" in page
 
 
+def test_aot_table(tmp_path):
+  folder = tmp_path / "bench"
+  shutil.copytree(DATA, folder)
+  (folder / "aot").mkdir()
+  shape = lambda f, fb: {"fwd": {"temp_mb": f, "lower_s": 1.0}, "fwdbwd": {"temp_mb": fb, "compile_s": 2.0}}
+  (folder / "aot" / "h200_aot.json").write_text(json.dumps(
+      {"tool": "tools.h200_aot", "run": {"commit": "abc1234", "jax": "0.11.2"}, "device": "NVIDIA H200", "config": "",
+       "shapes": {"A": shape(798.2, 2050.4), "B": shape(1258.0, 2053.6)},
+       "kernels": {"kda_bwd_wy_packed_mosaic_gpu_kernel": {"registers": 255, "spill_stores": 204}}}))
+  page = report(tmp_path, folder, png=False)[0].read_text()
+  assert "## Memory compiled for the H200 without one" in page
+  assert "`aot/h200_aot.json` (commit abc1234, NVIDIA H200)" in page
+  assert "| A | 798 | 2050 |" in page and "| B | 1258 | 2054 |" in page
+  assert "| `kda_bwd_wy_packed_mosaic_gpu_kernel` | 255 | 204 |" in page
+  assert "| `aot/h200_aot.json` | aot |" in page
+
+
 def test_dtype_table(tmp_path):
   folder = tmp_path / "bench"
   shutil.copytree(DATA, folder)

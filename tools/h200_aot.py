@@ -79,7 +79,11 @@ def main(argv=None) -> int:
   if a.kernels:
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
   device = target_device()
-  results = {"device": device.device_kind, "config": a.config, "shapes": {}, "kernels": {}}
+  import subprocess
+  import jax
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  results = {"tool": "tools.h200_aot", "run": {"commit": commit or "?", "jax": jax.__version__},
+             "device": device.device_kind, "config": a.config, "shapes": {}, "kernels": {}}
   with ptxas_logs(a.kernels, results["kernels"]):
     for name in a.variants.split(","):
       r = compile_shape(name, a.config, not a.no_bwd, device)

@@ -54,6 +54,32 @@ def fidelity_section(files, folder=None) -> list[str]:
   return lines
 
 
+def aot_section(files, folder=None) -> list[str]:
+  """One table per tools.h200_aot file: XLA's memory of the programs compiled for an H200 on a
+  machine without one (the compiler's figures; no time is measured there)."""
+  got = [(p, d) for p, k, d in files if k == "aot"]
+  if not got:
+    return []
+  lines = ["## Memory compiled for the H200 without one", "",
+           "`tools.h200_aot`: each shape of `tools.bench` (its inputs and calls) compiled for an H200 through "
+           "jax's CUDA plugin on a machine without a GPU: XLA's temp memory of the forward and of the forward + "
+           "backward (`jax.grad`), MiB, and ptxas's registers and spill stores per thread of each Mosaic GPU "
+           "kernel where recorded. The figures are the compiler's; times need the device.", ""]
+  for path, d in got:
+    run = d.get("run", {})
+    lines += [f"`{relative(path, folder)}` (commit {run.get('commit', '?')}, {d.get('device', '-')}"
+              + (f", config `{d['config']}`" if d.get("config") else "") + ")", ""]
+    rows = [[name, num(x.get("fwd", {}).get("temp_mb"), 0), num(x.get("fwdbwd", {}).get("temp_mb"), 0)]
+            for name, x in d["shapes"].items()]
+    lines += table(["shape", "fwd temp", "f+b temp"], rows)
+    kernels = d.get("kernels") or {}
+    if kernels:
+      lines += table(["kernel", "registers", "spill stores (bytes)"],
+                     [[f"`{k}`", str(x.get("registers", "-")), str(x.get("spill_stores", "-"))]
+                      for k, x in sorted(kernels.items())])
+  return lines
+
+
 def states_section(files, folder=None) -> list[str]:
   """One row per tools.bench_states file: forward + backward with and without states."""
   got = [(p, d) for p, k, d in files if k == "states"]
