@@ -587,19 +587,21 @@ def test_pairs_give_the_same_bits(case, packed, split):
                                                                    pairs=True)
 
 
-def test_packed_qkv_clean_reads_non_finite_values_as_zero():
+@pytest.mark.parametrize("case,split", [("K64-V128-HV2-64_50", False),
+                                        pytest.param("K128-V128-HV1-130", True, marks=pytest.mark.large)],
+                         ids=["K64-V128", "K128-split"])
+def test_packed_qkv_clean_reads_non_finite_values_as_zero(case, split):
   """qkv_packed with clean (traced): a NaN in q, an inf in k and a -inf in v at real tokens are read
-  as 0, every output bit for bit the call with 0 there; clean False leaves them (they reach the
-  outputs)."""
-  case = "K64-V128-HV2-64_50"
+  as 0, every output bit for bit the call with 0 there (in-order and split kernels); clean False
+  leaves them (they reach the outputs)."""
   lens, Ta, HV, K, V = CASES[case]
   args, _ = make_inputs(case, "ordinary")
   layout, kw = _packed_kw(lens, Ta)
-  kw.update(dv_dtype=BF16, chunk_size=BT, qkv_packed=True)
+  kw.update(dv_dtype=BF16, chunk_size=BT, qkv_packed=True, config=mgw.Config(split=split))
   packed, _ = bwd_setup.packed_and_aligned(layout, args[:3])
-  t = int(layout.starts[1]) + 5
-  bad = [packed[0].at[0, t, 1, 3].set(jnp.nan), packed[1].at[0, t + 9, 0, 0].set(jnp.inf),
-         packed[2].at[0, t + 20, 1, 7].set(-jnp.inf)]
+  t, h = int(layout.starts[len(lens) - 1]) + 5, HV - 1
+  bad = [packed[0].at[0, t, h, 3].set(jnp.nan), packed[1].at[0, t + 9, 0, 0].set(jnp.inf),
+         packed[2].at[0, t + 20, h, 7].set(-jnp.inf)]
   zeroed = [jnp.where(jnp.isfinite(b) | ~jnp.isfinite(p), b, 0).astype(b.dtype) for b, p in zip(bad, packed)]
   f = jax.jit(lambda clean, *a: mgw.apply(*a, layout.aligned_cu, interpret=True, clean=clean, **kw))
   want = f(False, *zeroed, *args[3:])
