@@ -125,16 +125,24 @@ def test_aot_table(tmp_path):
   folder = tmp_path / "bench"
   shutil.copytree(DATA, folder)
   (folder / "aot").mkdir()
-  shape = lambda f, fb: {"fwd": {"temp_mb": f, "lower_s": 1.0}, "fwdbwd": {"temp_mb": fb, "compile_s": 2.0}}
+  calls = lambda ms: [{"kernel": "kda_bwd_wy_packed", "read_mb": 1908.4, "write_mb": 1318.0, "aliased": True,
+                       "floor_ms": ms},
+                      {"kernel": "kda_bwd_wy_packed", "read_mb": 10.0, "write_mb": 2.0, "aliased": False, "floor_ms": 0.25}]
+  shape = lambda f, fb, ms: {"fwd": {"temp_mb": f, "lower_s": 1.0},
+                             "fwdbwd": {"temp_mb": fb, "compile_s": 2.0, "traffic": calls(ms)}}
   (folder / "aot" / "h200_aot.json").write_text(json.dumps(
       {"tool": "tools.h200_aot", "run": {"commit": "abc1234", "jax": "0.11.2"}, "device": "NVIDIA H200", "config": "",
-       "shapes": {"A": shape(798.2, 2050.4), "B": shape(1258.0, 2053.6)},
+       "shapes": {"A": shape(798.2, 2050.4, 0.705), "B": shape(1258.0, 2053.6, 0.5)},
        "kernels": {"kda_bwd_wy_packed_mosaic_gpu_kernel": {"registers": 255, "spill_stores": 204}}}))
   page = report(tmp_path, folder, png=False)[0].read_text()
   assert "## Memory compiled for the H200 without one" in page
   assert "`aot/h200_aot.json` (commit abc1234, NVIDIA H200)" in page
   assert "| A | 798 | 2050 |" in page and "| B | 1258 | 2054 |" in page
   assert "| `kda_bwd_wy_packed_mosaic_gpu_kernel` | 255 | 204 |" in page
+  assert "| forward + backward kernel | A MiB in / out | A ms at 4.8 TB/s | B MiB in / out | B ms at 4.8 TB/s |" in page
+  assert "| `kda_bwd_wy_packed` | 1908 / 1318 | 0.705 | 1908 / 1318 | 0.500 |" in page
+  assert "| `kda_bwd_wy_packed` (2) | 10 / 2 | 0.250 | 10 / 2 | 0.250 |" in page
+  assert "| all | 1918 / 1320 | 0.955 | 1918 / 1320 | 0.750 |" in page
   assert "| `aot/h200_aot.json` | aot |" in page
 
 

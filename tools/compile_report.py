@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -80,6 +81,35 @@ def ptxas_summary(texts):
         out[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
       if m := re.search(r"Used (\d+) registers", line):
         out[name]["registers"] = int(m.group(1))
+  return out
+
+
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s16": 2, "s8": 1, "u8": 1, "pred": 1}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+
+
+def _array_bytes(text: str) -> int:
+  """Bytes of every array type `dtype[d0,d1,...]` named in `text`."""
+  return sum(_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _ARRAY.findall(text))
+
+
+def mosaic_traffic(hlo_text: str, bandwidth: float) -> list[dict]:
+  """Each Mosaic GPU custom call of an optimized HLO module, in program order: its kernel (the
+  innermost named scope of its op_name), the bytes of its operands and of its results (MiB) and
+  the time those bytes take at `bandwidth` bytes/s (ms). Operands are an upper bound of what the
+  kernel reads (it may skip tail chunks, or only write an aliased buffer); results are written."""
+  out = []
+  for line in hlo_text.splitlines():
+    if 'custom_call_target="mosaic_gpu' not in line or " custom-call(" not in line:
+      continue
+    result = line.split(" custom-call(", 1)[0].split("=", 1)[1]
+    operands = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:output_to|api_version)", line)
+    name = re.search(r'op_name="([^"]*)"', line)
+    scopes = name.group(1).split("/") if name else ["?", "?"]
+    read, write = _array_bytes(operands.group(1)) if operands else 0, _array_bytes(result)
+    out.append({"kernel": scopes[-2] if len(scopes) > 1 else scopes[0], "read_mb": read / 2**20,
+                "write_mb": write / 2**20, "aliased": "output_to_operand_aliasing" in line,
+                "floor_ms": (read + write) / bandwidth * 1e3})
   return out
 
 

@@ -2,12 +2,15 @@
 through its CUDA plugin (needs jax[cuda12] of the installed jax's version; not part of CI).
 
   JAX_PLATFORMS=cpu PYTHONPATH=$PWD /path/to/cuda-venv/bin/python -m tools.h200_aot
-      [--variants A,B,C] [--config TEXT] [--no-bwd] [--kernels] [--out FILE.json]
+      [--variants A,B,C] [--config TEXT] [--no-bwd] [--kernels] [--traffic] [--out FILE.json]
 
 Per shape of tools.bench (its inputs and calls, cu_seqlens traced): XLA's memory analysis of the
 compiled forward and forward + backward (temp, arguments, outputs in MiB: the compiler and the
 figures tools.bench reads on the device), and the seconds this machine took to lower and compile
-each. With --kernels, ptxas's report of every Mosaic GPU kernel the programs compile (registers per
+each. With --traffic, every Mosaic GPU call of each program: the bytes of its operands (an upper
+bound of what it reads) and of its results, and the time those bytes take at the H200's bandwidth
+(a floor for a kernel that moves them once; the device profile, tools.profile, gives the time it
+takes). With --kernels, ptxas's report of every Mosaic GPU kernel the programs compile (registers per
 thread and spills: tools.compile_report's parser): a kernel of one warpgroup at R registers runs at
 most 65536 // (128 * R) CTAs per SM, whatever its SMEM.
 
@@ -44,9 +47,13 @@ def target_device():
   return topologies.get_topology_desc(platform="cuda", target_config=TARGET, topology="1x1x1").devices[0]
 
 
-def compile_shape(name: str, config: str, bwd: bool, device) -> dict:
+BANDWIDTH = 4.8e12   # the H200's HBM bytes/s (TARGET's memory_bandwidth)
+
+
+def compile_shape(name: str, config: str, bwd: bool, device, traffic=False) -> dict:
   import jax
   from tools import bench
+  from tools.compile_report import mosaic_traffic
   args, fwd, loss = bench.calls(name, "plain", "auto", config=config, device=device)   # made on the host
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
@@ -59,10 +66,13 @@ def compile_shape(name: str, config: str, bwd: bool, device) -> dict:
       t0 = time.perf_counter()
       lowered = jax.jit(fn).lower(*spec)
       t1 = time.perf_counter()
-      m = lowered.compile().memory_analysis()
+      compiled = lowered.compile()
+      m = compiled.memory_analysis()
       out[label] = {"temp_mb": m.temp_size_in_bytes / 2**20, "args_mb": m.argument_size_in_bytes / 2**20,
                     "out_mb": m.output_size_in_bytes / 2**20, "lower_s": t1 - t0,
                     "compile_s": time.perf_counter() - t1}
+      if traffic:
+        out[label]["traffic"] = mosaic_traffic(compiled.as_text(), BANDWIDTH)
   return out
 
 
@@ -72,6 +82,8 @@ def main(argv=None) -> int:
   p.add_argument("--config", default="", help="tools.configs text, e.g. bwd_wy.split=1")
   p.add_argument("--no-bwd", action="store_true", help="the forward alone")
   p.add_argument("--kernels", action="store_true", help="ptxas's report of every Mosaic GPU kernel")
+  p.add_argument("--traffic", action="store_true",
+                 help="each Mosaic GPU call's operand and result bytes and their time at the H200's bandwidth")
   p.add_argument("--out", help="write the results as JSON")
   a = p.parse_args(argv)
   from tools.compile_report import ptxas_logs
@@ -86,11 +98,14 @@ def main(argv=None) -> int:
              "device": device.device_kind, "config": a.config, "shapes": {}, "kernels": {}}
   with ptxas_logs(a.kernels, results["kernels"]):
     for name in a.variants.split(","):
-      r = compile_shape(name, a.config, not a.no_bwd, device)
+      r = compile_shape(name, a.config, not a.no_bwd, device, a.traffic)
       results["shapes"][name] = r
       for label, x in r.items():
         print(f"{name} {label:6s} temp {x['temp_mb']:7.0f} MiB  args {x['args_mb']:5.0f}  out {x['out_mb']:5.0f}  "
               f"lower {x['lower_s']:5.1f} s  compile {x['compile_s']:5.1f} s", flush=True)
+      for x in r.get("fwdbwd", {}).get("traffic", []):
+        print(f"  {x['kernel']:32s} read <= {x['read_mb']:6.0f} MiB  write {x['write_mb']:6.0f} MiB  "
+              f"at {BANDWIDTH / 1e12:.1f} TB/s {x['floor_ms']:.3f} ms", flush=True)
   for k, x in sorted(results["kernels"].items()):
     print(f"  {k:48s} " + " ".join(f"{f} {v}" for f, v in x.items()))
   if a.out:

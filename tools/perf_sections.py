@@ -72,12 +72,45 @@ def aot_section(files, folder=None) -> list[str]:
     rows = [[name, num(x.get("fwd", {}).get("temp_mb"), 0), num(x.get("fwdbwd", {}).get("temp_mb"), 0)]
             for name, x in d["shapes"].items()]
     lines += table(["shape", "fwd temp", "f+b temp"], rows)
+    lines += _traffic_table(d["shapes"])
     kernels = d.get("kernels") or {}
     if kernels:
       lines += table(["kernel", "registers", "spill stores (bytes)"],
                      [[f"`{k}`", str(x.get("registers", "-")), str(x.get("spill_stores", "-"))]
                       for k, x in sorted(kernels.items())])
   return lines
+
+
+def _traffic_table(shapes: dict) -> list[str]:
+  """The forward + backward's Mosaic GPU calls (h200_aot --traffic): per shape, the MiB of each
+  call's operands and results and the time they take at the H200's bandwidth; a kernel called more
+  than once is one row per call, in program order."""
+  per = {name: x.get("fwdbwd", {}).get("traffic") for name, x in shapes.items()}
+  per = {name: t for name, t in per.items() if t}
+  if not per:
+    return []
+  rows, seen = {}, {}
+  for name, calls in per.items():
+    count: dict = {}
+    for c in calls:
+      i = count[c["kernel"]] = count.get(c["kernel"], 0) + 1
+      key = (c["kernel"], i)
+      seen.setdefault(key, len(seen))
+      rows.setdefault(key, {})[name] = c
+  body = []
+  for key in sorted(rows, key=seen.get):
+    cells = [f"`{key[0]}`" + (f" ({key[1]})" if key[1] > 1 else "")]
+    for name in per:
+      c = rows[key].get(name)
+      cells += [f"{c['read_mb']:.0f} / {c['write_mb']:.0f}", num(c["floor_ms"])] if c else ["-", "-"]
+    body.append(cells)
+  body.append(["all"] + [x for name in per for x in (
+      f"{sum(c['read_mb'] for c in per[name]):.0f} / {sum(c['write_mb'] for c in per[name]):.0f}",
+      num(sum(c["floor_ms"] for c in per[name])))])
+  head = ["forward + backward kernel"] + [x for name in per for x in (f"{name} MiB in / out", f"{name} ms at 4.8 TB/s")]
+  return (["Each Mosaic GPU call of the forward + backward: the MiB of its operands (an upper bound of what it "
+           "reads) and of its results, and the time those bytes take at the H200's 4.8 TB/s (a floor for a "
+           "kernel that moves them once).", ""] + table(head, body))
 
 
 def states_section(files, folder=None) -> list[str]:
