@@ -127,7 +127,9 @@ def test_aot_table(tmp_path):
   (folder / "aot").mkdir()
   calls = lambda ms: [{"kernel": "kda_bwd_wy_packed", "read_mb": 1908.4, "write_mb": 1318.0, "aliased": True,
                        "floor_ms": ms},
-                      {"kernel": "kda_bwd_wy_packed", "read_mb": 10.0, "write_mb": 2.0, "aliased": False, "floor_ms": 0.25}]
+                      {"kernel": "kda_bwd_wy_packed", "read_mb": 10.0, "write_mb": 2.0, "aliased": False, "floor_ms": 0.25},
+                      {"kernel": "kda_bwd_wy_packed", "read_mb": 1.0, "write_mb": 1.0, "aliased": False, "floor_ms": 0.5,
+                       "conditional": True}]
   shape = lambda f, fb, ms: {"fwd": {"temp_mb": f, "lower_s": 1.0},
                              "fwdbwd": {"temp_mb": fb, "compile_s": 2.0, "traffic": calls(ms)}}
   (folder / "aot" / "h200_aot.json").write_text(json.dumps(
@@ -142,7 +144,8 @@ def test_aot_table(tmp_path):
   assert "| forward + backward kernel | A MiB in / out | A ms at 4.8 TB/s | B MiB in / out | B ms at 4.8 TB/s |" in page
   assert "| `kda_bwd_wy_packed` | 1908 / 1318 | 0.705 | 1908 / 1318 | 0.500 |" in page
   assert "| `kda_bwd_wy_packed` (2) | 10 / 2 | 0.250 | 10 / 2 | 0.250 |" in page
-  assert "| all | 1918 / 1320 | 0.955 | 1918 / 1320 | 0.750 |" in page
+  assert "| `kda_bwd_wy_packed` when taken | 1 / 1 | 0.500 | 1 / 1 | 0.500 |" in page
+  assert "| calls every run makes | 1918 / 1320 | 0.955 | 1918 / 1320 | 0.750 |" in page
   assert "| `aot/h200_aot.json` | aot |" in page
 
 

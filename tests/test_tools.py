@@ -405,27 +405,36 @@ def test_compile_report_reads_ptxas_logs():
 
 def test_compile_report_mosaic_traffic():
   """h200_aot --traffic's parser: each Mosaic GPU call of an optimized HLO module, its operands'
-  bytes (operand_layout_constraints), its results' bytes, aliasing and its kernel scope; other
-  custom calls are not counted."""
+  bytes (operand_layout_constraints), its results' bytes, aliasing, its kernel scope and whether it
+  lies in a branch or a loop body (also through a computation such a body calls); other custom
+  calls are not counted."""
   from tools import compile_report
+  call = lambda n, scope, alias="": (
+      f'  %m.{n} = f32[64,16,64]{{2,1,0}} custom-call(%d), custom_call_target="mosaic_gpu_v2", '
+      f'operand_layout_constraints={{f32[64,16,64]{{2,1,0}}, bf16[64,16,64]{{2,1,0}}}}, {alias}'
+      f'api_version=API_VERSION_TYPED_FFI, metadata={{op_name="jit(loss)/kda.{scope}/kda_{scope}/mpmd_map"}}')
   hlo = "\n".join([
+      "%inner.1 (p: f32[2]) -> f32[2] {", call(1, "bwd_dav"), "}",
+      "%branch.2 (p: f32[2]) -> f32[2] {", "  %c = f32[2] call(%p), to_apply=%inner.1", "}",
+      "%other.3 (p: f32[2]) -> f32[2] {", "  %n = f32[2] negate(%p)", "}",
+      "ENTRY %main.4 (p: f32[2]) -> f32[2] {",
       '  %mpmd_map.1 = (bf16[64,16,128]{2,1,0}, f32[2,16]{1,0}) custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", '
       'operand_layout_constraints={s32[3]{0}, bf16[64,16,128]{2,1,0}}, api_version=API_VERSION_TYPED_FFI, '
       'metadata={op_name="jit(loss)/jvp(kda.packed_forward)/kda.gate+intra/kda_gate_intra_scores/mpmd_map"}',
       '  %cublas.2 = f32[8,8]{1,0} custom-call(%c), custom_call_target="__cublas$gemm", '
       'operand_layout_constraints={f32[8,8]{1,0}}, api_version=API_VERSION_TYPED_FFI',
-      '  %mpmd_map.3 = f32[64,16,64]{2,1,0} custom-call(%d), custom_call_target="mosaic_gpu_v2", '
-      'operand_layout_constraints={f32[64,16,64]{2,1,0}, bf16[64,16,64]{2,1,0}}, '
-      'output_to_operand_aliasing={{}: (0, {})}, api_version=API_VERSION_TYPED_FFI, '
-      'metadata={op_name="jit(loss)/transpose(jvp(kda.packed_backward))/kda.bwd_wy/kda_bwd_wy_packed/mpmd_map"}',
+      call(3, "bwd_wy", "output_to_operand_aliasing={{}: (0, {})}, "),
+      "  %k = f32[2] conditional(%q, %p, %p), branch_computations={%branch.2, %other.3}",
+      "}",
   ])
   got = compile_report.mosaic_traffic(hlo, bandwidth=2.0**20 * 1e3)      # 1 MiB per ms
   mib = 2.0 ** -20
-  assert [g["kernel"] for g in got] == ["kda_gate_intra_scores", "kda_bwd_wy_packed"]
+  assert [(g["kernel"], g["conditional"]) for g in got] == [
+      ("kda_gate_intra_scores", False), ("kda_bwd_wy", False), ("kda_bwd_dav", True)]
   assert got[0]["read_mb"] == (3 * 4 + 64 * 16 * 128 * 2) * mib
   assert got[0]["write_mb"] == (64 * 16 * 128 * 2 + 2 * 16 * 4) * mib and not got[0]["aliased"]
   assert got[1]["read_mb"] == 64 * 16 * 64 * 6 * mib and got[1]["write_mb"] == 64 * 16 * 64 * 4 * mib
-  assert got[1]["aliased"]
+  assert got[1]["aliased"] and not got[2]["aliased"]
   assert abs(got[1]["floor_ms"] - 64 * 16 * 64 * 10 * mib) < 1e-12
 
 

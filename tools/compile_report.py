@@ -93,23 +93,59 @@ def _array_bytes(text: str) -> int:
   return sum(_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _ARRAY.findall(text))
 
 
-def mosaic_traffic(hlo_text: str, bandwidth: float) -> list[dict]:
-  """Each Mosaic GPU custom call of an optimized HLO module, in program order: its kernel (the
-  innermost named scope of its op_name), the bytes of its operands and of its results (MiB) and
-  the time those bytes take at `bandwidth` bytes/s (ms). Operands are an upper bound of what the
-  kernel reads (it may skip tail chunks, or only write an aliased buffer); results are written."""
-  out = []
+_CALLED = re.compile(r"(calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_TAKEN = ("body", "condition", "true_computation", "false_computation")   # run when taken, or 0..n times
+
+
+def _computations(hlo_text: str):
+  """{computation: its instruction lines} of an HLO module's text, and the name of its entry."""
+  comps, name, entry = {}, None, None
   for line in hlo_text.splitlines():
-    if 'custom_call_target="mosaic_gpu' not in line or " custom-call(" not in line:
+    if m := re.match(r"(ENTRY )?%([\w.\-]+) \(", line):
+      name = m.group(2)
+      entry = name if m.group(1) else entry
+      comps[name] = []
+    elif name is not None and line.startswith("  "):
+      comps[name].append(line)
+  return comps, entry
+
+
+def mosaic_traffic(hlo_text: str, bandwidth: float) -> list[dict]:
+  """Each Mosaic GPU custom call of an optimized HLO module: its kernel (the innermost named scope
+  of its op_name), the bytes of its operands and of its results (MiB), the time those bytes take at
+  `bandwidth` bytes/s (ms), and `conditional`: whether it lies in a conditional's branch or a while
+  loop's body (it runs when taken), not in what every call of the program runs. Operands are an
+  upper bound of what the kernel reads (it may skip tail chunks, or only write an aliased buffer);
+  results are written. Calls come in program order, the entry's first."""
+  comps, entry = _computations(hlo_text)
+  callees = {c: [] for c in comps}
+  for c, lines in comps.items():
+    for line in lines:
+      callees[c] += [(m.group(1) in _TAKEN, m.group(2)) for m in _CALLED.finditer(line)]
+      if b := re.search(r"branch_computations=\{([^}]*)\}", line):
+        callees[c] += [(True, x.strip().lstrip("%")) for x in b.group(1).split(",")]
+  order, taken, todo = [], {}, [(entry, False)] if entry else [(c, False) for c in comps]
+  while todo:
+    c, cond = todo.pop(0)
+    if c not in comps or (c in taken and (taken[c] or not cond)):
       continue
-    result = line.split(" custom-call(", 1)[0].split("=", 1)[1]
-    operands = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:output_to|api_version)", line)
-    name = re.search(r'op_name="([^"]*)"', line)
-    scopes = name.group(1).split("/") if name else ["?", "?"]
-    read, write = _array_bytes(operands.group(1)) if operands else 0, _array_bytes(result)
-    out.append({"kernel": scopes[-2] if len(scopes) > 1 else scopes[0], "read_mb": read / 2**20,
-                "write_mb": write / 2**20, "aliased": "output_to_operand_aliasing" in line,
-                "floor_ms": (read + write) / bandwidth * 1e3})
+    if c not in taken:
+      order.append(c)
+    taken[c] = taken.get(c, True) and cond
+    todo += [(callee, cond or t) for t, callee in callees[c]]
+  out = []
+  for c in order:
+    for line in comps[c]:
+      if 'custom_call_target="mosaic_gpu' not in line or " custom-call(" not in line:
+        continue
+      result = line.split(" custom-call(", 1)[0].split("=", 1)[1]
+      operands = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:output_to|api_version)", line)
+      name = re.search(r'op_name="([^"]*)"', line)
+      scopes = name.group(1).split("/") if name else ["?", "?"]
+      read, write = _array_bytes(operands.group(1)) if operands else 0, _array_bytes(result)
+      out.append({"kernel": scopes[-2] if len(scopes) > 1 else scopes[0], "read_mb": read / 2**20,
+                  "write_mb": write / 2**20, "aliased": "output_to_operand_aliasing" in line,
+                  "conditional": taken[c], "floor_ms": (read + write) / bandwidth * 1e3})
   return out
 
 

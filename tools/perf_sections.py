@@ -84,7 +84,8 @@ def aot_section(files, folder=None) -> list[str]:
 def _traffic_table(shapes: dict) -> list[str]:
   """The forward + backward's Mosaic GPU calls (h200_aot --traffic): per shape, the MiB of each
   call's operands and results and the time they take at the H200's bandwidth; a kernel called more
-  than once is one row per call, in program order."""
+  than once is one row per call; calls in a branch or loop body (run when taken) are marked and
+  left out of the sum."""
   per = {name: x.get("fwdbwd", {}).get("traffic") for name, x in shapes.items()}
   per = {name: t for name, t in per.items() if t}
   if not per:
@@ -93,24 +94,29 @@ def _traffic_table(shapes: dict) -> list[str]:
   for name, calls in per.items():
     count: dict = {}
     for c in calls:
-      i = count[c["kernel"]] = count.get(c["kernel"], 0) + 1
-      key = (c["kernel"], i)
+      kind = (c["kernel"], bool(c.get("conditional")))
+      key = (*kind, count.setdefault(kind, 0) + 1)
+      count[kind] += 1
       seen.setdefault(key, len(seen))
       rows.setdefault(key, {})[name] = c
   body = []
   for key in sorted(rows, key=seen.get):
-    cells = [f"`{key[0]}`" + (f" ({key[1]})" if key[1] > 1 else "")]
+    kernel, conditional, i = key
+    cells = [f"`{kernel}`" + (f" ({i})" if i > 1 else "") + (" when taken" if conditional else "")]
     for name in per:
       c = rows[key].get(name)
       cells += [f"{c['read_mb']:.0f} / {c['write_mb']:.0f}", num(c["floor_ms"])] if c else ["-", "-"]
     body.append(cells)
-  body.append(["all"] + [x for name in per for x in (
-      f"{sum(c['read_mb'] for c in per[name]):.0f} / {sum(c['write_mb'] for c in per[name]):.0f}",
-      num(sum(c["floor_ms"] for c in per[name])))])
+  every = {name: [c for c in calls if not c.get("conditional")] for name, calls in per.items()}
+  body.append(["calls every run makes"] + [x for name in per for x in (
+      f"{sum(c['read_mb'] for c in every[name]):.0f} / {sum(c['write_mb'] for c in every[name]):.0f}",
+      num(sum(c["floor_ms"] for c in every[name])))])
   head = ["forward + backward kernel"] + [x for name in per for x in (f"{name} MiB in / out", f"{name} ms at 4.8 TB/s")]
   return (["Each Mosaic GPU call of the forward + backward: the MiB of its operands (an upper bound of what it "
            "reads) and of its results, and the time those bytes take at the H200's 4.8 TB/s (a floor for a "
-           "kernel that moves them once).", ""] + table(head, body))
+           "kernel that moves them once). A call *when taken* lies in a conditional's branch or a loop's body "
+           "(the choice between intra kernels, NaN confinement's rerun) and is not in the sum.", ""]
+          + table(head, body))
 
 
 def states_section(files, folder=None) -> list[str]:
