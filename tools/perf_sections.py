@@ -63,8 +63,9 @@ def aot_section(files, folder=None) -> list[str]:
   lines = ["## Memory compiled for the H200 without one", "",
            "`tools.h200_aot`: each shape of `tools.bench` (its inputs and calls) compiled for an H200 through "
            "jax's CUDA plugin on a machine without a GPU: XLA's temp memory of the forward and of the forward + "
-           "backward (`jax.grad`), MiB, and ptxas's registers and spill stores per thread of each Mosaic GPU "
-           "kernel where recorded. The figures are the compiler's; times need the device.", ""]
+           "backward (`jax.grad`), MiB, the bytes each Mosaic GPU call moves and ptxas's registers and spill stores "
+           "per thread of each Mosaic GPU kernel where recorded. The figures are the compiler's; times need the "
+           "device.", ""]
   for path, d in got:
     run = d.get("run", {})
     lines += [f"`{relative(path, folder)}` (commit {run.get('commit', '?')}, {d.get('device', '-')}"
@@ -95,8 +96,8 @@ def _traffic_table(shapes: dict) -> list[str]:
     count: dict = {}
     for c in calls:
       kind = (c["kernel"], bool(c.get("conditional")))
-      key = (*kind, count.setdefault(kind, 0) + 1)
-      count[kind] += 1
+      count[kind] = count.get(kind, 0) + 1
+      key = (*kind, count[kind])
       seen.setdefault(key, len(seen))
       rows.setdefault(key, {})[name] = c
   body = []
