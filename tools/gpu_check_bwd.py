@@ -108,6 +108,7 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
       errs = {f: _rel(getattr(got, f), getattr(rec[name], f)) for f in rec[name]._fields
               if getattr(rec[name], f) is not None}
       out["stages"][key] = {"max_rel": errs, "kernel_ms": bench.timeit(kernel, *args, reps=reps)}
+      print(" ", key, json.dumps(out["stages"][key]), flush=True)     # as it comes: a call cut short keeps it
     out["stages"][name]["reference_ms"] = bench.timeit(ref, *args, reps=reps)
   kw = dict(cu_seqlens=inp.cu_seqlens, output_final_state=True, use_gate_in_kernel=raw, chunk_size=64)
 
@@ -122,6 +123,7 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
   grads = {impl: loss(impl) for impl in ("mosaic_gpu", "reference")}
   got, want = (grads[i](*x) for i in ("mosaic_gpu", "reference"))
   out["grad_max_rel"] = {n: _rel(a, b) for n, a, b in zip(GRADS, got, want)}
+  print("  grad_max_rel", json.dumps(out["grad_max_rel"]), flush=True)
   out["grad_finite"] = bool(all(np.isfinite(np.asarray(jnp.asarray(a, jnp.float32))).all() for a in got))
   out["grad_ms"] = {i: bench.timeit(grads[i], *x, reps=reps) for i in grads}
   out["grad_bits_differ"] = bit_differences(got, [grads["mosaic_gpu"](*x) for _ in range(repeat)])
