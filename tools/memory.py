@@ -9,7 +9,7 @@ the kda piece that made it (its op's kda.<piece> name scope in the optimized HLO
 attributes device time). The step totals approximate XLA's temp + output bytes (values of one
 allocation may share bytes), so read them as which buffers meet at the peak.
 
-  python -m tools.memory [--variants A:plain] [--no-bwd] [--total 32768] [--impl auto] [--top 25]
+  python -m tools.memory [--variants A:plain] [--no-bwd] [--total 32768] [--impl auto] [--config TEXT] [--top 25]
       [--dir /tmp/kda-memory] [--h200] [--out FILE.json]
 
 --h200 compiles for an NVIDIA H200 on a machine without one (tools.h200_aot: jax's CUDA plugin
@@ -135,6 +135,7 @@ def main(argv=None):
   p.add_argument("--impl", default="auto", help="auto (impl=None), mosaic_gpu, pallas or reference")
   p.add_argument("--no-bwd", action="store_true", help="the forward alone")
   p.add_argument("--total", type=int, default=bench.TOTAL)
+  p.add_argument("--config", default="", help="configs of the call, name.field=value,... (tools.configs)")
   p.add_argument("--top", type=int, default=25, help="how many live values to list")
   p.add_argument("--dir", default="/tmp/kda-memory", help="XLA's dump goes there (emptied first)")
   p.add_argument("--h200", action="store_true", help="compile for an H200 here (tools.h200_aot)")
@@ -151,7 +152,7 @@ def main(argv=None):
   results = {}
   for var in a.variants.split(","):
     name, gate = var.split(":")
-    args, fwd, loss = bench.calls(name, gate, a.impl, a.total)
+    args, fwd, loss = bench.calls(name, gate, a.impl, a.total, config=a.config, device=device)
     f, module = (jax.jit(fwd), "jit_fwd") if a.no_bwd else (
         jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))), "jit_loss")
     if device is None:

@@ -353,8 +353,10 @@ def _lowered_text(config, K):
                                        pytest.param(64, "never", marks=pytest.mark.large)])
 def test_kernel_lowers_for_cuda(K, bounded):
   """One Mosaic GPU kernel, lowered for CUDA from the CPU with 70000 chunks (on grid x), float32
-  q, k (the launcher's cast) and aligned_cu."""
-  _lowered(mgb.Config(bounded=bounded), K)
+  q, k (the launcher's cast) and aligned_cu; dgc's result aliases its accumulator (in place)."""
+  txt = _lowered(mgb.Config(bounded=bounded), K)
+  call = [line for line in txt.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+  assert len(re.findall(r"output_operand_alias<", call[0])) == 1, call[0][:400]
 
 
 @pytest.mark.parametrize("K", [64, 128])

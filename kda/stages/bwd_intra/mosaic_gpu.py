@@ -57,6 +57,10 @@ into their stores, through one plain [64, 64] SMEM stage (dq, then dk; 8 KiB mor
 per SM) and kda._mosaic_gpu.store_rows to packed rows src[c] + r, r < count[c]; program (s, h, c)
 zeroes the gap pieces c, c + NTa, ... of its head and columns. dgc and dbeta stay aligned.
 
+In place: dgc's result is written over its accumulator (S3's dgc, a mutable ref aliased in and
+out): each program reads its tile before it stores the same rows and columns, so the backward's peak
+(S4's launch) holds one [Ta, HV, K] float32 buffer for dgc, not two.
+
 Pairs (`apply(..., pairs=True)`): S3's dq, dk come as bf16 pairs (kda._mosaic_gpu.pair_load: hi +
 lo in float32, ~2^-17 relative), read where S2 and S3 stored them, over S0's h and S2's dh.
 
@@ -335,6 +339,8 @@ def _tail(flag_g, *refs, grads=True, seg=False, pairs=False):
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
   for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g), (ag_g, og_g))[0 if grads else 2:]:
+    if o_g is a_g:                # dgc in place: the accumulator is already there
+      continue
     x = pair_load(a_g, c, i_h, cols) if pairs and o_g is not og_g else _load(a_g.at[rows, i_h, cols])
     o_g[rows, i_h, cols] = x.astype(o_g.dtype)
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
@@ -364,6 +370,17 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros
                [dst(oq_g), dst(ok_g)], BT)
 
 
+def _in_place(body, n_in):
+  """The body with dgc in place: refs = the n_in inputs (dgc's, a mutable ref, last), the outputs dq,
+  dk and dbeta's parts, the scratch; `body` gets dgc's ref as its dgc output too. Each program reads
+  its dgc tile (in `finish`, into registers) before it stores the same tile, and no other program
+  touches it."""
+  def wrapped(*refs):
+    ins, (oq, ok, odb), scratch = refs[:n_in], refs[n_in:n_in + 3], refs[n_in + 3:]
+    return body(*ins, oq, ok, ins[-1], odb, *scratch)
+  return wrapped
+
+
 def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None,
             tail_zeros=True, seg=False, packed_qk=False, pairs=False):
   nslab = K // SLAB
@@ -379,9 +396,13 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_tail, **kw) if tail_zeros else None)
   Tq = Ta if packed_T is None else packed_T
+  # the inputs: the lead (src, count, pieces, aligned_cu and the clean flag; or aligned_cu), the levels,
+  # seg, then q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dgc
+  n_lead = 4 + bool(packed_qk) if packed_T is not None else int(skip_tail)
+  body = _in_place(body, n_lead + 1 + bool(seg) + 10)
   return plgpu.kernel(
       body,
-      out_type=(out((Tq, HV, K), grad_dtype), out((Tq, HV, K), grad_dtype), out((Ta, HV, K)), out((nslab, HV, Ta))),
+      out_type=(out((Tq, HV, K), grad_dtype), out((Tq, HV, K), grad_dtype), out((nslab, HV, Ta))),
       grid=(nslab, HV, Ta // BT), grid_names=("s", "h", "c"),
       scratch_types=_scratch(None if packed_T is None else grad_dtype, packed_qk),
       compiler_params=_params(lane=False, approx_math=config.approx_math),   # Warpgroup (module docstring)
@@ -442,6 +463,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
     flag = jnp.zeros((HV * (Ta // BT),), jnp.int32)
   segs = () if seg is None else (seg.astype(F32),)
   dqk = (dq[0], dk[0]) if pairs else (f32(dq), f32(dk))
-  oq, ok, og, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), *dqk, f32(dgc))
+  dgc_ref = jax.new_ref(f32(dgc))            # dgc's result over the accumulator (`_in_place`)
+  oq, ok, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), *dqk, dgc_ref)
   db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
-  return Out(oq[None], ok[None], db, og[None])
+  return Out(oq[None], ok[None], db, jax.ref.freeze(dgc_ref)[None])
