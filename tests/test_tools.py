@@ -363,6 +363,10 @@ allocation 1: size 900, preallocated-temp:
   sizes["d"] = (100, "f32[25]{0}", "preallocated-temp", (1, 0))
   t, total, rows = memory.peak(steps, ranges, sizes)
   assert (t, total) == (2, 600) and [r[1] for r in rows] == ["b{0}", "b{1}", "a"]
+  # a zero-byte value live at the peak (a token, an empty array) takes no place and is not listed
+  sizes["e"] = (0, "f32[0]{0}", "preallocated-temp", (1, 800))
+  t, total, rows = memory.peak(steps, ranges + [("e{}", 1, 3)], sizes)
+  assert (t, total) == (2, 600) and [r[1] for r in rows] == ["b{0}", "b{1}", "a"]
 
 
 def test_compile_report_lowers_the_program_and_each_kernel(tmp_path):

@@ -90,7 +90,7 @@ def peak(steps, ranges, sizes):
   total = [sum(b for b, _ in p.values()) for p in places]
   t = max(range(last + 1), key=total.__getitem__)
   live = sorted((sizes[n][0], n, sizes[n][1], s, e) for n, s, e in own
-                if s <= t <= e and places[t][sizes[n][3]][1] == n)
+                if s <= t <= e and places[t].get(sizes[n][3], (0, None))[1] == n)
   return t, total[t], live[::-1]
 
 
