@@ -27,7 +27,7 @@ from kda import fused, padding
 from kda.padding import Layout
 from kda.padding.pieces import reset_gates
 from kda.plan import FORWARD, BACKWARD, Plan, group_backend, run  # noqa: F401  (re-exported names)
-from kda.steps import Grads, Saved, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
+from kda.steps import Grads, Saved, defer_qg_kw, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
 from kda.steps import cleaned, zero_bad
 
 
@@ -166,10 +166,15 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
     ds = stage("bwd_dh", *dh_args, **du_kw, **pairs)
     pairs, wy_args = keep_pairs(plan, "bwd_wy", (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du,
                                                  ds.dgc_last, layout.aligned_cu), pairs, **dv_dtype)
-    wy = stage("bwd_wy", *wy_args, **dv_dtype, **pairs)
-    pairs, it_args = keep_pairs(plan, "bwd_intra", (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta,
-                                                    wy.dgc, layout.aligned_cu), pairs, **grad_dtype)
-    it = stage("bwd_intra", *it_args, **grad_dtype, **pairs)
+    s3_kernel = not record and plan.choose("bwd_wy", *wy_args, **plan.stage_kwargs("bwd_wy"), **dv_dtype,
+                                           **pairs) == "mosaic_gpu"
+    defer = defer_qg_kw(plan, s3_kernel, (qa, ka, ba, *gc, av.dAqk, av.dAqk, ds.dqg, ds.dkg,
+                                          jax.ShapeDtypeStruct(ba.shape, jnp.float32), ds.dw, layout.aligned_cu),
+                        **grad_dtype, **pairs)
+    wy = stage("bwd_wy", *wy_args, **dv_dtype, **pairs, **defer)
+    pairs, it_args = keep_pairs(plan, "bwd_intra", (qa, ka, ba, *gc, av.dAqk, wy.dAkk, ds.dqg if defer else wy.dq,
+                                                    wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu), pairs, **grad_dtype)
+    it = stage("bwd_intra", *it_args, **grad_dtype, **pairs, **defer)
     gt = stage("bwd_gate", ga, valid, A_log, dt_bias, it.dgc, wy.dg_state)
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (it.dq, it.dk, wy.dv, it.dbeta, gt.dg, ds.dh0, gt.dA_log,
                                                     gt.ddt_bias)

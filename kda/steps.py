@@ -132,3 +132,14 @@ def keep_pairs(plan, name, args, pairs, **extra):
   if pairs and plan.choose(name, *args, **plan.stage_kwargs(name), **extra, **pairs) != "mosaic_gpu":
     return {}, args[:7] + (from_pairs(args[7]), from_pairs(args[8])) + args[9:]
   return pairs, args
+
+
+def defer_qg_kw(plan, s3_kernel: bool, it_args, **extra) -> dict:
+  """{"defer_qg": True} where S3 runs its Mosaic GPU kernel (s3_kernel) and S4's takes it_args, S4's
+  arguments with S2's dqg in dq's place (extra: S4's keywords beyond the plan's): S3 then reads
+  neither q nor dqg and stores no dq, and S4 forms dq = dqg exp(gc) and adds dqg q exp(gc) to dgc
+  (bwd_wy's and bwd_intra's `defer_qg`): the same terms, one [Ta, HV, K] float32 read and store
+  fewer. Else {}."""
+  if s3_kernel and plan.choose("bwd_intra", *it_args, **plan.stage_kwargs("bwd_intra"), **extra) == "mosaic_gpu":
+    return dict(defer_qg=True)
+  return {}

@@ -546,7 +546,7 @@ def test_packed_backward_equals_the_aligned_one(monkeypatch):
 
 def _pairs_grads(monkeypatch, **config):
   """K = V = 128, impl="mosaic_gpu" (simulator): jax.grad of _packed_case(128)'s sum(o) and the
-  `pairs` keyword each of S2's, S3's and S4's kernels got."""
+  `pairs` and `defer_qg` keywords each of S2's, S3's and S4's kernels got."""
   from kda.stages.bwd_dh import mosaic_gpu as mgd
   from kda.stages.bwd_intra import mosaic_gpu as mgi
   from kda.stages.bwd_wy import mosaic_gpu as mgw
@@ -554,17 +554,18 @@ def _pairs_grads(monkeypatch, **config):
   seen = []
   for mod in (mgd, mgw, mgi):
     real = mod.apply
-    monkeypatch.setattr(mod, "apply", lambda *a, _real=real, **k: seen.append(k.get("pairs")) or _real(*a, **k))
+    monkeypatch.setattr(mod, "apply", lambda *a, _real=real, **k: seen.append((k.get("pairs"), k.get("defer_qg")))
+                        or _real(*a, **k))
   loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=config or None)[0].astype(jnp.float32))
   return jax.jit(jax.grad(loss))(x), seen, x, kw
 
 
 def test_packed_backward_pairs_at_128(monkeypatch):
   """K = V = 128, impl="mosaic_gpu" (simulator): S2 stores dqg, dkg as pairs over h and dh and S3, S4
-  take them (pairs=True reaches the three kernels); the packed backward's gradients are 0 at tokens
-  of no sequence and within bf16 rounding of the reference's."""
+  take them (pairs=True reaches the three kernels), S3 leaves dq to S4 (defer_qg); the packed
+  backward's gradients are 0 at tokens of no sequence and within bf16 rounding of the reference's."""
   got, seen, x, kw = _pairs_grads(monkeypatch)
-  assert seen == [True] * 3, seen
+  assert seen == [(True, None), (True, True), (True, True)], seen
   ref = jax.jit(jax.grad(lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="reference")[0].astype(jnp.float32))))(x)
   end = int(kw["cu_seqlens"][-1])
   for name, a, r in zip("q k v g beta".split(), got, ref):
@@ -603,7 +604,7 @@ def test_packed_backward_pairs_equal_the_aligned_ones(monkeypatch):
   the packed backward's bit for bit."""
   got, _, _, _ = _pairs_grads(monkeypatch)
   want, seen, _, _ = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(packed=False))
-  assert seen == [True] * 3, seen
+  assert seen == [(True, None), (True, True), (True, True)], seen
   for name, a, b in zip("q k v g beta".split(), got, want):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
 

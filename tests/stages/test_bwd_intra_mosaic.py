@@ -590,3 +590,24 @@ def test_pairs_give_the_same_bits(packed):
                                                               chunk_size=BT, pairs=True)
   assert "dq must have shape (1, 64, 16, 128, 128)" in mgb.supports(*_abstract(4096, 16, 128), scale=0.1,
                                                                     chunk_size=BT, pairs=True)
+
+
+def defer_qg_errors(args, scale, **kw):
+  """The kernel with defer_qg on args (dq's accumulator taken as S2's dqg) against the plain call on
+  the accumulators S3 would have formed, dq = dqg exp(gc) and dgc + dqg q exp(gc): block errors."""
+  q, k, beta, gi, gf, dAqk, dAkk, dqg, ak, ab, ag = args
+  run = lambda *a, **k: jax.jit(functools.partial(mgb.apply, scale=scale, chunk_size=BT, interpret=True, **kw,
+                                                  **k))(*a)
+  dq = dqg * jnp.exp(gi + gf)
+  want = run(q, k, beta, gi, gf, dAqk, dAkk, dq, ak, ab, ag + dq * q.astype(F32))
+  return errors(run(*args, defer_qg=True), want)
+
+
+@pytest.mark.parametrize("case,gates", [("K128-HV2-100", "strong"),
+                                        pytest.param("K64-HV2-40_64", "ordinary", marks=pytest.mark.large)])
+def test_defer_qg_forms_s3s_part_of_dq(case, gates):
+  """defer_qg (simulator): the plain call's outputs within float32 rounding (the same terms summed in
+  another order)."""
+  args, _ = make_inputs(case, gates, accumulate=True)
+  errs = defer_qg_errors(args, CASES[case][3] ** -0.5)
+  assert all(e[0] < 2e-6 and e[1] < 1e-6 for e in errs.values()), fmt(errs)

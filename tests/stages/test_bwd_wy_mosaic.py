@@ -609,3 +609,27 @@ def test_packed_qkv_clean_reads_non_finite_values_as_zero(case, split):
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
   assert not all(np.isfinite(np.asarray(x)).all() for x in f(False, *bad, *args[3:]))
+
+
+@pytest.mark.parametrize("case,packed,split", [("K128-V128-HV1-130", True, False), ("K128-V128-HV1-130", False, True),
+                                               pytest.param("K64-V128-HV2-64_50", True, False, marks=pytest.mark.large)],
+                         ids=["K128-packed", "K128-split", "K64-V128-packed"])
+def test_defer_qg_leaves_dq_to_bwd_intra(case, packed, split):
+  """defer_qg: no dq, and dgc without its dqg q exp(gc) term (S4 adds it); every other output bit for
+  bit the plain call's (simulator; in-order kernel with packed dv, split kernel). As lowered for CUDA
+  (K = V = 128, bf16 du): dqg is not an operand, so two in-place aliases (dk over dkg, dgc over dw)."""
+  args, kw = _strong_args(case, packed)
+  cfg = mgw.Config(split=split)
+  run = lambda *a, **k: jax.jit(functools.partial(mgw.apply, chunk_size=BT, interpret=True, config=cfg,
+                                                  dv_dtype=BF16 if packed else None, **kw, **k))(*a)
+  want, got = run(*args), run(*args, defer_qg=True)
+  assert got.dq is None
+  for name in ("dk", "dv", "dbeta", "dg_state", "dAkk"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  q, gi, gf, dqg = (args[i].astype(F32) for i in (0, 4, 5, 7))
+  rest = want.dgc - dqg * q * jnp.exp(gi + gf)             # S3's dgc without the term S4 adds
+  assert bwd_setup.block_errors(got._replace(dgc=got.dgc), want._replace(dgc=rest), ["dgc"])["dgc"][0] < 1e-6
+  lowered = list(_abstract(4096, 2, 128, 128))
+  lowered[10] = jax.ShapeDtypeStruct(lowered[10].shape, BF16)
+  if not split:
+    assert _aliases(cfg, lowered, defer_qg=True) == 2

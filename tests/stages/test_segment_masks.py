@@ -97,6 +97,18 @@ def test_bwd_intra_with_segments_matches_reference_on_the_bounded_path(K, strong
   assert not tb.failures(errs), tb.fmt(errs)
 
 
+def test_bwd_intra_defer_qg_with_segments():
+  """defer_qg with seg: exp(gc) of the true gc (the resets' steps put back into gc_int)."""
+  (q, k, _, beta, gi, gf), seg = case(128, True)
+  A = (1, T, HV, BT)
+  dAqk, dAkk, dqg, ak, ag = bwd_setup.randn(53, A, A, q.shape, k.shape, q.shape)
+  (ab,) = bwd_setup.randn(54, beta.shape)
+  args = (q, k, beta, gi, gf, bwd_setup.mask_rows(dAqk, BT, strict=False), bwd_setup.mask_rows(dAkk, BT, strict=True),
+          dqg, ak, ab, ag)
+  errs = tb.defer_qg_errors(args, 128 ** -0.5, seg=seg)
+  assert all(e[0] < 2e-6 and e[1] < 1e-6 for e in errs.values()), tb.fmt(errs)
+
+
 def test_kernels_with_segments_lower_for_cuda():
   """The segment-masked scores kernels (one and two parts, packed) and bwd_intra (packed dq, dk)
   lower for CUDA from the CPU."""

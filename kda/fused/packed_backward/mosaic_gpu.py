@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from kda import padding, stages
 from kda.padding.pieces import segment_rows
 from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
-from kda.steps import Grads, cleaned, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope, zero_bad
+from kda.steps import Grads, cleaned, defer_qg_kw, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope, zero_bad
 
 
 def _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state):
@@ -102,13 +102,19 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
     wy_args = (q3, k3, v3) + wy_args[3:]
     wy_kw.update(pairs, qkv_packed=True, clean=clean)
-  wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw)
-  it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, wy.dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
+  dbeta_f32 = jax.ShapeDtypeStruct(ba.shape, jnp.float32)
+  # S4's packed call as packed_kw will make it, S2's dqg in dq's place
+  defer = defer_qg_kw(plan, bool(wy_kw), (qa, ka, ba, *gc, av.dAqk, av.dAqk, ds.dqg, ds.dkg, dbeta_f32, ds.dw,
+                                          layout.aligned_cu), **grad_dtype, **pairs, **tail, rows=rows,
+                      pieces=pieces, T=layout.T)
+  wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw, **defer)
+  dq = ds.dqg if defer else wy.dq
+  it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   pairs, it_args = keep_pairs(plan, "bwd_intra", it_args, pairs, **grad_dtype)
   it_kw = packed_kw("bwd_intra", *it_args, store=True, **grad_dtype, **pairs)
   if it_kw:
     it_args = (q3, k3) + it_args[2:]
-    it_kw.update(**seg, **pairs, qk_packed=True, clean=clean)
+    it_kw.update(**seg, **pairs, **defer, qk_packed=True, clean=clean)
   it = stage("bwd_intra", *it_args, **grad_dtype, **it_kw)
   with scope("bwd_gate"):          # dg packed in g's dtype, zeros at tokens of no sequence
     g5 = raw_g if clean and not plan.use_gate_in_kernel else g

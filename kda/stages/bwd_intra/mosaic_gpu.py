@@ -61,6 +61,10 @@ In place: dgc's result is written over its accumulator (S3's dgc, a mutable ref 
 out): each program reads its tile before it stores the same rows and columns, so the backward's peak
 (S4's launch) holds one [Ta, HV, K] float32 buffer for dgc, not two.
 
+Deferred qg (`apply(..., defer_qg=True)`, S3's `defer_qg`): dq's accumulator is S2's dqg, and
+`finish` adds S3's part of dq, dqg exp(gc) (gc from the program's SMEM tiles, with seg the resets'
+steps put back), and dqg q exp(gc) to dgc.
+
 Pairs (`apply(..., pairs=True)`): S3's dq, dk come as bf16 pairs (kda._mosaic_gpu.pair_load: hi +
 lo in float32, ~2^-17 relative), read where S2 and S3 stored them, over S0's h and S2's dh.
 
@@ -220,11 +224,12 @@ def bounded_levels(gc_int, gc_frac):
   return lb.T.reshape(-1).astype(jnp.int32)
 
 
-def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_rows=None, pairs=False):
+def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_rows=None, pairs=False,
+          defer_qg=False):
   """One program. seg: a [2, Ta] float32 input after the flags (kda.pipeline.segment_rows): dA's
   pairs masked to the chunk's segments, gc_int taken without the resets' -128 steps. qk_rows
   (src, count): q, k are packed (kda._mosaic_gpu.packed_tile). pairs: S3's dq, dk are pair refs
-  (kda._mosaic_gpu.pair_load)."""
+  (kda._mosaic_gpu.pair_load). defer_qg: dq's ref holds S2's dqg (`apply`)."""
   seg_g, refs = (refs[0], refs[1:]) if seg else (None, refs)
   (q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g, odb_g,
    q_s, k_s, dh_s, dl_s, rh_s, rl_s, xh_s, xl_s, gi_s, gf_s, bar) = refs
@@ -314,13 +319,20 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     bG = beta * G
     at = lambda ref: ref.at[rows, i_h, cols]
     ld = (lambda ref: pair_load(ref, c, i_h, cols)) if pairs else (lambda ref: _load(at(ref)))
+    acc_q, acc_g = ld(aq_g), _load(at(ag_g))
+    if defer_qg:                   # S3's part: dq = dqg exp(gc), and dqg q exp(gc) onto dgc
+      gi = _load(gi_s)
+      if seg:                      # the resets' steps back: the true gc
+        gi = gi + GATE_FLOOR * bcast_row(_load(seg_g.at[0, rows], ROW))
+      acc_q = acc_q * jnp.exp(exponent(gi, _load(gf_s)))
+      acc_g = acc_g + acc_q * qx
     if store is None:
-      oq_g[rows, i_h, cols] = (ld(aq_g) + (P + d * kx)).astype(oq_g.dtype)
+      oq_g[rows, i_h, cols] = (acc_q + (P + d * kx)).astype(oq_g.dtype)
       ok_g[rows, i_h, cols] = (ld(ak_g) + (W + d * qx + bG)).astype(ok_g.dtype)
     else:
-      store(oq_g, ld(aq_g) + (P + d * kx))
+      store(oq_g, acc_q + (P + d * kx))
       store(ok_g, ld(ak_g) + (W + d * qx + bG))
-    og_g[rows, i_h, cols] = _load(at(ag_g)) + (qx * P - kx * W + kx * bG)
+    og_g[rows, i_h, cols] = acc_g + (qx * P - kx * W + kx * bG)
     odb_g[s, i_h, rows] = jnp.sum(kx * G, axis=1)
 
 
@@ -347,7 +359,7 @@ def _tail(flag_g, *refs, grads=True, seg=False, pairs=False):
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros=True, seg=False, dA_terms=2,
-                 packed_qk=False, pairs=False):
+                 packed_qk=False, pairs=False, defer_qg=False):
   """Packed dq, dk (`packed_chunk`, the stage is the last scratch): program (s, h, c) stores its
   chunk's dq, dk rows packed and zeroes the gap pieces c, c + NTa, ... of both at its head and
   columns; packed_qk: q, k are read packed too, and the clean flag's ref [1] int32 comes after
@@ -364,7 +376,7 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, scale, bounded, tail_zeros
     qk_rows = (src_g[c], cnt_g[c], clean_g[0])
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
                lambda store: _body(*refs, scale=scale, bounded=bounded, seg=seg, dA_terms=dA_terms, pairs=pairs,
-                                   qk_rows=qk_rows,
+                                   qk_rows=qk_rows, defer_qg=defer_qg,
                                    store=lambda o_g, x: store(dst(o_g), x)),
                (lambda: _tail(*refs, grads=False, seg=seg)) if tail_zeros else None,
                [dst(oq_g), dst(ok_g)], BT)
@@ -382,17 +394,18 @@ def _in_place(body, n_in):
 
 
 def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=F32, packed_T=None,
-            tail_zeros=True, seg=False, packed_qk=False, pairs=False):
+            tail_zeros=True, seg=False, packed_qk=False, pairs=False, defer_qg=False):
   nslab = K // SLAB
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   kw = dict(seg=True) if seg else {}        # the body's and the tail's
   if pairs:
     kw["pairs"] = True
   body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
-                           **kw)
+                           defer_qg=defer_qg, **kw)
   if packed_T is not None:
     body = functools.partial(_packed_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
-                             packed_qk=packed_qk, **({} if tail_zeros else dict(tail_zeros=False)), **kw)
+                             packed_qk=packed_qk, defer_qg=defer_qg, **({} if tail_zeros else dict(tail_zeros=False)),
+                             **kw)
   elif skip_tail:
     body = skipping_tail(body, functools.partial(_tail, **kw) if tail_zeros else None)
   Tq = Ta if packed_T is None else packed_T
@@ -413,7 +426,7 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
 
 def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_cu=None, *, scale, chunk_size,
           grad_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          seg=None, qk_packed=False, pairs=False, clean=None):
+          seg=None, qk_packed=False, pairs=False, clean=None, defer_qg=False):
   """The stage on the kernel; bf16 or float32 q, k (rounded to bf16; the predicate `supports` adds
   the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or past
   aligned_cu[-1] get the accumulators back without anything else read. grad_dtype: dq's and
@@ -430,7 +443,9 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   src[c] + r, r < count[c] (the rest of the landed tile taken as 0), so no aligned copy of them need
   exist; the same bits as the aligned call. clean (with qk_packed; a bool scalar, traced or not):
   where true, the non-finite values of q, k are read as 0 too (kda.confine's rerun), with no copy
-  and the same kernel. pairs: dq, dk come as their pairs (S3's `pairs`)."""
+  and the same kernel. pairs: dq, dk come as their pairs (S3's `pairs`). defer_qg (S3's): dq is S2's
+  dqg, the cotangent of qg = q exp(gc), and the kernel forms S3's part of dq, dqg exp(gc), and adds
+  dqg q exp(gc) to dgc (each program has its tile of gc in SMEM)."""
   config = config or Config()
   packed = rows is not None
   grad_dtype = jnp.dtype(grad_dtype or F32)
@@ -451,7 +466,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
               grad_dtype=grad_dtype, packed_T=T if packed else None,
               tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None, packed_qk=bool(qk_packed),
-              pairs=bool(pairs))
+              pairs=bool(pairs), defer_qg=bool(defer_qg))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu

@@ -33,6 +33,11 @@ as is: the same bits, half the bytes; dg_state then has a buffer of its own. Wit
 come as S2's bf16 pairs (hi + lo per chunk and head, kda._mosaic_gpu.pair_load) and dq, dk leave as
 theirs over them: float32 hi + lo in registers, the same arithmetic.
 
+qg's cotangent deferred (`apply(..., defer_qg=True)`, where S4 runs its kernel: kda.steps.defer_qg_kw):
+dq = dqg exp(gc) and dgc's term dqg q exp(gc) need nothing of this stage but gc, so S4's kernel
+forms them (it has gc's tile in SMEM); this kernel then reads neither q nor dqg, stores no dq, and
+each K slab holds one [64, 64] float32 array fewer in registers.
+
 SMEM per program (`smem_bytes`): q, k (K / 64 tiles each), v (V / 64), a, four work tiles and L,
 [64, 64] bf16 tiles of 8 KiB, the reduction scratch of dbeta's row sums and a barrier: 100360 bytes
 at K = V = 128, two CTAs per SM.
@@ -108,29 +113,30 @@ class Config:
       raise ValueError(f"cotangent_terms must be 1 or 2, got {self.cotangent_terms!r}")
 
 
-def _scratch(K, V, stage_dtype=None, packed_qkv=False):
+def _scratch(K, V, stage_dtype=None, packed_qkv=False, defer_qg=False):
   """The kernel's scratch types; stage_dtype: packed dv's plain stage in dv's dtype (None: aligned);
-  packed_qkv: plain q, k, v tiles (TMA lands packed rows there; they are only read into registers)."""
+  packed_qkv: plain q, k, v tiles (TMA lands packed rows there; they are only read into registers);
+  defer_qg: no q tiles (nothing reads q)."""
   nk, nv = K // SLAB, V // SLAB
   tile = (lambda n: plgpu.SMEM((n, BT, SLAB), BF16)) if packed_qkv else (lambda n: _swz((n, BT, SLAB)))
   return [
       _swz((BT, BT)),                                                     # Ainv
       *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
       _swz((BT, BT)),                                                     # L
-      plgpu.Barrier(num_arrivals=2 * nk + nv + 1),
-      tile(nk), tile(nk), tile(nv),                                       # q, k, v
+      plgpu.Barrier(num_arrivals=(1 if defer_qg else 2) * nk + nv + 1),
+      tile(nk), tile(nv), *([] if defer_qg else [tile(nk)]),              # k, v, q
       *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
   ]
 
 
-def smem_bytes(K, V, stage_dtype=None, packed_qkv=False):
+def smem_bytes(K, V, stage_dtype=None, packed_qkv=False, defer_qg=False):
   """Shared memory per program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates; the
   body's dbeta row sums reserve the reduction scratch)."""
-  return _smem_bytes(_scratch(K, V, stage_dtype, packed_qkv), reduction=True)
+  return _smem_bytes(_scratch(K, V, stage_dtype, packed_qkv, defer_qg), reduction=True)
 
 
 def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-            stage_dtype=None, config=None, qkv_T=None, pairs=False) -> Optional[str]:
+            stage_dtype=None, config=None, qkv_T=None, pairs=False, defer_qg=False) -> Optional[str]:
   """What the kernel can run (any float dtypes); `apply` raises with it. qkv_T: q, k, v are packed
   [1, qkv_T, HV, D]; pairs: dqg, dkg are pairs (bf16 [1, NTa, HV, 2 * 64, K])."""
   # the aligned layout's shapes: k's, v's, or with packed q, k, v the terms'
@@ -164,14 +170,14 @@ def _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, al
   if aligned_cu is not None and (reason := aligned_cu_reason(aligned_cu)):
     return reason
   config = config or Config()
-  need = (split.smem_bytes(stage_dtype) if config.split and K == V else
-          smem_bytes(K, V, stage_dtype, qkv_T is not None))
+  need = (split.smem_bytes(stage_dtype, packed_qkv=qkv_T is not None, defer_qg=defer_qg) if config.split and K == V
+          else smem_bytes(K, V, stage_dtype, qkv_T is not None, defer_qg))
   return smem_reason(need, "bwd_wy")
 
 
 def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *,
              chunk_size, config=None, dv_dtype=None, rows=None, T=None, qkv_packed=False, pairs=False,
-             **_) -> Optional[str]:
+             defer_qg=False, **_) -> Optional[str]:
   """The stage's predicate: None if the kernel takes this call, else the reason in words. Beyond
   what the kernel can run (rows given: packed dv, its stage in dv_dtype counted), q, k, v and Ainv
   must be bfloat16 (the dtype policy: float32 inputs keep float32 gradients on the reference;
@@ -182,7 +188,7 @@ def supports(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, a
   if qkv_packed and (rows is None or not isinstance(T, int)):
     return "packed q, k, v need rows and a static int T"
   reason = _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu, stage, config,
-                   T if qkv_packed else None, pairs)
+                   T if qkv_packed else None, pairs, defer_qg)
   if reason is not None:
     return reason
   bad = [f"{n} {jnp.dtype(x.dtype).name}" for n, x in (("q", q), ("k", k), ("v", v), ("Ainv", Ainv))
@@ -198,16 +204,19 @@ takes = supports                  # the name kda.stages.bwd_wy registers
 
 def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
           oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-          a_s, t0, t1, t2, t3, l_s, bar, q_s, k_s, v_s, *, nk, nv, store_dv=None, ct=2, overlap=False,
-          qkv_rows=None, pairs=False):
+          a_s, t0, t1, t2, t3, l_s, bar, k_s, v_s, *q_s, nk, nv, store_dv=None, ct=2, overlap=False,
+          qkv_rows=None, pairs=False, defer_qg=False):
   """qkv_rows (src, count): q, k, v are packed, chunk c's row r < count at packed row src + r.
-  pairs: dqg, dkg (and so dq, dk over them) are pair refs (kda._mosaic_gpu.pair_load)."""
+  pairs: dqg, dkg (and so dq, dk over them) are pair refs (kda._mosaic_gpu.pair_load). defer_qg:
+  dqg_g, oq_g and q_s are None (q and dqg are not read, dq is not formed)."""
   h, c = lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   slab = lambda j: pl.ds(j * SLAB, SLAB)
   qkv = rows if qkv_rows is None else pl.ds(qkv_rows[0], BT)
+  q_s = None if defer_qg else q_s[0]
   for j in range(nk):
-    plgpu.copy_gmem_to_smem(q_g.at[qkv, h, slab(j)], q_s.at[j], bar)
+    if not defer_qg:
+      plgpu.copy_gmem_to_smem(q_g.at[qkv, h, slab(j)], q_s.at[j], bar)
     plgpu.copy_gmem_to_smem(k_g.at[qkv, h, slab(j)], k_s.at[j], bar)
   for j in range(nv):
     plgpu.copy_gmem_to_smem(v_g.at[qkv, h, slab(j)], v_s.at[j], bar)
@@ -246,6 +255,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   operands = [(du_g, j) for j in range(nv)] + [(dw_g, j) for j in range(nk)]
   operand = lambda i: _load(at(*operands[i])) if i < len(operands) else None
   paired = lambda ref: pairs and (ref is dqg_g or ref is dkg_g)
+  qk_terms = (dkg_g,) if defer_qg else (dqg_g, dkg_g)       # S2's terms of qg and kg that S3 reads
   loads = lambda *refs, j: tuple(pair_load(r, c, h, slab(j)) if paired(r) else _load(at(r, j)) for r in refs)
 
   def store(o_g, j, x):            # dq, dk as pairs where dqg, dkg are
@@ -276,16 +286,19 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     put(x[0] if overlap else _load(at(dw_g, j)), *cts)       # dw
     # with overlap this slab's dqg, dkg too are loaded while dkb's products run
     dkb, (gi, gf, *early) = product([(aT, t) for t in cts],
-                                    lambda: loads(gi_g, gf_g, *((dqg_g, dkg_g) if overlap else ()), j=j))
+                                    lambda: loads(gi_g, gf_g, *(qk_terms if overlap else ()), j=j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
-    kx, qx = tile(k_s, j), tile(q_s, j)
-    dqg, dkg = early if overlap else loads(dqg_g, dkg_g, j=j)
+    kx = tile(k_s, j)
+    *dqg, dkg = early if overlap else loads(*qk_terms, j=j)
     keg = kx * eg
     kb = beta * keg
-    store(oq_g, j, dqg * eg)
     store(ok_g, j, dkg * el + dkb * beta * eg)
-    og_g[rows, h, slab(j)] = dqg * qx * eg + dkb * kb
+    if defer_qg:                   # S4 forms dq = dqg eg and adds dqg q eg to dgc
+      og_g[rows, h, slab(j)] = dkb * kb
+    else:
+      store(oq_g, j, dqg[0] * eg)
+      og_g[rows, h, slab(j)] = dqg[0] * tile(q_s, j) * eg + dkb * kb
     dsum = dsum + jnp.sum(dkb * keg, axis=1)
     dkg_kg = dkg * (kx * el)       # one array, not three, through the products
     put(kb, t2, t3)
@@ -318,6 +331,8 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     ov_g[rows, h, slab(j)] = z.astype(ov_g.dtype)
   for j in range(nk):
     for o_g in (oq_g, ok_g, og_g, ogs_g):
+      if o_g is None:              # defer_qg: no dq
+        continue
       if pairs and (o_g is oq_g or o_g is ok_g):
         pair_store(o_g, c, h, slab(j), z)
       else:
@@ -327,7 +342,7 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, ct=2, overlap=False,
-                 packed_qkv=False, pairs=False):
+                 packed_qkv=False, pairs=False, defer_qg=False):
   """Packed dv (`packed_chunk`, the stage is the last scratch): program (h, c) stores its chunk's dv
   rows packed and zeroes the gap pieces c, c + NTa, ... of dv's head h; packed_qkv: q, k, v are
   read packed too, and the clean flag's ref [1] int32 comes after aligned_cu's."""
@@ -342,17 +357,21 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, nk, nv, tail_zeros=True, c
     qkv_rows = (src_g[c], cnt_g[c], clean_g[0])
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
                lambda store: _body(*refs, nk=nk, nv=nv, ct=ct, overlap=overlap, qkv_rows=qkv_rows, pairs=pairs,
-                                   store_dv=lambda j, x: store(dst(j), x)),
+                                   defer_qg=defer_qg, store_dv=lambda j, x: store(dst(j), x)),
                (lambda: _zeros(*refs, nk=nk, nv=nv, dv=False, pairs=pairs)) if tail_zeros else None,
                [dst(j) for j in range(nv)], BT)
 
 
-def _in_place(body, n_lead, alias_du):
+def _in_place(body, n_lead, alias_du, defer_qg=False):
   """The body on the in-place operands: refs = the n_lead leading refs, the 12 inputs (dqg, dkg, dw,
-  du mutable), the fresh outputs dv, dbeta^T, dAkk (and dg_state unless alias_du), the scratch; it
-  calls `body` with the outputs dq, dk, dgc (dg_state) on dqg's, dkg's, dw's (du's) refs."""
+  du mutable; defer_qg: 11, no dqg), the fresh outputs dv, dbeta^T, dAkk (and dg_state unless
+  alias_du), the scratch; it calls `body` with the outputs dq, dk, dgc (dg_state) on dqg's, dkg's,
+  dw's (du's) refs (dqg's and dq's None with defer_qg)."""
   def wrapped(*refs):
-    lead, ins, rest = refs[:n_lead], refs[n_lead:n_lead + 12], refs[n_lead + 12:]
+    n_in = 11 if defer_qg else 12
+    lead, ins, rest = refs[:n_lead], list(refs[n_lead:n_lead + n_in]), refs[n_lead + n_in:]
+    if defer_qg:
+      ins.insert(7, None)
     n_out = 3 if alias_du else 4
     (ov, odb, oa, *ogs), scratch = rest[:n_out], rest[n_out:]
     ogs = ins[10] if alias_du else ogs[0]
@@ -360,7 +379,8 @@ def _in_place(body, n_lead, alias_du):
   return wrapped
 
 
-def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2, packed_qkv=False, pairs=False):
+def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=2, packed_qkv=False, pairs=False,
+                       defer_qg=False):
   """The split kernel's packed dv: program (p, h, c) stores its slab of its chunk's dv rows packed
   and zeroes the gap pieces c, c + NTa, ... of that slab; packed_qkv: q, k, v are read packed too
   (the clean flag's ref after aligned_cu's, as `_packed_body`)."""
@@ -374,34 +394,37 @@ def _split_packed_body(src_g, cnt_g, pieces_g, cu_g, *refs, tail_zeros=True, ct=
   if packed_qkv:
     qkv_rows = (src_g[c], cnt_g[c], clean_g[0])
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: split.body(*refs, ct=ct, qkv_rows=qkv_rows, pairs=pairs, store_dv=lambda x: store(dst, x)),
+               lambda store: split.body(*refs, ct=ct, qkv_rows=qkv_rows, pairs=pairs, defer_qg=defer_qg,
+                                        store_dv=lambda x: store(dst, x)),
                (lambda: split.zeros_body(*refs, dv=False, pairs=pairs)) if tail_zeros else None, [dst], BT)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F32, packed_T=None,
-            tail_zeros=True, ct=2, overlap=False, split_slabs=False, du_bf16=False, packed_qkv=False, pairs=False):
+            tail_zeros=True, ct=2, overlap=False, split_slabs=False, du_bf16=False, packed_qkv=False, pairs=False,
+            defer_qg=False):
   nk, nv = K // SLAB, V // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   stage_dtype = None if packed_T is None else dv_dtype
   lanes = dict(tail_zeros=False) if not tail_zeros else {}
   alias_du = K == V and not du_bf16          # dg_state over du (float32 only)
   if split_slabs:
-    body = functools.partial(split.body, ct=ct, pairs=pairs)
+    body = functools.partial(split.body, ct=ct, pairs=pairs, defer_qg=defer_qg)
     zeros_body = functools.partial(split.zeros_body, pairs=pairs)
-    packed_body = functools.partial(_split_packed_body, ct=ct, packed_qkv=packed_qkv, pairs=pairs, **lanes)
+    packed_body = functools.partial(_split_packed_body, ct=ct, packed_qkv=packed_qkv, pairs=pairs, defer_qg=defer_qg,
+                                    **lanes)
   else:
-    body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap, pairs=pairs)
+    body = functools.partial(_body, nk=nk, nv=nv, ct=ct, overlap=overlap, pairs=pairs, defer_qg=defer_qg)
     zeros_body = functools.partial(_zeros, nk=nk, nv=nv, pairs=pairs)
     packed_body = functools.partial(_packed_body, nk=nk, nv=nv, ct=ct, overlap=overlap, packed_qkv=packed_qkv,
-                                    pairs=pairs, **lanes)
+                                    pairs=pairs, defer_qg=defer_qg, **lanes)
   if packed_T is not None:
     body = packed_body
   elif skip_tail:
     body = skipping_tail(body, zeros_body if tail_zeros else None)
   # src, count, pieces, aligned_cu (and the clean flag with packed q, k, v)
   n_lead = 4 + bool(packed_qkv) if packed_T is not None else int(skip_tail)
-  body = _in_place(body, n_lead, alias_du=alias_du)
+  body = _in_place(body, n_lead, alias_du=alias_du, defer_qg=defer_qg)
   Tv = Ta if packed_T is None else packed_T
   # fresh outputs: dv, dbeta^T, dAkk (per slab where split; and dg_state where K != V); dq, dk, dgc
   # (dg_state) in place
@@ -414,8 +437,8 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
       body,
       out_type=out_type,
       **grid,
-      scratch_types=(split.scratch(stage_dtype, du_bf16, packed_qkv, pairs) if split_slabs else
-                     _scratch(K, V, stage_dtype, packed_qkv)),
+      scratch_types=(split.scratch(stage_dtype, du_bf16, packed_qkv, pairs, defer_qg) if split_slabs else
+                     _scratch(K, V, stage_dtype, packed_qkv, defer_qg)),
       compiler_params=_params(lane=True, approx_math=approx_math),   # Lane: no layout inference
       kernel_name="kda_bwd_wy" if packed_T is None else "kda_bwd_wy_packed",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -424,7 +447,7 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
           dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          qkv_packed=False, pairs=False, clean=None):
+          qkv_packed=False, pairs=False, clean=None, defer_qg=False):
   """The stage on the kernel; any float inputs (q, k, v, Ainv rounded to bf16; the predicate
   `supports` adds the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
@@ -441,14 +464,16 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   bool scalar, traced or not): where true, the non-finite values of q, k, v are read as 0 too (as
   kda.confine cleans its rerun's inputs), with no copy and the same kernel. pairs: dqg, dkg come as
   their pairs (S2's `pairs`: bf16 [1, NTa, HV, 2 * 64, K], kda._mosaic_gpu.pair_store) and dq, dk
-  leave as theirs, over them."""
+  leave as theirs, over them. defer_qg: q and dqg are not read and Out.dq is None; dgc lacks its
+  dqg q exp(gc) term: S4 (bwd_intra's `defer_qg`) forms dq = dqg exp(gc) and adds that term, so this
+  stage neither reads dqg nor stores dq."""
   config = config or Config()
   packed = rows is not None
   dv_dtype = jnp.dtype(dv_dtype or F32)
   reason = (f"chunk_size must be {BT}, got {chunk_size}" if chunk_size != BT else
             "qkv_packed needs packed dv (rows, pieces, T)" if qkv_packed and not packed else
             _reason(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu,
-                    dv_dtype if packed else None, config, T if qkv_packed else None, pairs))
+                    dv_dtype if packed else None, config, T if qkv_packed else None, pairs, defer_qg))
   if reason is not None:
     raise ValueError(f"mosaic_gpu bwd_wy kernel: {reason}")
   _, Ta, HV, K = dw.shape
@@ -464,7 +489,7 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   f = _kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
               dv_dtype=dv_dtype, packed_T=T if packed else None, tail_zeros=bool(tail_zeros) or not (skip or packed),
               ct=config.cotangent_terms, overlap=config.overlap_loads, split_slabs=split_slabs, du_bf16=du_bf16,
-              packed_qkv=bool(qkv_packed), pairs=bool(pairs))
+              packed_qkv=bool(qkv_packed), pairs=bool(pairs), defer_qg=bool(defer_qg))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu
@@ -472,11 +497,12 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
     cu += (clean_flag(clean),)
   ins = (*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac))
   # S2's terms: dq, dk, dgc (dg_state where du is float32 and K == V) in place
-  refs = ([jax.new_ref(x[0] if pairs else f32(x)) for x in (dqg, dkg)] + [jax.new_ref(f32(dw))]
-          + [jax.new_ref(du[0] if du_bf16 else f32(du))])
+  refs = ([jax.new_ref(x[0] if pairs else f32(x)) for x in ((dkg,) if defer_qg else (dqg, dkg))]
+          + [jax.new_ref(f32(dw))] + [jax.new_ref(du[0] if du_bf16 else f32(du))])
   dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
   if split_slabs:                  # the slabs' parts
     dbeta, dAkk = jnp.sum(dbeta, 0), jnp.sum(dAkk, 0)
-  dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
+  *dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
+  dq = dq[0][None] if dq else None
   dg_state = dg_state[0] if dg_state else du_out
-  return Out(dq[None], dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
+  return Out(dq, dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])

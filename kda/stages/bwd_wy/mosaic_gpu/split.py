@@ -32,49 +32,60 @@ from kda._mosaic_gpu import smem_bytes as _smem_bytes
 from kda.stages.gate import exponent
 
 BT = SLAB = 64
-GROUPS = (3, 5, 2)       # TMA copies per barrier: (du, Ainv, v), (dw, gc_int, gc_frac, k, q), (dqg, dkg)
+# TMA copies per barrier: (du, Ainv, v), (dw, gc_int, gc_frac, k, q), (dqg, dkg); defer_qg: no q, dqg
+GROUPS = {False: (3, 5, 2), True: (3, 4, 1)}
 
 
-def scratch(stage_dtype=None, du_bf16=False, packed_qkv=False, pairs=False):
+def scratch(stage_dtype=None, du_bf16=False, packed_qkv=False, pairs=False, defer_qg=False):
   """The split kernel's scratch types; stage_dtype: packed dv's plain stage (None: aligned); du_bf16:
   du's landing in bf16; packed_qkv: plain q, k, v tiles (packed rows land there); pairs: dqg's and
-  dkg's landings take their pairs (hi rows, then lo rows: the same bytes)."""
+  dkg's landings take their pairs (hi rows, then lo rows: the same bytes); defer_qg: no q tile and
+  no dqg landing."""
   tile = (lambda: plgpu.SMEM((BT, SLAB), BF16)) if packed_qkv else (lambda: _swz((BT, SLAB)))
+  term = lambda: plgpu.SMEM((2 * BT, SLAB), BF16) if pairs else plgpu.SMEM((BT, SLAB), F32)
   return [
-      tile(), tile(), tile(),                                             # q, k, v
+      *([] if defer_qg else [tile()]), tile(), tile(),                    # q, k, v
       _swz((BT, BT)),                                                     # Ainv
       plgpu.SMEM((BT, SLAB), BF16 if du_bf16 else F32),                   # du
       *[plgpu.SMEM((BT, SLAB), F32) for _ in range(3)],                   # dw, gc_int, gc_frac
-      *[plgpu.SMEM((2 * BT, SLAB), BF16) if pairs else plgpu.SMEM((BT, SLAB), F32) for _ in range(2)],  # dqg, dkg
+      *([] if defer_qg else [term()]), term(),                            # dqg, dkg
       *[_swz((BT, SLAB)) for _ in range(4)],                              # work tiles
       _swz((BT, BT)),                                                     # L
-      *[plgpu.Barrier(num_arrivals=n) for n in GROUPS],
+      *[plgpu.Barrier(num_arrivals=n) for n in GROUPS[defer_qg]],
       *([] if stage_dtype is None else [plgpu.SMEM((BT, SLAB), stage_dtype)]),
   ]
 
 
-def smem_bytes(stage_dtype=None, du_bf16=False, packed_qkv=False):
+def smem_bytes(stage_dtype=None, du_bf16=False, packed_qkv=False, defer_qg=False):
   """Shared memory per program (the body's dbeta row sums reserve the reduction scratch; pairs
   take the float32 landings' bytes)."""
-  return _smem_bytes(scratch(stage_dtype, du_bf16, packed_qkv), reduction=True)
+  return _smem_bytes(scratch(stage_dtype, du_bf16, packed_qkv, defer_qg=defer_qg), reduction=True)
 
 
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
-         oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
-         q_s, k_s, v_s, a_s, du_s, dw_s, gi_s, gf_s, dqg_s, dkg_s, t0, t1, t2, t3, l_s, *bars,
-         store_dv=None, ct=1, qkv_rows=None, pairs=False):
+         oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch,
+         store_dv=None, ct=1, qkv_rows=None, pairs=False, defer_qg=False):
   """Program (p, h, c); odb_g [P, HV, Ta] and oa_g [P, Ta, HV, 64] take its parts of dbeta, dAkk.
   qkv_rows (src, count): q, k, v are packed (kda._mosaic_gpu.packed_tile); pairs: dqg, dkg (and dq,
-  dk over them) are pair refs (kda._mosaic_gpu.pair_load)."""
+  dk over them) are pair refs (kda._mosaic_gpu.pair_load); defer_qg: dqg_g and oq_g are None, q
+  and dqg are not read and dq is not formed (the in-order kernel's `defer_qg`)."""
+  if defer_qg:
+    (k_s, v_s, a_s, du_s, dw_s, gi_s, gf_s, dkg_s, t0, t1, t2, t3, l_s, *bars) = scratch
+    q_s = dqg_s = None
+  else:
+    (q_s, k_s, v_s, a_s, du_s, dw_s, gi_s, gf_s, dqg_s, dkg_s, t0, t1, t2, t3, l_s, *bars) = scratch
   p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)
   at = lambda ref: ref.at[rows, h, cols]
   pair_at = lambda ref: ref.at[c, h, :, cols]      # a pair's tile: hi rows, then lo rows
   qkv = (lambda ref: ref.at[pl.ds(qkv_rows[0], BT), h, cols]) if qkv_rows is not None else at
-  groups = (((at(du_g), du_s), (a_g.at[rows, h, :], a_s), (qkv(v_g), v_s)),
-            ((at(dw_g), dw_s), (at(gi_g), gi_s), (at(gf_g), gf_s), (qkv(k_g), k_s), (qkv(q_g), q_s)),
-            tuple(((pair_at if pairs else at)(ref), s) for ref, s in ((dqg_g, dqg_s), (dkg_g, dkg_s))))
+  term_at = pair_at if pairs else at
+  rows_at = lambda ref: ref.at[rows, h, :]
+  groups = (((at, du_g, du_s), (rows_at, a_g, a_s), (qkv, v_g, v_s)),
+            ((at, dw_g, dw_s), (at, gi_g, gi_s), (at, gf_g, gf_s), (qkv, k_g, k_s), (qkv, q_g, q_s)),
+            ((term_at, dqg_g, dqg_s), (term_at, dkg_g, dkg_s)))
+  groups = tuple(tuple((src(ref), dst) for src, ref, dst in group if dst is not None) for group in groups)
   for bar, group in zip(bars, groups):
     for src, dst in group:
       plgpu.copy_gmem_to_smem(src, dst, bar)
@@ -111,22 +122,28 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   gi, gf = _load(gi_s), _load(gf_s)
   eg = jnp.exp(exponent(gi, gf))
   el = jnp.exp(exponent(last_row(gi_g, c, h, cols, shape), last_row(gf_g, c, h, cols, shape), gi, gf))
-  kx, qx = packed_tile(k_s, row, qkv_rows), packed_tile(q_s, row, qkv_rows)
+  kx = packed_tile(k_s, row, qkv_rows)
   keg = kx * eg
   kb = beta * keg
   dbeta = dbeta + jnp.sum(dkb * keg, axis=1)
   put(kb, t2, t3)
   dAinv = dAinv + _acc(cross, shape)
   plgpu.barrier_wait(bars[2])
-  if pairs:
-    dqg, dkg = pair_tile(dqg_s), pair_tile(dkg_s)
-    pair_store(oq_g, c, h, cols, dqg * eg)
-    pair_store(ok_g, c, h, cols, dkg * el + dkb * beta * eg)
+  term = pair_tile if pairs else _load
+
+  def store(o_g, x):
+    if pairs:
+      pair_store(o_g, c, h, cols, x)
+    else:
+      o_g[rows, h, cols] = x
+  dkg = term(dkg_s)
+  store(ok_g, dkg * el + dkb * beta * eg)
+  if defer_qg:                     # S4 forms dq = dqg eg and adds dqg q eg to dgc
+    og_g[rows, h, cols] = dkb * kb
   else:
-    dqg, dkg = _load(dqg_s), _load(dkg_s)
-    oq_g[rows, h, cols] = dqg * eg
-    ok_g[rows, h, cols] = dkg * el + dkb * beta * eg
-  og_g[rows, h, cols] = dqg * qx * eg + dkb * kb
+    dqg = term(dqg_s)
+    store(oq_g, dqg * eg)
+    og_g[rows, h, cols] = dqg * packed_tile(q_s, row, qkv_rows) * eg + dkb * kb
   put(dkg * (kx * el), t0, t1, t2)                           # dkg kg, in three terms
   before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
   dgl = _load(dgl_g.at[c, h, cols], COL)
@@ -149,6 +166,8 @@ def zeros_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dg
   if dv:
     ov_g[rows, h, cols] = z.astype(ov_g.dtype)
   for o_g in (oq_g, ok_g, og_g, ogs_g):
+    if o_g is None:                # defer_qg: no dq
+      continue
     if pairs and (o_g is oq_g or o_g is ok_g):
       pair_store(o_g, c, h, cols, z)
     else:
