@@ -41,11 +41,16 @@ class PipelineConfig:
     serialise the state kernels.
   short_len: in a call with initial or final states, the sequences of at most this many tokens run
     the recurrence token by token (kda.short), not a chunk each. 0 turns it off.
+  defer_qg: where S3 and S4 both run their Hopper kernels, S4 forms dq = dqg exp(gc) and dgc's
+    dqg q exp(gc) (kda.steps.defer_qg_kw): S3 reads neither q nor dqg and stores no dq (shape A:
+    528 MiB fewer), S4 holds a few more values (ptxas: spill stores 1036 -> 1188 bytes per thread).
+    Off until timed on an H200.
   """
   packed: bool = True
   segment_pieces: int = 16
   segment_walks: int = 256
   short_len: int = 4
+  defer_qg: bool = False
 
   def __post_init__(self):
     for f in ("segment_pieces", "segment_walks", "short_len"):

@@ -139,7 +139,9 @@ def defer_qg_kw(plan, s3_kernel: bool, it_args, **extra) -> dict:
   arguments with S2's dqg in dq's place (extra: S4's keywords beyond the plan's): S3 then reads
   neither q nor dqg and stores no dq, and S4 forms dq = dqg exp(gc) and adds dqg q exp(gc) to dgc
   (bwd_wy's and bwd_intra's `defer_qg`): the same terms, one [Ta, HV, K] float32 read and store
-  fewer. Else {}."""
+  fewer. Else {} (and where PipelineConfig.defer_qg is off)."""
+  if not plan.config("pipeline").defer_qg:
+    return {}
   if s3_kernel and plan.choose("bwd_intra", *it_args, **plan.stage_kwargs("bwd_intra"), **extra) == "mosaic_gpu":
     return dict(defer_qg=True)
   return {}

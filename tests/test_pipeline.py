@@ -564,7 +564,7 @@ def test_packed_backward_pairs_at_128(monkeypatch):
   """K = V = 128, impl="mosaic_gpu" (simulator): S2 stores dqg, dkg as pairs over h and dh and S3, S4
   take them (pairs=True reaches the three kernels), S3 leaves dq to S4 (defer_qg); the packed
   backward's gradients are 0 at tokens of no sequence and within bf16 rounding of the reference's."""
-  got, seen, x, kw = _pairs_grads(monkeypatch)
+  got, seen, x, kw = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(defer_qg=True))
   assert seen == [(True, None), (True, True), (True, True)], seen
   ref = jax.jit(jax.grad(lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="reference")[0].astype(jnp.float32))))(x)
   end = int(kw["cu_seqlens"][-1])
@@ -598,12 +598,39 @@ def test_keep_pairs_turns_them_back_where_the_kernel_does_not_run():
   assert keep_pairs(plan, "bwd_wy", wy, dict(pairs=True), dv_dtype=jnp.bfloat16) == (dict(pairs=True), wy)
 
 
+def test_defer_qg_where_both_kernels_run():
+  """kda.steps.defer_qg_kw with PipelineConfig's defer_qg on: S3's kernel running and S4's taking
+  the call (dq given as S2's dqg pairs) -> defer_qg; not where S3 runs elsewhere or S4 runs the
+  reference; nothing with defer_qg off (the default)."""
+  from kda.steps import defer_qg_kw
+  S = jax.ShapeDtypeStruct
+  Ta, HV, K, BT = 128, 2, 128, 64
+  f32, bf = (lambda *s: S(s, jnp.float32)), (lambda *s: S(s, jnp.bfloat16))
+  pair = bf(1, Ta // BT, HV, 2 * BT, K)
+  it = (bf(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta, HV), f32(1, Ta, HV, K), f32(1, Ta, HV, K),
+        f32(1, Ta, HV, BT), f32(1, Ta, HV, BT), pair, pair, f32(1, Ta, HV), f32(1, Ta, HV, K), S((3,), jnp.int32))
+  plan = lambda impl="mosaic_gpu", **pc: planning.make_plan(
+      scale=K ** -0.5, chunk_size=BT, impl=impl, dtype="bfloat16",
+      config={"pipeline": planning.PipelineConfig(**pc)} if pc else None)
+  assert defer_qg_kw(plan(defer_qg=True), True, it, pairs=True) == dict(defer_qg=True)
+  assert defer_qg_kw(plan(defer_qg=True), False, it, pairs=True) == {}
+  assert defer_qg_kw(plan({"bwd_intra": "reference", "bwd_wy": "mosaic_gpu"}, defer_qg=True), True, it,
+                     pairs=True) == {}
+  assert defer_qg_kw(plan(), True, it, pairs=True) == {}                  # off by default
+
+
 @pytest.mark.large
 def test_packed_backward_pairs_equal_the_aligned_ones(monkeypatch):
   """K = V = 128 (simulator): the aligned pipeline pairs S2-S4's terms too, and its gradients are
   the packed backward's bit for bit."""
-  got, _, _, _ = _pairs_grads(monkeypatch)
+  got, seen, _, _ = _pairs_grads(monkeypatch)
+  assert seen == [(True, None), (True, None), (True, None)], seen       # defer_qg off by default
   want, seen, _, _ = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(packed=False))
+  assert seen == [(True, None), (True, None), (True, None)], seen
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
+  got, _, _, _ = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(defer_qg=True))
+  want, seen, _, _ = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(packed=False, defer_qg=True))
   assert seen == [(True, None), (True, True), (True, True)], seen
   for name, a, b in zip("q k v g beta".split(), got, want):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
