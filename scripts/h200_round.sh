@@ -6,7 +6,7 @@
 #   2. tools.gpu_check_edges' NaN confinement (short sequences; q and do spoiled);
 #   3. tools.bench on A, B, C (all of them only with 150 s left, else B), then the peers
 #      (../shared/peer/run_peer.sh copied to .peer, their wheels in .whl: see that script);
-#   4. with time left, shape B with S3's split kernel (bwd_wy.split=1).
+#   4. with time left, shape B with S3's split kernel (bwd_wy.split=1), then with pipeline.defer_qg=1.
 # Phase 2 (a second call): tools.gpu_check_edges' K = V = 256 and 128 x 256 cases, the per-stage
 # profile of A, B, C (tools.profile), then tools.bench_states with traced cu_seqlens.
 # Everything lands in $OUT (logs and JSON). Device call: carry [".peer", ".whl"], command
@@ -45,7 +45,13 @@ tail -6 $O/peer.log
 left=$(lim 600)
 t "split B ($left s left)"
 if [ $left -gt 40 ]; then
-timeout $left python3 -m tools.bench --variants B:plain --impls auto --reps 10 --config bwd_wy.split=1 --out $O/kda_B_split.json > $O/bench_split.log 2>&1; echo "rc=$?" >> $O/bench_split.log
+timeout $(lim 90) python3 -m tools.bench --variants B:plain --impls auto --reps 10 --config bwd_wy.split=1 --out $O/kda_B_split.json > $O/bench_split.log 2>&1; echo "rc=$?" >> $O/bench_split.log
 tail -4 $O/bench_split.log
+fi
+left=$(lim 600)
+t "defer_qg B ($left s left)"
+if [ $left -gt 40 ]; then
+timeout $left python3 -m tools.bench --variants B:plain --impls auto --reps 10 --config pipeline.defer_qg=1 --out $O/kda_B_defer.json > $O/bench_defer.log 2>&1; echo "rc=$?" >> $O/bench_defer.log
+tail -4 $O/bench_defer.log
 fi
 t done
