@@ -289,16 +289,14 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
                                     lambda: loads(gi_g, gf_g, *(qk_terms if overlap else ()), j=j))
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
-    kx = tile(k_s, j)
+    kx, qx = tile(k_s, j), None if defer_qg else tile(q_s, j)
     *dqg, dkg = early if overlap else loads(*qk_terms, j=j)
     keg = kx * eg
     kb = beta * keg
-    store(ok_g, j, dkg * el + dkb * beta * eg)
-    if defer_qg:                   # S4 forms dq = dqg eg and adds dqg q eg to dgc
-      og_g[rows, h, slab(j)] = dkb * kb
-    else:
+    if not defer_qg:               # else S4 forms dq = dqg eg and adds dqg q eg to dgc
       store(oq_g, j, dqg[0] * eg)
-      og_g[rows, h, slab(j)] = dqg[0] * tile(q_s, j) * eg + dkb * kb
+    store(ok_g, j, dkg * el + dkb * beta * eg)
+    og_g[rows, h, slab(j)] = dkb * kb if defer_qg else dqg[0] * qx * eg + dkb * kb
     dsum = dsum + jnp.sum(dkb * keg, axis=1)
     dkg_kg = dkg * (kx * el)       # one array, not three, through the products
     put(kb, t2, t3)

@@ -122,7 +122,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   gi, gf = _load(gi_s), _load(gf_s)
   eg = jnp.exp(exponent(gi, gf))
   el = jnp.exp(exponent(last_row(gi_g, c, h, cols, shape), last_row(gf_g, c, h, cols, shape), gi, gf))
-  kx = packed_tile(k_s, row, qkv_rows)
+  kx, qx = packed_tile(k_s, row, qkv_rows), None if defer_qg else packed_tile(q_s, row, qkv_rows)
   keg = kx * eg
   kb = beta * keg
   dbeta = dbeta + jnp.sum(dkb * keg, axis=1)
@@ -136,14 +136,11 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
       pair_store(o_g, c, h, cols, x)
     else:
       o_g[rows, h, cols] = x
-  dkg = term(dkg_s)
-  store(ok_g, dkg * el + dkb * beta * eg)
-  if defer_qg:                     # S4 forms dq = dqg eg and adds dqg q eg to dgc
-    og_g[rows, h, cols] = dkb * kb
-  else:
-    dqg = term(dqg_s)
+  dqg, dkg = None if defer_qg else term(dqg_s), term(dkg_s)
+  if not defer_qg:                 # else S4 forms dq = dqg eg and adds dqg q eg to dgc
     store(oq_g, dqg * eg)
-    og_g[rows, h, cols] = dqg * packed_tile(q_s, row, qkv_rows) * eg + dkb * kb
+  store(ok_g, dkg * el + dkb * beta * eg)
+  og_g[rows, h, cols] = dkb * kb if defer_qg else dqg * qx * eg + dkb * kb
   put(dkg * (kx * el), t0, t1, t2)                           # dkg kg, in three terms
   before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
   dgl = _load(dgl_g.at[c, h, cols], COL)
