@@ -562,16 +562,43 @@ def _pairs_grads(monkeypatch, **config):
 
 def test_packed_backward_pairs_at_128(monkeypatch):
   """K = V = 128, impl="mosaic_gpu" (simulator): S2 stores dqg, dkg as pairs over h and dh and S3, S4
-  take them (pairs=True reaches the three kernels), S3 leaves dq to S4 (defer_qg); the packed
-  backward's gradients are 0 at tokens of no sequence and within bf16 rounding of the reference's."""
-  got, seen, x, kw = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(defer_qg=True))
-  assert seen == [(True, None), (True, True), (True, True)], seen
+  take them (pairs=True reaches the three kernels); the packed backward's gradients are 0 at tokens
+  of no sequence and within bf16 rounding of the reference's."""
+  got, seen, x, kw = _pairs_grads(monkeypatch)
+  assert seen == [(True, None)] * 3, seen
   ref = jax.jit(jax.grad(lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="reference")[0].astype(jnp.float32))))(x)
   end = int(kw["cu_seqlens"][-1])
   for name, a, r in zip("q k v g beta".split(), got, ref):
     a, r = (np.asarray(t.astype(jnp.float32)) for t in (a, r))
     assert np.all(a[:, end:] == 0), name
     assert np.abs(a[:, :end] - r[:, :end]).max() <= 2e-2 * np.abs(r[:, :end]).max(), name
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "aligned"])
+def test_defer_qg_reaches_s3_and_s4(monkeypatch, packed):
+  """PipelineConfig(defer_qg=True), K = V = 128, traced only: S3's and S4's kernels get defer_qg and
+  S4's dq argument is S2's dqg (pairs), in the packed and the aligned backward (the numbers:
+  test_bwd_wy_mosaic's and test_bwd_intra_mosaic's defer_qg tests, and the large run's pipeline)."""
+  from kda.stages.bwd_dh import mosaic_gpu as mgd
+  from kda.stages.bwd_intra import mosaic_gpu as mgi
+  from kda.stages.bwd_wy import mosaic_gpu as mgw
+  x, kw = _packed_case(128)
+  calls = {}
+
+  def spy(name, real):
+    def apply(*a, **k):
+      out = real(*a, **k)
+      calls[name] = (a, k, out)
+      return out
+    return apply
+  for name, mod in (("s2", mgd), ("s3", mgw), ("s4", mgi)):
+    monkeypatch.setattr(mod, "apply", spy(name, mod.apply))
+  config = {"pipeline": planning.PipelineConfig(defer_qg=True, packed=packed)}
+  loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=config)[0].astype(jnp.float32))
+  jax.jit(jax.grad(loss)).trace(x)
+  assert calls["s3"][1].get("defer_qg") and calls["s4"][1].get("defer_qg"), calls.keys()
+  assert calls["s3"][2].dq is None
+  assert calls["s4"][0][7] is calls["s2"][2].dqg
 
 
 def test_keep_pairs_turns_them_back_where_the_kernel_does_not_run():

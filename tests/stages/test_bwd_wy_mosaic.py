@@ -611,7 +611,8 @@ def test_packed_qkv_clean_reads_non_finite_values_as_zero(case, split):
   assert not all(np.isfinite(np.asarray(x)).all() for x in f(False, *bad, *args[3:]))
 
 
-@pytest.mark.parametrize("case,packed,split", [("K128-V128-HV1-130", True, False), ("K128-V128-HV1-130", False, True),
+@pytest.mark.parametrize("case,packed,split", [("K128-V128-HV1-130", True, False),
+                                               pytest.param("K128-V128-HV1-130", False, True, marks=pytest.mark.large),
                                                pytest.param("K64-V128-HV2-64_50", True, False, marks=pytest.mark.large)],
                          ids=["K128-packed", "K128-split", "K64-V128-packed"])
 def test_defer_qg_leaves_dq_to_bwd_intra(case, packed, split):
