@@ -168,9 +168,7 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
                                                  ds.dgc_last, layout.aligned_cu), pairs, **dv_dtype)
     s3_kernel = not record and plan.choose("bwd_wy", *wy_args, **plan.stage_kwargs("bwd_wy"), **dv_dtype,
                                            **pairs) == "mosaic_gpu"
-    defer = defer_qg_kw(plan, s3_kernel, (qa, ka, ba, *gc, av.dAqk, av.dAqk, ds.dqg, ds.dkg,
-                                          jax.ShapeDtypeStruct(ba.shape, jnp.float32), ds.dw, layout.aligned_cu),
-                        **grad_dtype, **pairs)
+    defer = defer_qg_kw(plan, s3_kernel, qa, ka, ba, gc, av.dAqk, ds, layout.aligned_cu, **grad_dtype, **pairs)
     wy = stage("bwd_wy", *wy_args, **dv_dtype, **pairs, **defer)
     pairs, it_args = keep_pairs(plan, "bwd_intra", (qa, ka, ba, *gc, av.dAqk, wy.dAkk, ds.dqg if defer else wy.dq,
                                                     wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu), pairs, **grad_dtype)

@@ -134,14 +134,17 @@ def keep_pairs(plan, name, args, pairs, **extra):
   return pairs, args
 
 
-def defer_qg_kw(plan, s3_kernel: bool, it_args, **extra) -> dict:
-  """{"defer_qg": True} where S3 runs its Mosaic GPU kernel (s3_kernel) and S4's takes it_args, S4's
-  arguments with S2's dqg in dq's place (extra: S4's keywords beyond the plan's): S3 then reads
-  neither q nor dqg and stores no dq, and S4 forms dq = dqg exp(gc) and adds dqg q exp(gc) to dgc
-  (bwd_wy's and bwd_intra's `defer_qg`): the same terms, one [Ta, HV, K] float32 read and store
-  fewer. Else {} (and where PipelineConfig.defer_qg is off)."""
-  if not plan.config("pipeline").defer_qg:
+def defer_qg_kw(plan, s3_kernel: bool, q, k, beta, gc, dAqk, terms, aligned_cu, **extra) -> dict:
+  """{"defer_qg": True} where S3 runs its Mosaic GPU kernel (s3_kernel) and S4's takes the call with
+  S2's dqg in dq's place (q, k, beta aligned; gc S0's two parts; dAqk S1's; terms S2's Out; extra:
+  S4's keywords beyond the plan's): S3 then reads neither q nor dqg and stores no dq, and S4 forms
+  dq = dqg exp(gc) and adds dqg q exp(gc) to dgc (bwd_wy's and bwd_intra's `defer_qg`): the same
+  terms, one [Ta, HV, K] float32 read and store fewer. Else {} (and where PipelineConfig.defer_qg
+  is off)."""
+  if not (plan.config("pipeline").defer_qg and s3_kernel):
     return {}
-  if s3_kernel and plan.choose("bwd_intra", *it_args, **plan.stage_kwargs("bwd_intra"), **extra) == "mosaic_gpu":
+  dbeta = jax.ShapeDtypeStruct(beta.shape, jnp.float32)      # S3's dAkk, dk, dbeta, dgc as S4 gets them
+  args = (q, k, beta, *gc, dAqk, dAqk, terms.dqg, terms.dkg, dbeta, terms.dw, aligned_cu)
+  if plan.choose("bwd_intra", *args, **plan.stage_kwargs("bwd_intra"), **extra) == "mosaic_gpu":
     return dict(defer_qg=True)
   return {}

@@ -629,21 +629,23 @@ def test_defer_qg_where_both_kernels_run():
   """kda.steps.defer_qg_kw with PipelineConfig's defer_qg on: S3's kernel running and S4's taking
   the call (dq given as S2's dqg pairs) -> defer_qg; not where S3 runs elsewhere or S4 runs the
   reference; nothing with defer_qg off (the default)."""
+  from kda.stages.bwd_dh import Out as Terms
   from kda.steps import defer_qg_kw
   S = jax.ShapeDtypeStruct
   Ta, HV, K, BT = 128, 2, 128, 64
   f32, bf = (lambda *s: S(s, jnp.float32)), (lambda *s: S(s, jnp.bfloat16))
   pair = bf(1, Ta // BT, HV, 2 * BT, K)
-  it = (bf(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta, HV), f32(1, Ta, HV, K), f32(1, Ta, HV, K),
-        f32(1, Ta, HV, BT), f32(1, Ta, HV, BT), pair, pair, f32(1, Ta, HV), f32(1, Ta, HV, K), S((3,), jnp.int32))
+  terms = Terms(None, bf(1, Ta, HV, K), pair, pair, f32(1, Ta, HV, K), f32(1, Ta // BT, HV, K))
+  it = (bf(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta, HV), (f32(1, Ta, HV, K), f32(1, Ta, HV, K)),
+        f32(1, Ta, HV, BT), terms, S((3,), jnp.int32))
   plan = lambda impl="mosaic_gpu", **pc: planning.make_plan(
       scale=K ** -0.5, chunk_size=BT, impl=impl, dtype="bfloat16",
       config={"pipeline": planning.PipelineConfig(**pc)} if pc else None)
-  assert defer_qg_kw(plan(defer_qg=True), True, it, pairs=True) == dict(defer_qg=True)
-  assert defer_qg_kw(plan(defer_qg=True), False, it, pairs=True) == {}
-  assert defer_qg_kw(plan({"bwd_intra": "reference", "bwd_wy": "mosaic_gpu"}, defer_qg=True), True, it,
+  assert defer_qg_kw(plan(defer_qg=True), True, *it, pairs=True) == dict(defer_qg=True)
+  assert defer_qg_kw(plan(defer_qg=True), False, *it, pairs=True) == {}
+  assert defer_qg_kw(plan({"bwd_intra": "reference", "bwd_wy": "mosaic_gpu"}, defer_qg=True), True, *it,
                      pairs=True) == {}
-  assert defer_qg_kw(plan(), True, it, pairs=True) == {}                  # off by default
+  assert defer_qg_kw(plan(), True, *it, pairs=True) == {}                  # off by default
 
 
 @pytest.mark.large

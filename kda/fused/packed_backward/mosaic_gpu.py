@@ -102,11 +102,9 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
     wy_args = (q3, k3, v3) + wy_args[3:]
     wy_kw.update(pairs, qkv_packed=True, clean=clean)
-  dbeta_f32 = jax.ShapeDtypeStruct(ba.shape, jnp.float32)
-  # S4's packed call as packed_kw will make it, S2's dqg in dq's place
-  defer = defer_qg_kw(plan, bool(wy_kw), (qa, ka, ba, *gc, av.dAqk, av.dAqk, ds.dqg, ds.dkg, dbeta_f32, ds.dw,
-                                          layout.aligned_cu), **grad_dtype, **pairs, **tail, rows=rows,
-                      pieces=pieces, T=layout.T)
+  # S4's packed call as packed_kw will make it
+  defer = defer_qg_kw(plan, bool(wy_kw), qa, ka, ba, gc, av.dAqk, ds, layout.aligned_cu, **grad_dtype, **pairs,
+                      **tail, rows=rows, pieces=pieces, T=layout.T)
   wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw, **defer)
   dq = ds.dqg if defer else wy.dq
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
