@@ -442,6 +442,25 @@ def test_compile_report_mosaic_traffic():
   assert abs(got[1]["floor_ms"] - 64 * 16 * 64 * 10 * mib) < 1e-12
 
 
+def test_compile_report_mosaic_traffic_call_reached_both_ways():
+  """A computation a branch calls and the entry calls too (through another computation: the branch's
+  path is the shorter) runs in every call of the program: its Mosaic GPU call is not `conditional`,
+  whichever call site comes first."""
+  from tools import compile_report
+  call = ('  %m.1 = f32[4]{0} custom-call(%p), custom_call_target="mosaic_gpu_v2", '
+          'operand_layout_constraints={f32[4]{0}}, api_version=API_VERSION_TYPED_FFI, '
+          'metadata={op_name="jit(loss)/kda.bwd_wy/kda_bwd_wy/mpmd_map"}')
+  for first, second in (("branch", "entry"), ("entry", "branch")):
+    site = {"branch": "  %k = f32[4] conditional(%q, %p), branch_computations={%branch.2}",
+            "entry": "  %c = f32[4] call(%p), to_apply=%mid.4"}
+    hlo = "\n".join(["%inner.1 (p: f32[4]) -> f32[4] {", call, "}",
+                     "%branch.2 (p: f32[4]) -> f32[4] {", "  %c = f32[4] call(%p), to_apply=%inner.1", "}",
+                     "%mid.4 (p: f32[4]) -> f32[4] {", "  %c = f32[4] call(%p), to_apply=%branch.2", "}",
+                     "ENTRY %main.3 (p: f32[4]) -> f32[4] {", site[first], site[second], "}"])
+    got = compile_report.mosaic_traffic(hlo, bandwidth=1.0)
+    assert [(g["kernel"], g["conditional"]) for g in got] == [("kda_bwd_wy", False)], (first, got)
+
+
 def test_cpu_check_smoke():
   """tools.cpu_check at a tiny size: the recurrence, the forward and forward + backward each report a
   time and a memory growth, and the summary its ratio."""

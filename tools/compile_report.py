@@ -124,15 +124,17 @@ def mosaic_traffic(hlo_text: str, bandwidth: float) -> list[dict]:
       callees[c] += [(m.group(1) in _TAKEN, m.group(2)) for m in _CALLED.finditer(line)]
       if b := re.search(r"branch_computations=\{([^}]*)\}", line):
         callees[c] += [(True, x.strip().lstrip("%")) for x in b.group(1).split(",")]
-  order, taken, todo = [], {}, [(entry, False)] if entry else [(c, False) for c in comps]
-  while todo:
-    c, cond = todo.pop(0)
-    if c not in comps or (c in taken and (taken[c] or not cond)):
-      continue
-    if c not in taken:
-      order.append(c)
-    taken[c] = taken.get(c, True) and cond
-    todo += [(callee, cond or t) for t, callee in callees[c]]
+
+  def reached(follow):
+    """The computations the entry reaches through the calls `follow` takes, breadth first."""
+    seen, todo = [], [entry] if entry else list(comps)
+    while todo:
+      c = todo.pop(0)
+      if c in comps and c not in seen:
+        seen.append(c)
+        todo += [callee for when_taken, callee in callees[c] if follow(when_taken)]
+    return seen
+  order, always = reached(lambda when_taken: True), set(reached(lambda when_taken: not when_taken))
   out = []
   for c in order:
     for line in comps[c]:
@@ -145,7 +147,7 @@ def mosaic_traffic(hlo_text: str, bandwidth: float) -> list[dict]:
       read, write = _array_bytes(operands.group(1)) if operands else 0, _array_bytes(result)
       out.append({"kernel": scopes[-2] if len(scopes) > 1 else scopes[0], "read_mb": read / 2**20,
                   "write_mb": write / 2**20, "aliased": "output_to_operand_aliasing" in line,
-                  "conditional": taken[c], "floor_ms": (read + write) / bandwidth * 1e3})
+                  "conditional": c not in always, "floor_ms": (read + write) / bandwidth * 1e3})
   return out
 
 
