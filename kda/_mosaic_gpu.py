@@ -368,6 +368,21 @@ def pair_store(ref, c, h, cols, x, BT=64):
     ref[c, h, pl.ds(i * BT, BT), cols] = part
 
 
+def term_load(ref, c, h, rows, cols, pairs, BT=64):
+  """Chunk c (its rows `rows`), head h, columns `cols` of a float32 term, float32 [BT, cols] (WGMMA
+  layout): from its pair ref where `pairs`, else from the rows of a [Ta, HV, D] ref."""
+  return pair_load(ref, c, h, cols, BT) if pairs else load(ref.at[rows, h, cols])
+
+
+def term_store(ref, c, h, rows, cols, x, pairs, BT=64):
+  """float32 x [BT, cols] into chunk c (its rows `rows`), head h, columns `cols` of a term: its pair
+  ref where `pairs` (pair_store), else the rows of a [Ta, HV, D] ref."""
+  if pairs:
+    pair_store(ref, c, h, cols, x, BT)
+  else:
+    ref[rows, h, cols] = x
+
+
 def to_pairs(x, BT=64):
   """[1, Ta, HV, D] float32 -> its pairs [1, NTa, HV, 2 BT, D] bf16 (the layout above)."""
   _, Ta, HV, D = x.shape

@@ -80,7 +80,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, clean_flag, copy_chunk_slabs, kept_rows
 from kda._mosaic_gpu import live_chunk
-from kda._mosaic_gpu import pair_store, sequence_order, tile_shapes, zeros
+from kda._mosaic_gpu import sequence_order, term_store, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, mm as _mm, params as _params, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dh import Out
@@ -289,11 +289,7 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
   slab = lambda j: pl.ds(j * SLAB, SLAB)
   live = live_chunk(cu_g, c, BT)   # chunks at or past aligned_cu[-1]: nothing is read, zeros out
 
-  def store(o_g, x):
-    if pairs:
-      pair_store(o_g, c, i_h, slice(None), x, BT)
-    else:
-      o_g[rows, i_h, :] = x
+  store = lambda o_g, x: term_store(o_g, c, i_h, rows, slice(None), x, pairs, BT)
 
   @pl.when(live)
   def _():

@@ -87,7 +87,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, HEAD_DIMS, MAX_GRID_YZ, ROW, aligned_cu_reason, packed_chunk
-from kda._mosaic_gpu import clean_flag, packed_tile, pair_load, skipping_tail, zeros
+from kda._mosaic_gpu import clean_flag, packed_tile, skipping_tail, term_load, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_intra import Out
@@ -318,7 +318,7 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
     bG = beta * G
     at = lambda ref: ref.at[rows, i_h, cols]
-    ld = (lambda ref: pair_load(ref, c, i_h, cols)) if pairs else (lambda ref: _load(at(ref)))
+    ld = lambda ref: term_load(ref, c, i_h, rows, cols, pairs)
     acc_q, acc_g = ld(aq_g), _load(at(ag_g))
     if defer_qg:                   # S3's part: dq = dqg exp(gc), and dqg q exp(gc) onto dgc
       gi = _load(gi_s)
@@ -345,16 +345,15 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
 
 
 def _tail(flag_g, *refs, grads=True, seg=False, pairs=False):
+  """A chunk at or past aligned_cu[-1]: dq, dk their accumulators back (grads), dbeta's part 0; dgc's
+  accumulator is its result already (in place)."""
   (q_g, k_g, b_g, gi_g, gf_g, daqk_g, dakk_g, aq_g, ak_g, ag_g, oq_g, ok_g, og_g,
    odb_g) = refs[1 if seg else 0:][:14]
   s, i_h, c = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
   cols = pl.ds(pl.multiple_of(s * SLAB, SLAB), SLAB)
-  for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g), (ag_g, og_g))[0 if grads else 2:]:
-    if o_g is a_g:                # dgc in place: the accumulator is already there
-      continue
-    x = pair_load(a_g, c, i_h, cols) if pairs and o_g is not og_g else _load(a_g.at[rows, i_h, cols])
-    o_g[rows, i_h, cols] = x.astype(o_g.dtype)
+  for a_g, o_g in ((aq_g, oq_g), (ak_g, ok_g)) if grads else ():
+    o_g[rows, i_h, cols] = term_load(a_g, c, i_h, rows, cols, pairs).astype(o_g.dtype)
   odb_g[s, i_h, rows] = zeros((BT,), ROW)
 
 

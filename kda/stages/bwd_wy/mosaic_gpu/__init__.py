@@ -76,7 +76,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, last_row, skipping_tail
-from kda._mosaic_gpu import clean_flag, packed_chunk, packed_tile, pair_load, pair_store, tile_shapes, zeros
+from kda._mosaic_gpu import clean_flag, packed_chunk, packed_tile, term_load, term_store, tile_shapes, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_wy import Out
@@ -256,13 +256,8 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   operand = lambda i: _load(at(*operands[i])) if i < len(operands) else None
   paired = lambda ref: pairs and (ref is dqg_g or ref is dkg_g)
   qk_terms = (dkg_g,) if defer_qg else (dqg_g, dkg_g)       # S2's terms of qg and kg that S3 reads
-  loads = lambda *refs, j: tuple(pair_load(r, c, h, slab(j)) if paired(r) else _load(at(r, j)) for r in refs)
-
-  def store(o_g, j, x):            # dq, dk as pairs where dqg, dkg are
-    if pairs:
-      pair_store(o_g, c, h, slab(j), x)
-    else:
-      o_g[rows, h, slab(j)] = x
+  loads = lambda *refs, j: tuple(term_load(r, c, h, rows, slab(j), paired(r)) for r in refs)
+  store = lambda o_g, j, x: term_store(o_g, c, h, rows, slab(j), x, pairs)    # dq, dk as pairs where dqg, dkg are
 
   plgpu.barrier_wait(bar)
   dAinv = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
@@ -331,10 +326,7 @@ def _zeros(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
     for o_g in (oq_g, ok_g, og_g, ogs_g):
       if o_g is None:              # defer_qg: no dq
         continue
-      if pairs and (o_g is oq_g or o_g is ok_g):
-        pair_store(o_g, c, h, slab(j), z)
-      else:
-        o_g[rows, h, slab(j)] = z
+      term_store(o_g, c, h, rows, slab(j), z, pairs and (o_g is oq_g or o_g is ok_g))
   oa_g[rows, h, :] = z
   odb_g[h, rows] = zeros((BT,), ROW)
 

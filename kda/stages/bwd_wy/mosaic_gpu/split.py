@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, packed_tile, pair_store, pair_tile, zeros
+from kda._mosaic_gpu import BF16, COL, F32, ROW, last_row, packed_tile, pair_tile, term_store, zeros
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, split as _split, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes
 from kda.stages.gate import exponent
@@ -130,12 +130,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   dAinv = dAinv + _acc(cross, shape)
   plgpu.barrier_wait(bars[2])
   term = pair_tile if pairs else _load
-
-  def store(o_g, x):
-    if pairs:
-      pair_store(o_g, c, h, cols, x)
-    else:
-      o_g[rows, h, cols] = x
+  store = lambda o_g, x: term_store(o_g, c, h, rows, cols, x, pairs)
   dqg, dkg = None if defer_qg else term(dqg_s), term(dkg_s)
   if not defer_qg:                 # else S4 forms dq = dqg eg and adds dqg q eg to dgc
     store(oq_g, dqg * eg)
@@ -165,9 +160,6 @@ def zeros_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dg
   for o_g in (oq_g, ok_g, og_g, ogs_g):
     if o_g is None:                # defer_qg: no dq
       continue
-    if pairs and (o_g is oq_g or o_g is ok_g):
-      pair_store(o_g, c, h, cols, z)
-    else:
-      o_g[rows, h, cols] = z
+    term_store(o_g, c, h, rows, cols, z, pairs and (o_g is oq_g or o_g is ok_g))
   oa_g[p, rows, h, :] = z
   odb_g[p, h, rows] = zeros((BT,), ROW)
