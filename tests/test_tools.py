@@ -262,10 +262,10 @@ def test_bench_backward_pieces():
 @pytest.mark.large      # ~13 s in the simulator (CI budget); the packed group itself is tested in test_pipeline
 def test_bench_packed_pieces_compose_to_the_forward():
   """tools.bench's packed-group pieces (the GPU default's, simulator here) give chunk_kda's o and
-  final state when chained."""
+  final state; a call the packed group does not take (HV * K = 64: no gate kernel) is refused."""
   import kda
   from tools import bench
-  T, H, K = 200, 1, 64
+  T, H, K = 200, 2, 64
   ks = jax.random.split(jax.random.PRNGKey(0), 5)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   q, k = (unit(jax.random.normal(s, (1, T, H, K))).astype(jnp.bfloat16) for s in ks[:2])
@@ -284,10 +284,13 @@ def test_bench_packed_pieces_compose_to_the_forward():
                                  beta, jnp.zeros((2, H, K, K)), None, None)
   want, want_final = jax.jit(lambda *x: kda.chunk_kda(*x, cu_seqlens=cu, impl="mosaic_gpu",
                                                        output_final_state=True))(q, k, v, g, beta)
-  assert len(labels) == 4
+  assert len(labels) == 2
   f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
   assert np.abs(f32(o) - f32(want)).max() <= 2 ** -8 * np.abs(f32(want)).max()
   np.testing.assert_allclose(f32(final), f32(want_final), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="packed forward does not take"):
+    bench.packed_pieces(piece, plan, lambda c: padding.layout_from_cu_seqlens(c, T, 64), cu,
+                        *(x[:, :, :1] for x in (q, k, v, g, beta)), jnp.zeros((2, 1, K, K)), None, None)
 
 
 def test_profile_attributes_device_time_to_pipeline_pieces():

@@ -169,7 +169,7 @@ def stage_times(name, gate, reps, total=TOTAL):
     o, _ = piece(f"state+output (fused {state_impl})", lambda *a: kda.fused.GROUPS["state_output"](
         state_impl, *a, interpret=plan.interpret, config=plan.config("state_output", state_impl), **fkw), *fargs)
   piece("unalign", lambda cu, o: padding.unalign_with(lay(cu), o).astype(v.dtype), cu, o)
-  if state_impl == "mosaic_gpu":     # the packed group: mosaic_gpu only
+  if state_impl == "mosaic_gpu" and packed_reason(plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias) is None:
     packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias)
   return out
 
@@ -201,25 +201,28 @@ def backward_stage_times(name, gate, reps, total=TOTAL):
   return out
 
 
+def packed_reason(plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
+  """None if the packed group (kda.fused.packed_forward's Hopper backend) takes the call, else why not."""
+  return kda.fused.GROUPS["packed_forward"].supports(
+      "mosaic_gpu", plan, lay(cu), q, k, v, g, beta, h0, A_log, dt_bias,
+      config=plan.config("packed_forward", "mosaic_gpu"))
+
+
 def packed_pieces(piece, plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias):
   """The packed group's pieces (kda.fused.packed_forward), each jitted apart: the layout glue
-  (chunk_rows), the gate and intra kernels on the packed inputs, the fused kernel storing o packed."""
-  from kda import padding, pipeline
-  from kda.stages.gate import mosaic_gpu as gate_mgpu
-  from kda.stages.intra import mosaic_gpu as intra_mgpu
-  gkw, ikw = plan.stage_kwargs("gate"), plan.stage_kwargs("intra")
-  rows = piece("packed: chunk_rows", lambda cu: padding.chunk_rows(lay(cu)), cu)
-  acu = jax.jit(lambda cu: lay(cu).aligned_cu)(cu)
-  gt = piece("packed: gate (mosaic_gpu)", lambda g, rows: gate_mgpu.packed(
-      g, rows, A_log, dt_bias, interpret=plan.interpret, **gkw), g, rows)
-  it = piece("packed: intra (mosaic_gpu)", lambda *a: intra_mgpu.packed(
-      *a, bounded=gt.bounded, two_part=gt.two_part, interpret=plan.interpret, **ikw),
-      q, k, v, beta, gt.gc_int, gt.gc_frac, acu, rows)
-  kernel = kda.fused.GROUPS["state_output"].mosaic_gpu.apply
-  return piece("packed: state+output (fused mosaic_gpu, o packed)", lambda *a: kernel(
-      *a[:-1], scale=plan.scale, chunk_size=plan.chunk_size, interpret=plan.interpret,
-      out_dtype=steps.o_dtype(v), rows=a[-1], T=q.shape[1]),
-      it.kg, it.w, it.u, it.qg, it.Aqk, gt.gc_int, gt.gc_frac, h0, acu, rows)
+  (chunk_rows) and the group itself on the packed inputs (its kernels one after another, o stored
+  packed; tools.profile splits its time by kernel on the device). -> the group's (o, final_state).
+  Raises ValueError where the group does not take the call."""
+  from kda import padding
+  group = kda.fused.GROUPS["packed_forward"]
+  why = packed_reason(plan, lay, cu, q, k, v, g, beta, h0, A_log, dt_bias)
+  if why is not None:
+    raise ValueError(f"the packed forward does not take this call: {why}")
+  piece("packed: chunk_rows", lambda cu: padding.chunk_rows(lay(cu)), cu)
+  o, final, _ = piece("packed: forward (fused mosaic_gpu, o packed)", lambda cu, *x: group(
+      "mosaic_gpu", plan, lay(cu), *x, A_log, dt_bias, interpret=plan.interpret,
+      config=plan.config("packed_forward", "mosaic_gpu")), cu, q, k, v, g, beta, h0)
+  return o, final
 
 
 def calls(name, gate, impl, total=TOTAL, config="", device=None):
