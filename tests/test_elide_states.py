@@ -5,7 +5,6 @@ cotangent and the dropped dh0). Same bits as explicit zero states (simulator); C
 variants."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import padding, pipeline, stages
+from kda import padding, stages
 from kda import plan as planning
-from kda.padding import pieces
 from kda import steps
 from kda.stages import gate
 from kda.stages.base import Stage

@@ -24,9 +24,7 @@ import statistics
 import sys
 import time
 from kda import plan as planning
-from kda.padding import pieces
 from kda import steps
-from kda import stages
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +109,7 @@ def memory_mb(fn, *args):
 def _default_call(name, gate, total):
   """The pieces' common setup: the shape's inputs packed [1, T, ...] (fixed-length rows packed as
   chunk_kda does), their cu_seqlens, the default plan, a layout builder and zero initial states."""
-  from kda import padding, pipeline
+  from kda import padding
   (q, k, v, g, beta), kw, do = make_inputs(name, gate, total=total)
   B, T = q.shape[:2]
   cu = kw.get("cu_seqlens")
@@ -142,7 +140,7 @@ def stage_times(name, gate, reps, total=TOTAL):
   previous pieces' outputs, cu_seqlens traced: prepare (align, l2norm, GVA, gate neutralisation),
   every forward stage with the implementation the pipeline chooses for it, the fused group where
   the pipeline would fuse, and unalign. Pieces run apart, so their sum exceeds the whole call."""
-  from kda import padding, pipeline, stages
+  from kda import padding, stages
   (q, k, v, g, beta), _, cu, plan, lay, h0, A_log, dt_bias = _default_call(name, gate, total)
   out = {}
   piece = _timer(out, reps)
