@@ -245,7 +245,6 @@ def test_autodiff_backward_with_kernels_is_refused():
 def test_impl_string_takes_the_backend_where_a_stage_has_it():
   """impl="pallas": kernels for the stages that have one, the xla implementation (else the
   reference) for the others (a dict is strict, see impl_dict_missing_kernel above)."""
-  from kda import pipeline, stages
   plan = planning.make_plan(scale=1.0, chunk_size=16, impl="pallas")
   for n in stages.names():
     have = stages.get(n).implementations()

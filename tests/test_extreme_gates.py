@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import kda
-from kda import pipeline
 from kda import stages
 from kda.api import chunk_kda_with
 from tests import cases

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import api, padding, pipeline
+from kda import api, padding
 from kda import plan as planning
 from kda.reference import recurrent_kda
 from kda.stages.gate import activate

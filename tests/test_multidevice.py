@@ -31,11 +31,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from kda import api, padding, pipeline
+from kda import api, padding
 from kda import plan as planning
 from tests import multidevice_cases
 

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import kda
-from kda import pipeline
 from kda import plan as planning
 from kda.fused.packed_backward import mosaic_gpu as packed_backward_mgpu
 from kda.fused.packed_forward import mosaic_gpu as packed_forward_mgpu

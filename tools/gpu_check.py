@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import padding, pipeline, reference, stages
+from kda import reference, stages
 from kda import plan as planning
 from kda.fused.packed_forward import mosaic_gpu as packed_forward_mgpu
 from kda.padding import pieces

@@ -209,7 +209,7 @@ def build_inputs(lens, part_timeout, interpret):
     t0 = time.perf_counter()
     sets["recorded"], outs["recorded"] = jax.block_until_ready(recorded_inputs(lens, interpret))
     qa["recorded"] = (outs["recorded"][0], outs["recorded"][2])
-    say(f"  recorded inputs (tools.stages.record_reference, reference pipeline on tools.trace data): "
+    say("  recorded inputs (tools.stages.record_reference, reference pipeline on tools.trace data): "
         + ", ".join(f"{x.shape}{x.dtype}" for x in sets["recorded"]) + f" ({time.perf_counter() - t0:.1f}s)")
   with Part("synthetic inputs", part_timeout):
     Ta = sets["recorded"][0].shape[1] if "recorded" in sets else None

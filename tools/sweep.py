@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 
-from kda import pipeline, stages
+from kda import stages
 from kda.stages import gate, intra, output, state
 from tools import bench
 from tools.stages import record_reference

@@ -64,7 +64,6 @@ def main(argv=None):
           m = compiled.memory_analysis()
           cost = compiled.cost_analysis() or {}
           cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-          kind = tpu_mesh(gen).devices.flat[0]
           with jax.sharding.use_abstract_mesh(tpu_mesh(gen).abstract_mesh):
             from jax.experimental.pallas import tpu as pltpu
             cap = pltpu.get_tpu_info().vmem_capacity_bytes

@@ -12,7 +12,6 @@ import numpy as np
 
 from kda import padding, pipeline
 from kda import plan as planning
-from kda import stages
 from kda.stages.intra import from_chunks, to_chunks
 from tests import cases
 

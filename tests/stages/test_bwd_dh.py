@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import pipeline
 from kda.stages import bwd_dav, bwd_dh, output, state
 from kda.stages.intra import from_chunks, to_chunks
 from tests.stages import bwd_setup

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import pipeline
 from kda import plan as planning
 from kda.stages import bwd_gate, gate
 from kda.stages.bwd_gate import mosaic_gpu as mgb

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kda import pipeline
 from kda.stages import bwd_intra, intra
 from tests.stages import bwd_setup
 

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import pipeline
 from kda import plan as planning
 from kda.stages import bwd_intra, intra
 from kda.stages.bwd_intra import mosaic_gpu as mgb

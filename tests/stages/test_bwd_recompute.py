@@ -6,7 +6,6 @@ import jax
 import numpy as np
 import pytest
 
-from kda import pipeline
 from kda.stages import bwd_recompute
 from tests.stages import bwd_setup
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import padding, pipeline
+from kda import padding
 from kda import plan as planning
 from kda import steps
 from kda.stages import bwd_recompute, gate, intra

@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import pytest
 
-from kda import pipeline
 from kda.stages import bwd_recompute, bwd_wy, intra
 from kda.stages.bwd_gate.reference import reverse_chunk_cumsum
 from kda.stages.intra import to_chunks

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import pipeline
 from kda import plan as planning
 from kda.stages import bwd_wy, intra
 from kda.stages.bwd_wy import mosaic_gpu as mgw

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda import padding, pipeline
+from kda import padding
 from kda.padding import pieces
-from kda.stages import bwd_intra, intra
 from kda.stages.bwd_intra import mosaic_gpu as mgb
 from kda.stages.intra import mosaic_gpu as mgi
 from tests.stages import bwd_setup
