@@ -6,13 +6,17 @@ groups on their own barriers in the order of first use, so the first products ru
 operands are in flight:
 
     0: du (float32), Ainv, v             dvb = Ainv^T du, dv, vb = beta v, dAinv_p = du vb^T
-    1: dw, gc_int, gc_frac (float32), k, q  dkb = Ainv^T dw, eg, el, kb = beta k eg, dAinv_p += dw kb^T
-    2: dqg, dkg (float32)                dq, dk, dgc, dg_state = L (dkg kg) + dgc_last
+    1: dw, gc_int, gc_frac (float32), k, q  dkb = Ainv^T dw, eg, kb = beta k eg, dAinv_p += dw kb^T,
+                                         dAkk_p
+    2: dqg, dkg (float32)                dq, dk, el, dgc, dg_state = L (dkg kg) + dgc_last
 
 with the in-order kernel's formulas and operand splits (kda.stages.bwd_wy.mosaic_gpu). dAinv is a
 sum over every slab and dAkk = strict_tril(-Ainv^T dAinv Ainv^T) is linear in it, so each program
 stores its own part dAkk_p (and its part of dbeta) and the launcher adds the K / 64 parts (XLA):
-the same math, float32 sums associated by slab. In place as the in-order kernel: each operand of
+the same math, float32 sums associated by slab. dAkk_p is formed before S2's terms are read, gc is
+read again from its landing where el needs it and kb formed again (the same bits), so no dAinv,
+gc or kb array is held across the products: ptxas (sm_90a, the pipeline's packed call) spills
+nothing at 252-255 registers per thread. In place as the in-order kernel: each operand of
 the slab has landed (its barrier waited) before the outputs that share its buffer are written.
 
 SMEM per program (`smem_bytes`): q, k, v, Ainv, four work tiles and L ([64, 64] bf16, 8 KiB each),
@@ -119,33 +123,37 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   plgpu.barrier_wait(bars[1])
   put(_load(dw_s), *cts)                                     # dw
   dkb = _acc([(aT, t) for t in cts], shape)
-  gi, gf = _load(gi_s), _load(gf_s)
-  eg = jnp.exp(exponent(gi, gf))
-  el = jnp.exp(exponent(last_row(gi_g, c, h, cols, shape), last_row(gf_g, c, h, cols, shape), gi, gf))
-  kx, qx = packed_tile(k_s, row, qkv_rows), None if defer_qg else packed_tile(q_s, row, qkv_rows)
+  eg = jnp.exp(exponent(_load(gi_s), _load(gf_s)))
+  kx = packed_tile(k_s, row, qkv_rows)
   keg = kx * eg
-  kb = beta * keg
   dbeta = dbeta + jnp.sum(dkb * keg, axis=1)
-  put(kb, t2, t3)
+  put(beta * keg, t2, t3)                                    # kb
   dAinv = dAinv + _acc(cross, shape)
-  plgpu.barrier_wait(bars[2])
-  term = pair_tile if pairs else _load
-  store = lambda o_g, x: term_store(o_g, c, h, rows, cols, x, pairs)
-  dqg, dkg = None if defer_qg else term(dqg_s), term(dkg_s)
-  if not defer_qg:                 # else S4 forms dq = dqg eg and adds dqg q eg to dgc
-    store(oq_g, dqg * eg)
-  store(ok_g, dkg * el + dkb * beta * eg)
-  og_g[rows, h, cols] = dkb * kb if defer_qg else dqg * qx * eg + dkb * kb
-  put(dkg * (kx * el), t0, t1, t2)                           # dkg kg, in three terms
-  before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-  dgl = _load(dgl_g.at[c, h, cols], COL)
-  ogs_g[rows, h, cols] = before + lax.broadcast_in_dim(dgl, shape, [1])
+  # dAkk's part first, so dAinv and the products' arrays are gone before S2's terms are read
   put(dAinv, t0, t1)
   pa = _acc([(t0, aT), (t1, aT)], shape)                     # dAinv_p @ Ainv^T
   put(pa, t2, t3)
   m = _acc([(aT, t2), (aT, t3)], shape)                      # Ainv^T @ that
   oa_g[p, rows, h, :] = jnp.where(strict, -m, 0.0)
   odb_g[p, h, rows] = dbeta
+  plgpu.barrier_wait(bars[2])
+  term = pair_tile if pairs else _load
+  store = lambda o_g, x: term_store(o_g, c, h, rows, cols, x, pairs)
+  kb = beta * (kx * eg)            # formed again (the same bits) rather than held through the products
+  if defer_qg:                     # S4 forms dq = dqg eg and adds dqg q eg to dgc
+    og_g[rows, h, cols] = dkb * kb
+  else:
+    dqg = term(dqg_s)
+    store(oq_g, dqg * eg)
+    og_g[rows, h, cols] = dqg * packed_tile(q_s, row, qkv_rows) * eg + dkb * kb
+  dkg = term(dkg_s)
+  el = jnp.exp(exponent(last_row(gi_g, c, h, cols, shape), last_row(gf_g, c, h, cols, shape),
+                        _load(gi_s), _load(gf_s)))     # gc read again from its landing, not held
+  store(ok_g, dkg * el + dkb * beta * eg)
+  put(dkg * (kx * el), t0, t1, t2)                           # dkg kg, in three terms
+  before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
+  dgl = _load(dgl_g.at[c, h, cols], COL)
+  ogs_g[rows, h, cols] = before + lax.broadcast_in_dim(dgl, shape, [1])
 
 
 def zeros_body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
