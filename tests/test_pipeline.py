@@ -553,8 +553,8 @@ def _pairs_grads(monkeypatch, **config):
   seen = []
   for mod in (mgd, mgw, mgi):
     real = mod.apply
-    monkeypatch.setattr(mod, "apply", lambda *a, _real=real, **k: seen.append((k.get("pairs"), k.get("defer_qg")))
-                        or _real(*a, **k))
+    monkeypatch.setattr(mod, "apply", lambda *a, _real=real, config=None, **k: seen.append(
+        (k.get("pairs"), k.get("defer_qg"))) or _real(*a, config=config, **k))   # config named: the stage passes it
   loss = lambda x: jnp.sum(kda.chunk_kda(*x, **kw, impl="mosaic_gpu", config=config or None)[0].astype(jnp.float32))
   return jax.jit(jax.grad(loss))(x), seen, x, kw
 
@@ -660,6 +660,26 @@ def test_packed_backward_pairs_equal_the_aligned_ones(monkeypatch):
   got, _, _, _ = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(defer_qg=True))
   want, seen, _, _ = _pairs_grads(monkeypatch, pipeline=planning.PipelineConfig(packed=False, defer_qg=True))
   assert seen == [(True, None), (True, True), (True, True)], seen
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
+
+
+@pytest.mark.large
+def test_split_s3_hands_s4_its_parts(monkeypatch):
+  """K = V = 128 with S3's split kernel (simulator): the packed backward hands S4 dAkk's two slab
+  parts (S4 adds them as it loads them: no summed copy), the aligned pipeline their XLA sum, and
+  the gradients are bit for bit the same."""
+  from kda.stages.bwd_intra import mosaic_gpu as mgi
+  from kda.stages.bwd_wy import mosaic_gpu as mgw
+  shapes = []
+  real = mgi.apply
+  monkeypatch.setattr(mgi, "apply", lambda *a, config=None, **k: shapes.append(a[6].shape)
+                      or real(*a, config=config, **k))
+  split = {"bwd_wy": mgw.Config(split=True)}
+  got, _, _, _ = _pairs_grads(monkeypatch, **split)
+  want, _, _, _ = _pairs_grads(monkeypatch, **split, pipeline=planning.PipelineConfig(packed=False))
+  Ta = 256
+  assert shapes == [(2, Ta, 2, 64), (1, Ta, 2, 64)], shapes
   for name, a, b in zip("q k v g beta".split(), got, want):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
 

@@ -610,3 +610,26 @@ def test_defer_qg_forms_s3s_part_of_dq(case, gates):
   args, _ = make_inputs(case, gates, accumulate=True)
   errs = defer_qg_errors(args, CASES[case][3] ** -0.5)
   assert all(e[0] < 2e-6 and e[1] < 1e-6 for e in errs.values()), fmt(errs)
+
+
+def test_dakk_parts_add_on_load():
+  """dAkk given as parts [2, Ta, HV, BT] (S3's split kernel's slabs): every output bit for bit the
+  call on their float32 sum (simulator: the kernel adds them as it loads them; the reference and
+  the xla backend sum first), and the TPU kernel's predicate refuses parts with a reason."""
+  from kda.stages.bwd_intra import mosaic_tpu, xla
+  args, _ = make_inputs("K64-HV2-40_64", "strong", accumulate=True)
+  dAkk = args[6]
+  (p0,) = bwd_setup.randn(11, dAkk.shape)
+  p0 = bwd_setup.mask_rows(p0, BT, strict=True)
+  p1 = dAkk - p0
+  parts, summed = jnp.concatenate([p0, p1]), p0 + p1
+  with_ = lambda d: args[:6] + (d,) + args[7:]
+  scale = 64 ** -0.5
+  for f in (_kernel(scale), _reference(scale),
+            jax.jit(functools.partial(xla.apply, scale=scale, chunk_size=BT))):
+    got, want = f(*with_(parts)), f(*with_(summed))
+    for name in FIELDS:
+      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+  assert float(np.abs(np.asarray(got.dbeta)).max()) > 0
+  reason = mosaic_tpu.supports(*with_(parts), scale=scale, chunk_size=BT)
+  assert reason is not None and "dAkk" in reason, reason

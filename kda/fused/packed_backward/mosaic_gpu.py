@@ -101,7 +101,7 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype, **pairs)
   if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
     wy_args = (q3, k3, v3) + wy_args[3:]
-    wy_kw.update(pairs, qkv_packed=True, clean=clean)
+    wy_kw.update(pairs, qkv_packed=True, clean=clean, dAkk_parts=True)   # bwd_intra sums them
   # S4's packed call as packed_kw will make it
   defer = defer_qg_kw(plan, bool(wy_kw), qa, ka, ba, gc, av.dAqk, ds, layout.aligned_cu, **grad_dtype, **pairs,
                       **tail, rows=rows, pieces=pieces, T=layout.T)

@@ -20,8 +20,9 @@ bwd_gate's reverse cumsum would carry that rounding of the largest terms to ever
 the gate terms take the strict pairs alone.)
 Nothing is divided by beta (0 at padding) and no exp(-gc) is formed alone.
 
-In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out), dAqk, dAkk [1, Ta, HV, BT] f32,
-     and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators), aligned_cu [N+1]
+In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out), dAqk [1, Ta, HV, BT]
+     f32, dAkk [P, Ta, HV, BT] f32 (the cotangent is the sum of its P >= 1 parts: S3's split kernel
+     gives one per slab, and the Mosaic GPU kernel adds them as it loads them), and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators), aligned_cu [N+1]
      int32 (optional: an implementation may skip the chunks at or past aligned_cu[-1], where this
      stage adds nothing).
 Out: dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV]: the accumulators plus this stage's terms; float32,
@@ -34,6 +35,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from kda.stages.base import Stage
 
@@ -45,6 +47,11 @@ class Out(NamedTuple):
   dk: jax.Array     # [1, Ta, HV, K] float32 (or grad_dtype)
   dbeta: jax.Array  # [1, Ta, HV] float32
   dgc: jax.Array    # [1, Ta, HV, K] float32
+
+
+def summed(dAkk):
+  """dAkk's parts summed: [1, Ta, HV, BT] float32."""
+  return jnp.sum(dAkk.astype(jnp.float32), 0, keepdims=True)
 
 
 from kda.stages.bwd_intra import mosaic_gpu, mosaic_tpu, reference, xla  # noqa: E402  (they import the names above)

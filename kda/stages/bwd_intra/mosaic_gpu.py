@@ -9,6 +9,7 @@ programs; only dbeta sums over every column, and each program stores its slab's 
 - TMA: q, k [64, 64] bf16 into swizzled tiles, gc_int and gc_frac [64, 64] float32 into plain tiles
   (loaded whole, never as column slices). beta, dAqk, dAkk and the accumulators dq, dk, dgc are read
   from GMEM straight into registers (WGMMA layout) and the results leave from registers to GMEM.
+  dAkk may come as parts (S3's split kernel: one per slab), added as they are loaded.
 - Decays by levels, as the forward scores kernel (kda.stages.intra.mosaic_gpu): every strict pair
   (i, j) of the chunk lies in exactly one level s in 64, 32, ..., 2 (i in the second half of an
   s-token block, j in its first half); with r the gc row at the first token of that second half,
@@ -160,7 +161,8 @@ def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned
   aligned = (1, Ta, HV, K)
   dqk = (1, Ta // BT, HV, 2 * BT, K) if pairs else aligned
   want = {"gc_int": aligned, "gc_frac": aligned, "dq": dqk, "dk": dqk, "dgc": aligned,
-          "beta": (1, Ta, HV), "dbeta": (1, Ta, HV), "dAqk": (1, Ta, HV, BT), "dAkk": (1, Ta, HV, BT)}
+          "beta": (1, Ta, HV), "dbeta": (1, Ta, HV), "dAqk": (1, Ta, HV, BT),
+          "dAkk": (max(dAkk.shape[0], 1),) + (Ta, HV, BT)}         # any number of parts
   given = dict(gc_int=gc_int, gc_frac=gc_frac, dq=dq, dk=dk, dgc=dgc, beta=beta, dbeta=dbeta, dAqk=dAqk,
                dAkk=dAkk)
   for name, shape in want.items():
@@ -255,6 +257,13 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
   else:
     dA = lambda ref: _load(ref.at[rows, i_h, :])            # [64, 64] float32 from GMEM
 
+  def sum_parts(ref):
+    """dAkk's [P, Ta, HV, BT] parts added on load (P = 1 but for S3's split kernel)."""
+    x = dA(ref.at[0])
+    for p in range(1, ref.shape[0]):
+      x = x + dA(ref.at[p])
+    return x
+
   def g_row(r):
     vec = lambda ref: lax.broadcast_in_dim(_load(ref.at[r], COL), shape, [1])
     return vec(gi_s), vec(gf_s)
@@ -303,7 +312,7 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     p_acc = p_acc + el * prod(dh_s, dl_s, rh_s, rl_s)
     wa = prod(dh_s.T, dl_s.T, xh_s, xl_s)
     # dAkk's pairs (the buffers are free: reading the accumulators waited for the wgmmas)
-    dA_into(jnp.where(pair, dA(dakk_g), 0.0))
+    dA_into(jnp.where(pair, sum_parts(dakk_g), 0.0))
     split_into(beta * packed_tile(k_s, row, qk_rows) * el, xh_s, xl_s)
     plgpu.commit_smem()
     g_acc = g_acc + el * prod(dh_s, dl_s, rh_s, rl_s)
@@ -476,6 +485,6 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   segs = () if seg is None else (seg.astype(F32),)
   dqk = (dq[0], dk[0]) if pairs else (f32(dq), f32(dk))
   dgc_ref = jax.new_ref(f32(dgc))            # dgc's result over the accumulator (`_in_place`)
-  oq, ok, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), f32(dAkk), *dqk, dgc_ref)
+  oq, ok, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), dAkk.astype(F32), *dqk, dgc_ref)
   db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
   return Out(oq[None], ok[None], db, jax.ref.freeze(dgc_ref)[None])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kda.stages.bwd_intra import Out
+from kda.stages.bwd_intra import Out, summed
 from kda.stages.intra import from_chunks, over_chunk_blocks, pair_decay, to_chunks
 
 HI = lax.Precision.HIGHEST
@@ -16,6 +16,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   grad_dtype: dq's and dk's dtype (float32 unless given)."""
   del aligned_cu
   f32 = jnp.float32
+  dAkk = summed(dAkk)
   q, k, beta, gi, gf, dAqk, dAkk = (to_chunks(x.astype(f32), chunk_size)
                                     for x in (q, k, beta, gc_int, gc_frac, dAqk, dAkk))
   ein = lambda s, *a: jnp.einsum(s, *a, precision=HI)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda._xla import compiled
-from kda.stages.bwd_intra import Out
+from kda.stages.bwd_intra import Out, summed
 from kda.stages.intra import from_chunks, to_chunks
 from kda.stages.intra.xla import blocks, factors, first, halves, levels, second, sequential
 
@@ -51,6 +51,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   grad_dtype: dq's and dk's dtype (float32 unless given)."""
   del aligned_cu
   f32 = jnp.float32
+  dAkk = summed(dAkk)
   BT = chunk_size
   q, k, beta, gi, gf, dAqk, dAkk = (to_chunks(x.astype(f32), BT) for x in (q, k, beta, gc_int, gc_frac, dAqk, dAkk))
   P = scale * dAqk                                            # [NTa, BT(i), HV, BT(j)]

@@ -30,7 +30,8 @@ In:  q, k [1, Ta, HV, K], v [1, Ta, HV, V], beta [1, Ta, HV], gc_int, gc_frac [1
      Ainv [1, Ta, HV, BT] f32, and S2's dqg, dkg, dw [1, Ta, HV, K] f32, du [1, Ta, HV, V] f32,
      dgc_last [1, NTa, HV, K] f32, aligned_cu [N+1] int32 (optional: an implementation may skip
      the chunks at or past aligned_cu[-1], whose outputs are 0).
-Out: dq, dk, dgc, dg_state [1, Ta, HV, K], dv [1, Ta, HV, V], dbeta [1, Ta, HV], dAkk [1, Ta, HV, BT];
+Out: dq, dk, dgc, dg_state [1, Ta, HV, K], dv [1, Ta, HV, V], dbeta [1, Ta, HV], dAkk [P, Ta, HV, BT]
+     (P = 1 unless a backend is asked for its parts, whose sum is the cotangent: bwd_intra takes either);
      float32, dv in `dv_dtype` where given (the pipeline passes v's: the final gradient, rounded once).
 Padding: q = k = v = beta = 0 and du = 0 at padding tokens (do = 0 there), so dq, dk's WY part, dv,
 dbeta are 0 there; dg_state is nonzero at padding rows (bwd_gate drops it there).
@@ -53,7 +54,7 @@ class Out(NamedTuple):
   dbeta: jax.Array  # [1, Ta, HV] float32
   dgc: jax.Array    # [1, Ta, HV, K] float32, cotangent of gc through qg and kb (reverse-cumsummed later)
   dg_state: jax.Array  # [1, Ta, HV, K] float32, gate gradient through kg and the decay (summed)
-  dAkk: jax.Array   # [1, Ta, HV, BT] float32, strictly lower (row i of chunk c at token c*BT + i)
+  dAkk: jax.Array   # [P, Ta, HV, BT] float32 (the sum of P parts; P = 1 but where asked), strictly lower (row i of chunk c at token c*BT + i)
 
 
 from kda.stages.bwd_wy import mosaic_gpu, mosaic_tpu, reference  # noqa: E402  (they import the names above)

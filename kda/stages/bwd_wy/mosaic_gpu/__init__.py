@@ -104,8 +104,8 @@ class Config:
   # bits; off until timed on an H200 (tools.gpu_check_bwd times it beside the default)
   overlap_loads: bool = False
   # K == V: one program per (64-column slab, head, chunk), every operand of the slab by TMA up front
-  # in three groups (kda.stages.bwd_wy.mosaic_gpu.split), dbeta and dAkk summed over the slabs by
-  # XLA; one CTA per SM. overlap_loads does not apply there; K != V runs the kernel above
+  # in three groups (kda.stages.bwd_wy.mosaic_gpu.split), dbeta summed over the slabs by XLA, dAkk
+  # too unless `apply`'s dAkk_parts; one CTA per SM. overlap_loads does not apply there; K != V runs the kernel above
   split: bool = False
 
   def __post_init__(self):
@@ -437,7 +437,7 @@ def _kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, dv_dtype=F
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, aligned_cu=None, *, chunk_size,
           dv_dtype=None, interpret=False, config=None, rows=None, pieces=None, T=None, tail_zeros=True,
-          qkv_packed=False, pairs=False, clean=None, defer_qg=False):
+          qkv_packed=False, pairs=False, clean=None, defer_qg=False, dAkk_parts=False):
   """The stage on the kernel; any float inputs (q, k, v, Ainv rounded to bf16; the predicate
   `supports` adds the dtype policy). aligned_cu (optional): with Config.skip_tail the chunks at or
   past aligned_cu[-1] get zeros without being read. dv_dtype: dv's dtype (float32 unless given; the
@@ -456,7 +456,9 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   their pairs (S2's `pairs`: bf16 [1, NTa, HV, 2 * 64, K], kda._mosaic_gpu.pair_store) and dq, dk
   leave as theirs, over them. defer_qg: q and dqg are not read and Out.dq is None; dgc lacks its
   dqg q exp(gc) term: S4 (bwd_intra's `defer_qg`) forms dq = dqg exp(gc) and adds that term, so this
-  stage neither reads dqg nor stores dq."""
+  stage neither reads dqg nor stores dq. dAkk_parts: with Config.split, Out.dAkk is the slabs' parts
+  [K // 64, Ta, HV, BT] (bwd_intra adds them as it reads them: no summed copy is formed), else their
+  sum [1, Ta, HV, BT]."""
   config = config or Config()
   packed = rows is not None
   dv_dtype = jnp.dtype(dv_dtype or F32)
@@ -491,8 +493,8 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
           + [jax.new_ref(f32(dw))] + [jax.new_ref(du[0] if du_bf16 else f32(du))])
   dv, dbeta, dAkk, *dg_state = f(*ins, *refs, f32(dgc_last))
   if split_slabs:                  # the slabs' parts
-    dbeta, dAkk = jnp.sum(dbeta, 0), jnp.sum(dAkk, 0)
+    dbeta, dAkk = jnp.sum(dbeta, 0), dAkk if dAkk_parts else jnp.sum(dAkk, 0)
   *dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
   dq = dq[0][None] if dq else None
   dg_state = dg_state[0] if dg_state else du_out
-  return Out(dq, dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk[None])
+  return Out(dq, dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk if dAkk.ndim == 4 else dAkk[None])
