@@ -271,11 +271,11 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
   def split_into(x, hi_s, lo_s):
     hi_s[...], lo_s[...] = _split(x)
 
-  def prod(lhs_h, lhs_l, rhs_h, rhs_l):
+  def prod(lhs_h, lhs_l, rhs_h, rhs_l, during=None):
     """dA (left) @ a decayed operand (right) from their bf16 terms: every pair but lo lo."""
     if dA_terms == 1:
-      return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l)], shape)
-    return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l), (lhs_l, rhs_h)], shape)
+      return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l)], shape, during)
+    return _acc([(lhs_h, rhs_h), (lhs_h, rhs_l), (lhs_l, rhs_h)], shape, during)
 
   def dA_into(x):
     if dA_terms == 1:
@@ -288,7 +288,7 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     second halves, er on first halves, the pairs (i second, j first half of a block); the bounded
     level (both_sides): el, er at every row (exponents within +-BOUNDED_SPAN), every strict pair of
     a block."""
-    p_acc, g_acc, w_acc = carry
+    p_acc, g_acc, w_acc, daqk = carry
     size = 1 << ls
     half = size >> 1
     blk = row >> ls
@@ -304,22 +304,23 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     er = jnp.exp(jnp.where(second & ~both_sides, -jnp.inf, exponent(*R, *G)))
     pair = same & (col < row) & (both_sides | (second & ((col & (size - 1)) < half)))   # the level's (i, j)
     # dAqk's pairs: dqAs and dkAs (q, k read from their tiles where used, not held through the products)
-    dA_into(jnp.where(pair, dA(daqk_g) * scale, 0.0))
+    dA_into(jnp.where(pair, daqk * scale, 0.0))
     split_into(packed_tile(k_s, row, qk_rows) * er, rh_s, rl_s)
     split_into(packed_tile(q_s, row, qk_rows) * el, xh_s, xl_s)
     plgpu.commit_smem()
     # each product folds into its sum as soon as it is read: fewer arrays live through the next ones
     p_acc = p_acc + el * prod(dh_s, dl_s, rh_s, rl_s)
-    wa = prod(dh_s.T, dl_s.T, xh_s, xl_s)
+    wa, dakk = prod(dh_s.T, dl_s.T, xh_s, xl_s, during=lambda: sum_parts(dakk_g))   # dAkk read meanwhile
     # dAkk's pairs (the buffers are free: reading the accumulators waited for the wgmmas)
-    dA_into(jnp.where(pair, sum_parts(dakk_g), 0.0))
+    dA_into(jnp.where(pair, dakk, 0.0))
     split_into(beta * packed_tile(k_s, row, qk_rows) * el, xh_s, xl_s)
     plgpu.commit_smem()
     g_acc = g_acc + el * prod(dh_s, dl_s, rh_s, rl_s)
-    return p_acc, g_acc, w_acc + er * (wa + prod(dh_s.T, dl_s.T, xh_s, xl_s))
+    wb, daqk = prod(dh_s.T, dl_s.T, xh_s, xl_s, during=lambda: dA(daqk_g))
+    return p_acc, g_acc, w_acc + er * (wa + wb), daqk
 
   def finish(carry):
-    P, G, W = carry
+    P, G, W, _ = carry
     kx = packed_tile(k_s, row, qk_rows)
     qx = packed_tile(q_s, row, qk_rows)
     d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
@@ -348,7 +349,7 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
   # (six exact levels)
   lb = flag_g[i_h * (b_g.shape[1] // BT) + c] if bounded else 0
   n = jnp.where(lb > 0, LEVELS + 1 - lb, LEVELS) if bounded else LEVELS
-  finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), (zero, zero, zero)))
+  finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), (zero, zero, zero, dA(daqk_g))))
 
 
 def _tail(flag_g, *refs, grads=True, seg=False, pairs=False):
