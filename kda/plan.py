@@ -43,7 +43,7 @@ class PipelineConfig:
     the recurrence token by token (kda.short), not a chunk each. 0 turns it off.
   defer_qg: where S3 and S4 both run their Hopper kernels, S4 forms dq = dqg exp(gc) and dgc's
     dqg q exp(gc) (kda.steps.defer_qg_kw): S3 reads neither q nor dqg and stores no dq (shape A:
-    528 MiB fewer), S4 holds a few more values (ptxas: spill stores 856 -> 992 bytes per thread).
+    528 MiB fewer), S4 holds a few more values (ptxas: spill stores 784 -> 948 bytes per thread).
     Off until timed on an H200.
   """
   packed: bool = True
