@@ -9,7 +9,9 @@ programs; only dbeta sums over every column, and each program stores its slab's 
 - TMA: q, k [64, 64] bf16 into swizzled tiles, gc_int and gc_frac [64, 64] float32 into plain tiles
   (loaded whole, never as column slices). beta, dAqk, dAkk and the accumulators dq, dk, dgc are read
   from GMEM straight into registers (WGMMA layout) and the results leave from registers to GMEM.
-  dAkk may come as parts (S3's split kernel: one per slab), added as they are loaded.
+  dAkk may come as parts (S3's split kernel: one per slab), added as they are loaded. A level reads
+  dAkk while the tensor cores run its second product and the next level's dAqk during its last
+  (`kda._mosaic_gpu.acc`'s `during`), so those loads wait on no product.
 - Decays by levels, as the forward scores kernel (kda.stages.intra.mosaic_gpu): every strict pair
   (i, j) of the chunk lies in exactly one level s in 64, 32, ..., 2 (i in the second half of an
   s-token block, j in its first half); with r the gc row at the first token of that second half,
