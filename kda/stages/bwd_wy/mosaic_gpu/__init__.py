@@ -19,9 +19,10 @@ The dAinv sum [64, 64] float32 stays in registers across the slabs, whose K part
 unrolled: one slab's arrays live at a time; unrolled, ptxas spills four times the bytes at K = V =
 128); the four work tiles that hold the split operands are reused by every product (reading an
 accumulator waits for its wgmma). One warpgroup issues every load and wgmma in order: S2's float32
-cotangents are read straight into registers when needed, with no TMA prefetch; Config.overlap_loads
-issues those loads while the tensor cores run the products before them (kda._mosaic_gpu.acc's
-`during`).
+cotangents are read straight into registers, with no TMA prefetch. The next V slab's du, a K slab's
+gc and dgc_last are issued while the tensor cores run the products before them
+(kda._mosaic_gpu.acc's `during`), which costs no registers beyond what is live there;
+Config.overlap_loads issues dqg, dkg and the next slab's dw that way too (more live registers).
 
 In place: dq, dk, dgc (and dg_state where K == V and du is float32) are written into S2's dqg, dkg,
 dw (du) buffers, which the kernel takes as mutable refs (aliased in and out): each program reads
@@ -99,9 +100,9 @@ class Config:
   # dbeta move by a bf16 rounding) and shape B's forward + backward takes 0.965x the time of 2.
   # dAinv's own chain (dAkk) and dg_state keep their splits.
   cotangent_terms: int = 1
-  # issue the loads of later float32 operands (the next slab's du or dw, this slab's gc, dqg, dkg,
-  # dgc_last) while the tensor cores run the products before them, instead of after: the same
-  # bits; off until timed on an H200 (tools.gpu_check_bwd times it beside the default)
+  # issue the loads of dqg, dkg and the next slab's dw too while the tensor cores run the products
+  # before them, instead of after: the same bits, more registers live through the products (ptxas
+  # spills more); off until timed on an H200 (tools.gpu_check_bwd times it beside the default)
   overlap_loads: bool = False
   # K == V: one program per (64-column slab, head, chunk), every operand of the slab by TMA up front
   # in three groups (kda.stages.bwd_wy.mosaic_gpu.split), dbeta summed over the slabs by XLA, dAkk
@@ -241,14 +242,9 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   cross = [(t0, t2.T), (t0, t3.T)] + ([(t1, t2.T)] if ct == 2 else [])   # (du or dw) @ (vb or kb)^T
 
   def product(pairs, load, plus=None):
-    """(plus +) _acc(pairs), and load()'s values: issued while the products run with overlap, else
-    after them."""
-    if overlap:
-      out, loaded = _acc(pairs, shape, during=load)
-      return (out if plus is None else plus + out), loaded
-    out = _acc(pairs, shape)
-    out = out if plus is None else plus + out
-    return out, load()
+    """(plus +) _acc(pairs), and load()'s values, issued while the products run."""
+    out, loaded = _acc(pairs, shape, during=load)
+    return (out if plus is None else plus + out), loaded
 
   # the cotangent operands in the order they enter (du per V slab, then dw per K slab); with overlap
   # operand i + 1 is loaded while operand i's dAinv product runs
