@@ -12,7 +12,7 @@ there, so the state walk still runs its kernel (the XLA state stage is a scan ov
 
 The wy kernel: one program (one warpgroup) per (value head, chunk), grid (HV, NTa) with the chunks
 on CUDA's grid x: q, k, v and Ainv by TMA into swizzled bf16 tiles (per 64-column slab), gc's two
-parts from GMEM into registers; eg = exp(gc), el = exp(gc_last - gc) (exponents <= 0),
+parts from GMEM into registers, each slab's read while the tensor cores run the product before it; eg = exp(gc), el = exp(gc_last - gc) (exponents <= 0),
 w = Ainv @ (beta k eg) and u = Ainv @ (beta v) as wgmmas on hi + lo bf16 splits of the right-hand
 side (Ainv exact), qg = q eg, kg = k el; all four rounded to bf16 and stored from swizzled SMEM
 tiles by TMA. SMEM (`smem_bytes`): 13 [64, 64] bf16 tiles and a barrier at K = V = 128, 106504
@@ -234,22 +234,27 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows=None):
       seen.append(x * 0.0)
     return x
 
-  def times_a(x):              # Ainv @ x, x float32 as a hi + lo split (Ainv is bf16: exact)
+  def times_a(x, during=lambda: None):   # Ainv @ x, x float32 as a hi + lo split (Ainv is bf16: exact)
     t0[...], t1[...] = _split(x)
     plgpu.commit_smem()
-    return _acc([(a_s, t0), (a_s, t1)], shape)
+    return _acc([(a_s, t0), (a_s, t1)], shape, during)     # and during's loads
 
+  # slab j's gc, loaded while the tensor cores run the product before its first use
+  gc = lambda j: (_load(gi_g.at[rows, h, slab(j)]), _load(gf_g.at[rows, h, slab(j)]))
   plgpu.barrier_wait(bar)
   for j in range(nv):
-    u_s.at[j][...] = kept(times_a(beta * tile(v_s, j))).astype(BF16)
+    u, ahead = times_a(beta * tile(v_s, j), (lambda: gc(0)) if j == nv - 1 else (lambda: None))
+    u_s.at[j][...] = kept(u).astype(BF16)
   for j in range(nk):
-    gi, gf = _load(gi_g.at[rows, h, slab(j)]), _load(gf_g.at[rows, h, slab(j)])
+    gi, gf = ahead
     eg = jnp.exp(exponent(gi, gf))
     el = jnp.exp(exponent(last(gi_g, j), last(gf_g, j), gi, gf))
     kx, qx = tile(k_s, j), tile(q_s, j)
-    w_s.at[j][...] = kept(times_a(beta * kx * eg)).astype(BF16)
+    kb = beta * kx * eg
     q_s.at[j][...] = kept(qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
     k_s.at[j][...] = kept(kx * el).astype(BF16)
+    w, ahead = times_a(kb, (lambda: gc(j + 1)) if j + 1 < nk else (lambda: None))
+    w_s.at[j][...] = kept(w).astype(BF16)
   if p_g is not None:
     p_g[h, rows] = jnp.sum(functools.reduce(jnp.add, seen), axis=1)
 
