@@ -27,7 +27,8 @@ Terms: one program per (head, chunk), all of V, grid (HV, NTa) with the chunks o
     dgc_last = decay * sum_V(h * dh)                                  registers
 
 bf16(-du) is formed from du in registers into v_new's tile once dkg's product has read it (reading
-dkg's accumulator waits for that wgmma), so the kernel fits two CTAs per SM.
+dkg's accumulator waits for that wgmma), so the kernel fits two CTAs per SM; du is read while the
+tensor cores run dkg's product, and dgc_last formed while they run dw's.
 
 In place: the walk stores du over dv (a mutable ref: each chunk's dv tile is in SMEM before du's
 rows are stored, and dv is read nowhere else), so the two never take two buffers. With `pairs`
@@ -312,17 +313,21 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
     store(dqg_g, scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K)))
     if packed:
       plgpu.barrier_wait(bar_vn)
-    store(dkg_g, _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K)))
-    for j in range(nv):            # dkg's store above waited for its wgmma: v_new's tile is free
-      du = _load(du_g.at[rows, i_h, slab(j)]).astype(BF16)
+    # du is read while the tensor cores run dkg's product, dgc formed while they run dw's
+    dkg, dus = _acc([(vn_s.at[j], dh_s.at[j].T) for j in range(nv)], (BT, K),
+                    during=lambda: [_load(du_g.at[rows, i_h, slab(j)]).astype(BF16) for j in range(nv)])
+    store(dkg_g, dkg)
+    for j, du in enumerate(dus):   # reading dkg waited for its wgmma: v_new's tile is free
       vn_s.at[j][...] = -du
       if store_du:
         vn_g[rows, i_h, slab(j)] = du
     plgpu.commit_smem()
-    dw_g[rows, i_h, :] = _acc([(vn_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K))
-    prod = sum(jnp.sum(_load(h_s.at[j]).astype(F32) * _load(dh_s.at[j]).astype(F32), axis=1)
-               for j in range(nv))
-    dgc_g[c, i_h, :] = _load(dec_g.at[c, i_h, :], ROW) * prod
+
+    def dgc():
+      prod = sum(jnp.sum(_load(h_s.at[j]).astype(F32) * _load(dh_s.at[j]).astype(F32), axis=1)
+                 for j in range(nv))
+      return _load(dec_g.at[c, i_h, :], ROW) * prod
+    dw_g[rows, i_h, :], dgc_g[c, i_h, :] = _acc([(vn_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K), during=dgc)
 
   def tail():
     if store_du:
