@@ -82,7 +82,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import BF16, F32, MAX_GRID_YZ, ROW, aligned_cu_reason, clean_flag, copy_chunk_slabs, kept_rows
 from kda._mosaic_gpu import live_chunk
 from kda._mosaic_gpu import sequence_order, term_store, tile_shapes, zeros
-from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, mm as _mm, params as _params, swz as _swz
+from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, swz as _swz
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, smem_reason
 from kda.stages.bwd_dh import Out
 from kda.stages.state import chunk_decay
@@ -246,14 +246,13 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
     qg, kg, w, do = (x.at[slot] for x in (qg_s, kg_s, w_s, do_s))
     decay = _load(dec_s.at[slot], ROW)                   # [K], one per row of dS
 
-    def mask_do():             # packed do: the chunk's rows, the others 0 (the commit below publishes it)
-      do[...] = kept_rows(_load(land_s.at[slot]), _iota(0, (BT, BV)), (None, rows_g[1][c], rows_g[2][0]))
+    def during():              # while du's wgmma runs: dv's tile; packed do: the chunk's rows, the
+      if rows_g is not None:   # others 0 (the commit below publishes it)
+        do[...] = kept_rows(_load(land_s.at[slot]), _iota(0, (BT, BV)), (None, rows_g[1][c], rows_g[2][0]))
+      return _load(dv_s.at[slot])
 
-    if rows_g is None:
-      du = _load(dv_s.at[slot]) + _mm(kg, dsb_s, (BT, BV))
-    else:
-      kd, _ = _acc([(kg, dsb_s)], (BT, BV), during=mask_do)
-      du = _load(dv_s.at[slot]) + kd
+    kd, dv = _acc([(kg, dsb_s)], (BT, BV), during=during)
+    du = dv + kd
     dub_s[...] = (du * (-1.0 / scale)).astype(BF16)
     plgpu.commit_smem()
     du_g[rows, i_h, cols] = du
