@@ -326,7 +326,8 @@ def _terms_body(cu_g, *refs, nv, scale, tail_zeros=True, packed=False, store_du=
       prod = sum(jnp.sum(_load(h_s.at[j]).astype(F32) * _load(dh_s.at[j]).astype(F32), axis=1)
                  for j in range(nv))
       return _load(dec_g.at[c, i_h, :], ROW) * prod
-    dw_g[rows, i_h, :], dgc_g[c, i_h, :] = _acc([(vn_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K), during=dgc)
+    dw, dgc_g[c, i_h, :] = _acc([(vn_s.at[j], h_s.at[j].T) for j in range(nv)], (BT, K), during=dgc)
+    dw_g[rows, i_h, :] = dw
 
   def tail():
     if store_du:

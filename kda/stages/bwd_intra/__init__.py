@@ -20,9 +20,10 @@ bwd_gate's reverse cumsum would carry that rounding of the largest terms to ever
 the gate terms take the strict pairs alone.)
 Nothing is divided by beta (0 at padding) and no exp(-gc) is formed alone.
 
-In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out), dAqk [1, Ta, HV, BT]
-     f32, dAkk [P, Ta, HV, BT] f32 (the cotangent is the sum of its P >= 1 parts: S3's split kernel
-     gives one per slab, and the Mosaic GPU kernel adds them as it loads them), and S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators), aligned_cu [N+1]
+In:  q, k [1, Ta, HV, K], beta [1, Ta, HV], gc_int, gc_frac [1, Ta, HV, K] f32 (gate.Out),
+     dAqk [1, Ta, HV, BT] f32, dAkk [P, Ta, HV, BT] f32 (the cotangent is the sum of its P >= 1
+     parts: S3's split kernel gives one per slab, and the Mosaic GPU kernel adds them as it loads
+     them), S3's dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV] (the accumulators), aligned_cu [N+1]
      int32 (optional: an implementation may skip the chunks at or past aligned_cu[-1], where this
      stage adds nothing).
 Out: dq, dk, dgc [1, Ta, HV, K], dbeta [1, Ta, HV]: the accumulators plus this stage's terms; float32,

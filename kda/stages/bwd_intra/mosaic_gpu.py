@@ -351,7 +351,8 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
   # (six exact levels)
   lb = flag_g[i_h * (b_g.shape[1] // BT) + c] if bounded else 0
   n = jnp.where(lb > 0, LEVELS + 1 - lb, LEVELS) if bounded else LEVELS
-  finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), (zero, zero, zero, dA(daqk_g))))
+  carry = (zero, zero, zero, dA(daqk_g))         # the sums and the first level's dAqk
+  finish(lax.fori_loop(0, n, lambda t, cr: level(LEVELS - t, cr, (LEVELS - t) == lb), carry))
 
 
 def _tail(flag_g, *refs, grads=True, seg=False, pairs=False):
@@ -488,6 +489,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   segs = () if seg is None else (seg.astype(F32),)
   dqk = (dq[0], dk[0]) if pairs else (f32(dq), f32(dk))
   dgc_ref = jax.new_ref(f32(dgc))            # dgc's result over the accumulator (`_in_place`)
-  oq, ok, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), dAkk.astype(F32), *dqk, dgc_ref)
+  oq, ok, odb = f(*cu, flag, *segs, q, k, beta_t, f32(gc_int), f32(gc_frac), f32(dAqk), dAkk.astype(F32), *dqk,
+                  dgc_ref)
   db = dbeta.astype(F32) + jnp.sum(odb, axis=0).T[None]
   return Out(oq[None], ok[None], db, jax.ref.freeze(dgc_ref)[None])

@@ -12,16 +12,17 @@ there, so the state walk still runs its kernel (the XLA state stage is a scan ov
 
 The wy kernel: one program (one warpgroup) per (value head, chunk), grid (HV, NTa) with the chunks
 on CUDA's grid x: q, k, v and Ainv by TMA into swizzled bf16 tiles (per 64-column slab), gc's two
-parts from GMEM into registers, each slab's read while the tensor cores run the product before it; eg = exp(gc), el = exp(gc_last - gc) (exponents <= 0),
-w = Ainv @ (beta k eg) and u = Ainv @ (beta v) as wgmmas on hi + lo bf16 splits of the right-hand
-side (Ainv exact), qg = q eg, kg = k el; all four rounded to bf16 and stored from swizzled SMEM
-tiles by TMA. SMEM (`smem_bytes`): 13 [64, 64] bf16 tiles and a barrier at K = V = 128, 106504
-bytes, two CTAs per SM. Packed q, k, v (`rows`, the packed backward): each chunk's rows come by
-TMA from its first packed row into plain tiles (read into registers only) and the rows past its
-count are taken as 0 by a select (another sequence's tokens, maybe NaN), as align leaves them: the
-same bits as on the aligned copies. Lane lowering semantics: the same code as Warpgroup here,
-lowered without layout inference. Against the forward's w, u (formed from its float32 in-kernel inverse) the
-difference is the bf16 rounding of Ainv, ~2^-9 relative, the same the reference S0 sees.
+parts from GMEM into registers, each slab's read while the tensor cores run the product before it;
+eg = exp(gc), el = exp(gc_last - gc) (exponents <= 0), w = Ainv @ (beta k eg) and u = Ainv @ (beta
+v) as wgmmas on hi + lo bf16 splits of the right-hand side (Ainv exact), qg = q eg, kg = k el; all
+four rounded to bf16 and stored from swizzled SMEM tiles by TMA. SMEM (`smem_bytes`): 13 [64, 64]
+bf16 tiles and a barrier at K = V = 128, 106504 bytes, two CTAs per SM. Packed q, k, v (`rows`, the
+packed backward): each chunk's rows come by TMA from its first packed row into plain tiles (read
+into registers only) and the rows past its count are taken as 0 by a select (another sequence's
+tokens, maybe NaN), as align leaves them: the same bits as on the aligned copies. Lane lowering
+semantics: the same code as Warpgroup here, lowered without layout inference. Against the forward's
+w, u (formed from its float32 in-kernel inverse) the difference is the bf16 rounding of Ainv, ~2^-9
+relative, the same the reference S0 sees.
 """
 from __future__ import annotations
 

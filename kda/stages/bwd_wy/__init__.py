@@ -54,7 +54,8 @@ class Out(NamedTuple):
   dbeta: jax.Array  # [1, Ta, HV] float32
   dgc: jax.Array    # [1, Ta, HV, K] float32, cotangent of gc through qg and kb (reverse-cumsummed later)
   dg_state: jax.Array  # [1, Ta, HV, K] float32, gate gradient through kg and the decay (summed)
-  dAkk: jax.Array   # [P, Ta, HV, BT] float32 (the sum of P parts; P = 1 but where asked), strictly lower (row i of chunk c at token c*BT + i)
+  dAkk: jax.Array   # [P, Ta, HV, BT] float32, the sum of its P parts (P = 1 but where asked); strictly
+                    # lower (row i of chunk c at token c*BT + i)
 
 
 from kda.stages.bwd_wy import mosaic_gpu, mosaic_tpu, reference  # noqa: E402  (they import the names above)

@@ -106,7 +106,8 @@ class Config:
   overlap_loads: bool = False
   # K == V: one program per (64-column slab, head, chunk), every operand of the slab by TMA up front
   # in three groups (kda.stages.bwd_wy.mosaic_gpu.split), dbeta summed over the slabs by XLA, dAkk
-  # too unless `apply`'s dAkk_parts; one CTA per SM. overlap_loads does not apply there; K != V runs the kernel above
+  # too unless `apply`'s dAkk_parts; one CTA per SM. overlap_loads does not apply there; K != V
+  # runs the kernel above
   split: bool = False
 
   def __post_init__(self):
@@ -493,4 +494,5 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, dqg, dkg, dw, du, dgc_last, alig
   *dq, dk, dgc, du_out = (jax.ref.freeze(r) for r in refs)
   dq = dq[0][None] if dq else None
   dg_state = dg_state[0] if dg_state else du_out
-  return Out(dq, dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk if dAkk.ndim == 4 else dAkk[None])
+  dAkk = dAkk if dAkk.ndim == 4 else dAkk[None]
+  return Out(dq, dk[None], dv[None], dbeta.T[None], dgc[None], dg_state[None], dAkk)
