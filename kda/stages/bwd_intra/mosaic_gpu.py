@@ -164,7 +164,7 @@ def _reason(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned
   dqk = (1, Ta // BT, HV, 2 * BT, K) if pairs else aligned
   want = {"gc_int": aligned, "gc_frac": aligned, "dq": dqk, "dk": dqk, "dgc": aligned,
           "beta": (1, Ta, HV), "dbeta": (1, Ta, HV), "dAqk": (1, Ta, HV, BT),
-          "dAkk": (max(dAkk.shape[0], 1),) + (Ta, HV, BT)}         # any number of parts
+          "dAkk": (dAkk.shape[0] or 1, Ta, HV, BT)}         # any number of parts
   given = dict(gc_int=gc_int, gc_frac=gc_frac, dq=dq, dk=dk, dgc=dgc, beta=beta, dbeta=dbeta, dAqk=dAqk,
                dAkk=dAkk)
   for name, shape in want.items():

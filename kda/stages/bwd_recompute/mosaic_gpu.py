@@ -235,16 +235,17 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows=None):
       seen.append(x * 0.0)
     return x
 
-  def times_a(x, during=lambda: None):   # Ainv @ x, x float32 as a hi + lo split (Ainv is bf16: exact)
+  def times_a(x, ahead=None):
+    """Ainv @ x, x float32 as a hi + lo split (Ainv is bf16: exact), and K slab `ahead`'s gc
+    (None past the last), read while the tensor cores run the product."""
     t0[...], t1[...] = _split(x)
     plgpu.commit_smem()
-    return _acc([(a_s, t0), (a_s, t1)], shape, during)     # and during's loads
+    gc = lambda: (_load(gi_g.at[rows, h, slab(ahead)]), _load(gf_g.at[rows, h, slab(ahead)]))
+    return _acc([(a_s, t0), (a_s, t1)], shape, gc if ahead is not None and ahead < nk else lambda: None)
 
-  # slab j's gc, loaded while the tensor cores run the product before its first use
-  gc = lambda j: (_load(gi_g.at[rows, h, slab(j)]), _load(gf_g.at[rows, h, slab(j)]))
   plgpu.barrier_wait(bar)
   for j in range(nv):
-    u, ahead = times_a(beta * tile(v_s, j), (lambda: gc(0)) if j == nv - 1 else (lambda: None))
+    u, ahead = times_a(beta * tile(v_s, j), 0 if j == nv - 1 else None)
     u_s.at[j][...] = kept(u).astype(BF16)
   for j in range(nk):
     gi, gf = ahead
@@ -254,7 +255,7 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows=None):
     kb = beta * kx * eg
     q_s.at[j][...] = kept(qx * eg).astype(BF16)     # qg, kg over q, k: both are in registers now
     k_s.at[j][...] = kept(kx * el).astype(BF16)
-    w, ahead = times_a(kb, (lambda: gc(j + 1)) if j + 1 < nk else (lambda: None))
+    w, ahead = times_a(kb, j + 1)
     w_s.at[j][...] = kept(w).astype(BF16)
   if p_g is not None:
     p_g[h, rows] = jnp.sum(functools.reduce(jnp.add, seen), axis=1)
