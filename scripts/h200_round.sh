@@ -3,14 +3,16 @@
 # Phase 1 (what decides defaults, all in one call): tools.bench on A, B, C (only B with less than
 #   150 s left), the peers (../shared/peer/run_peer.sh copied to .peer, their wheels in .whl: see
 #   that script), then A, B, C with pipeline.defer_qg=1.
-# Phase 2: tools.gpu_check_bwd (long sequences: every backward kernel against its stage reference,
-#   the kernels' variants timed beside the defaults, jax.grad against the reference, bit
-#   determinism), tools.gpu_check_edges' NaN confinement (short sequences; q and do spoiled) and
-#   K = V = 256 and 128 x 256 cases, the per-stage profile of A, B, C (tools.profile), then
+# Phase 2 (where kernels changed since their last device check): tools.gpu_check_bwd (long
+#   sequences: every backward kernel against its stage reference, the kernels' variants timed
+#   beside the defaults, jax.grad against the reference, bit determinism), tools.gpu_check_edges'
+#   NaN confinement (short sequences; q and do spoiled) and K = V = 256 and 128 x 256 cases.
+# Phase 3: the per-stage profile of A, B, C (tools.profile), A and C with bwd_wy.split=1, then
 #   tools.bench_states with traced cu_seqlens.
 # Everything lands in $OUT: the JSON, and every step's output in one round.log (a device call
 # brings back at most 8 files). Device call: carry [".peer", ".whl"], command
-#   bash scripts/h200_round.sh SECONDS [2]    (SECONDS: what the call may take in all)
+#   bash scripts/h200_round.sh SECONDS [2|3]    (SECONDS: what the call may take in all)
+# .dev/extra.sh OUT, where present (an ignored path: carry it), runs in phase 3 before the states.
 set -u
 O=${OUT:-/tmp/out}; mkdir -p $O
 END=$(( $(date +%s) + ${1:-590} - 10 ))
@@ -27,8 +29,14 @@ run $(lim 200) 3 python3 -m tools.gpu_check_bwd --cases long --gates plain --rep
 t edges
 run $(lim 90) 3 python3 -m tools.gpu_check_edges --parts nan --dtypes bfloat16 --where q,do --lengths 1-3 --out $O/edges.json
 run $(lim 170) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --out $O/dims.json
+t done; exit 0
+fi
+if [ "${2:-1}" = 3 ]; then
 t profile
 run $(lim 150) 3 python3 -m tools.profile --variants A:plain,B:plain,C:plain --no-fwd --reps 3 --out $O/kda_profile.json
+t split
+run $(lim 120) 3 python3 -m tools.profile --variants A:plain,C:plain --no-fwd --reps 3 --config bwd_wy.split=1 --out $O/kda_profile_split.json
+if [ -f .dev/extra.sh ]; then t extra; run $(lim 150) 12 bash .dev/extra.sh $O; fi
 t states
 run $(lim 600) 3 python3 -m tools.bench_states --many 200000x1 --reps 5 --out $O/states_traced.json
 t done; exit 0
