@@ -36,7 +36,7 @@ t profile
 run $(lim 150) 3 python3 -m tools.profile --variants A:plain,B:plain,C:plain --no-fwd --reps 3 --out $O/kda_profile.json
 t split
 run $(lim 120) 3 python3 -m tools.profile --variants A:plain,C:plain --no-fwd --reps 3 --config bwd_wy.split=1 --out $O/kda_profile_split.json
-if [ -f .dev/extra.sh ]; then t extra; run $(lim 150) 12 bash .dev/extra.sh $O; fi
+if [ -f .dev/extra.sh ]; then t extra; run $(lim 210) 40 bash .dev/extra.sh $O; fi
 t states
 run $(lim 600) 3 python3 -m tools.bench_states --many 200000x1 --reps 5 --out $O/states_traced.json
 t done; exit 0

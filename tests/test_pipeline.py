@@ -730,3 +730,33 @@ def test_packed_backward_with_segment_gaps_equals_the_aligned_one():
     assert np.isfinite(a).all(), name
     np.testing.assert_array_equal(a, b, name)
     assert np.all(a[ids == 0] == 0) and np.abs(a[ids != 0]).max() > 0, name
+
+
+@pytest.mark.parametrize("D", [64, pytest.param(128, marks=pytest.mark.large)])
+def test_terms_in_s3(monkeypatch, D):
+  """bwd_wy's Config(terms=True), K = V = D (simulator): the packed backward runs S2's walk alone and
+  S3's terms kernel (S2's apply is not called), and the gradients (initial state's included) are 0
+  at tokens of no sequence and within bf16 rounding of the reference's and of the default's."""
+  from kda.stages.bwd_dh import mosaic_gpu as mgd
+  from kda.stages.bwd_wy import mosaic_gpu as mgw
+  from kda.stages.bwd_wy.mosaic_gpu import fused
+  x, kw = _packed_case(D)
+  called = []
+  for mod, name in ((mgd, "apply"), (mgd, "walk"), (fused, "apply")):
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=f"{mod.__name__}.{name}", **k: called.append(_n)
+                        or _real(*a, **k))
+  grads = lambda impl, config=None: jax.jit(jax.grad(lambda x, h0: jnp.sum(kda.chunk_kda(
+      *x, **{**kw, "initial_state": h0}, impl=impl, config=config)[0].astype(jnp.float32)), argnums=(0, 1)))(
+          x, kw["initial_state"])
+  got = grads("mosaic_gpu", {"bwd_wy": mgw.Config(terms=True)})
+  assert called == ["kda.stages.bwd_dh.mosaic_gpu.walk", "kda.stages.bwd_wy.mosaic_gpu.fused.apply"], called
+  want, ref = grads("mosaic_gpu"), grads("reference")
+  end = int(kw["cu_seqlens"][-1])
+  for name, a, b, r in zip("q k v g beta h0".split(), (*got[0], got[1]), (*want[0], want[1]), (*ref[0], ref[1])):
+    a, b, r = (np.asarray(t.astype(jnp.float32)) for t in (a, b, r))
+    if name != "h0":
+      assert np.all(a[:, end:] == 0), name
+      a, b, r = a[:, :end], b[:, :end], r[:, :end]
+    assert np.abs(a - r).max() <= 2e-2 * np.abs(r).max(), name
+    assert np.abs(a - b).max() <= 2e-3 * np.abs(b).max(), name

@@ -462,3 +462,23 @@ def test_bwd_dh_terms_kernel_smem():
   print(f"\n  bwd_dh terms SMEM: aligned {aligned}, packed do {packed} bytes")
   assert aligned == mgd.terms_smem_bytes(K, V) == 100360 and packed == mgd.terms_smem_bytes(K, V, True) == 100368
   assert packed <= SMEM_TWO_CTAS
+
+
+def test_walk_alone_stores_bf16_du():
+  """walk(): the walk kernel alone (for bwd_wy's terms kernel) gives apply's dh0 and du rounded to
+  bf16 at the chunks before aligned_cu[-1] (its own bf16 buffer; the tail's rows unwritten), with
+  do read packed as well, and the decay of each chunk."""
+  from kda.stages.state import chunk_decay
+  args, kw = _with_packed_do(64, 64, True)
+  acu = args[-1]
+  live = int(acu[-1])
+  f = lambda *a, **k: mgd.apply(*a, scale=64 ** -0.5, chunk_size=BT, interpret=True, **kw, **k)
+  want = jax.jit(f)(*args)
+  a = args[:5] + args[6:]                               # walk takes no h
+  dh0, dh, du, decay = jax.jit(lambda *a: mgd.walk(*a, scale=64 ** -0.5, interpret=True, **kw))(*a)
+  np.testing.assert_array_equal(np.asarray(dh0), np.asarray(want.dh0))
+  assert du.dtype == jnp.bfloat16 and dh.dtype == jnp.bfloat16 and dh.shape == args[5].shape
+  np.testing.assert_array_equal(np.asarray(du[:, :live]), np.asarray(want.du[:, :live].astype(jnp.bfloat16)))
+  np.testing.assert_array_equal(np.asarray(decay), np.asarray(chunk_decay(args[3], args[4], BT)))
+  dh = np.asarray(dh[:, :live // BT].astype(jnp.float32))      # unwritten at the tail chunks
+  assert np.isfinite(dh).all() and np.abs(dh).max() > 0

@@ -9,7 +9,10 @@ import jax.numpy as jnp
 
 from kda import padding, stages
 from kda.padding.pieces import segment_rows
+from kda.stages import bwd_dh, bwd_wy
+from kda.stages.bwd_dh import mosaic_gpu as bwd_dh_mgpu
 from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
+from kda.stages.bwd_wy.mosaic_gpu import fused as bwd_wy_terms
 from kda.steps import Grads, cleaned, defer_qg_kw, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope, zero_bad
 
 
@@ -93,19 +96,14 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   dv_dtype = dict(dv_dtype=va.dtype)
   if dh_kw:
     dh_kw.update(s2_du_kw(plan, dh_args, (qa, ka, va, ba, *gc, saved.Ainv), **dv_dtype))
-  pairs = pairs_kw(plan, dh_kw, qa, va)
-  ds = stage("bwd_dh", *dh_args, **dh_kw, **pairs)
   grad_dtype = dict(grad_dtype=qa.dtype) if qa.dtype == ka.dtype else {}
-  wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
-  pairs, wy_args = keep_pairs(plan, "bwd_wy", wy_args, pairs, **dv_dtype)
-  wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype, **pairs)
-  if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
-    wy_args = (q3, k3, v3) + wy_args[3:]
-    wy_kw.update(pairs, qkv_packed=True, clean=clean, dAkk_parts=True)   # bwd_intra sums them
-  # S4's packed call as packed_kw will make it
-  defer = defer_qg_kw(plan, bool(wy_kw), qa, ka, ba, gc, av.dAqk, ds, layout.aligned_cu, **grad_dtype, **pairs,
-                      **tail, rows=rows, pieces=pieces, T=layout.T)
-  wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw, **defer)
+  if _terms_in_s3(plan, dh_kw, qa, va):
+    ds, wy = _walk_then_terms(plan, dh_args, dh_kw, (q3, k3, v3, ba, *gc, saved.Ainv), rows, pieces, layout, clean,
+                              interpret, **dv_dtype)
+    pairs, defer, wy_kw = {}, {}, dict(rows=rows)     # dv left packed
+  else:
+    ds, wy, pairs, defer, wy_kw = _s2_s3(plan, stage, packed_kw, dh_args, dh_kw, qa, ka, va, ba, q3, k3, v3, gc, saved,
+                                         av.dAqk, layout, rows, pieces, tail, clean, grad_dtype, dv_dtype)
   dq = ds.dqg if defer else wy.dq
   it_args = (qa, ka, ba, *gc, av.dAqk, wy.dAkk, dq, wy.dk, wy.dbeta, wy.dgc, layout.aligned_cu)
   pairs, it_args = keep_pairs(plan, "bwd_intra", it_args, pairs, **grad_dtype)
@@ -128,3 +126,50 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
     dv = like(unalign(wy.dv, wy_kw), v)
     dg, dbeta = like(gt.dg, g), like(unalign(it.dbeta, {}), beta)
   return Grads(dq, dk, dv, dg, dbeta, ds.dh0, like(gt.dA_log, A_log), like(gt.ddt_bias, dt_bias), finite)
+
+
+def _terms_in_s3(plan, dh_kw, qa, va) -> bool:
+  """Whether S3 forms S2's terms itself (bwd_wy's mosaic_gpu Config.terms): where S2 runs its kernels
+  on the packed bf16 do and hands S3's kernel a bf16 du (dh_kw from s2_du_kw: S3's one-term
+  cotangents), K == V and dq is not deferred to S4."""
+  cfg = plan.config("bwd_wy", "mosaic_gpu")
+  return bool(cfg is not None and cfg.terms and "du_dtype" in dh_kw and "do_packed" in dh_kw
+              and qa.shape[-1] == va.shape[-1] and not plan.config("pipeline").defer_qg)
+
+
+def _walk_then_terms(plan, dh_args, dh_kw, wy_inputs, rows, pieces, layout, clean, interpret, dv_dtype):
+  """S2's walk, then S3's terms kernel on its dh and bf16 du -> (an S2 Out with dh0, S3's Out with
+  dAkk as its slabs' parts for bwd_intra)."""
+  qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu = dh_args
+  with scope("bwd_dh"):
+    dh0, dh, du, decay = bwd_dh_mgpu.walk(
+        qg, kg, w, gc_int, gc_frac, v_new, do, dv, dht, aligned_cu, interpret=interpret,
+        config=plan.config("bwd_dh", "mosaic_gpu"), do_packed=dh_kw["do_packed"], rows=rows, clean=clean,
+        **{k: x for k, x in plan.stage_kwargs("bwd_dh").items() if k != "chunk_size"})
+  q, k, v, beta, *_, Ainv = wy_inputs
+  cfg = plan.config("bwd_wy", "mosaic_gpu")
+  with scope("bwd_wy"):
+    dq, dk, dv_, dbeta, dgc, dg_state, dAkk = bwd_wy_terms.apply(
+        q, k, v, beta, gc_int, gc_frac, Ainv, h, dh, dh_kw["do_packed"], v_new, du, decay, aligned_cu,
+        scale=plan.scale, dv_dtype=dv_dtype, interpret=interpret, approx_math=cfg.approx_math, rows=rows,
+        pieces=pieces, T=layout.T, clean=clean, dAkk_parts=True)
+  return (bwd_dh.Out(dh0, du, None, None, None, None),
+          bwd_wy.Out(dq, dk, dv_, dbeta, dgc, dg_state, dAkk))
+
+
+def _s2_s3(plan, stage, packed_kw, dh_args, dh_kw, qa, ka, va, ba, q3, k3, v3, gc, saved, dAqk, layout, rows,
+           pieces, tail, clean, grad_dtype, dv_dtype):
+  """S2 and S3 as the plan chooses them, packed where their kernels run -> (ds, wy, pairs, defer, wy_kw)."""
+  pairs = pairs_kw(plan, dh_kw, qa, va)
+  ds = stage("bwd_dh", *dh_args, **dh_kw, **pairs)
+  wy_args = (qa, ka, va, ba, *gc, saved.Ainv, ds.dqg, ds.dkg, ds.dw, ds.du, ds.dgc_last, layout.aligned_cu)
+  pairs, wy_args = keep_pairs(plan, "bwd_wy", wy_args, pairs, **dv_dtype)
+  wy_kw = packed_kw("bwd_wy", *wy_args, store=True, **dv_dtype, **pairs)
+  if wy_kw:                        # the kernel reads q, k, v packed: their aligned copies die in S0
+    wy_args = (q3, k3, v3) + wy_args[3:]
+    wy_kw.update(pairs, qkv_packed=True, clean=clean, dAkk_parts=True)   # bwd_intra sums them
+  # S4's packed call as packed_kw will make it
+  defer = defer_qg_kw(plan, bool(wy_kw), qa, ka, ba, gc, dAqk, ds, layout.aligned_cu, **grad_dtype, **pairs,
+                      **tail, rows=rows, pieces=pieces, T=layout.T)
+  wy = stage("bwd_wy", *wy_args, **dv_dtype, **wy_kw, **defer)
+  return ds, wy, pairs, defer, wy_kw

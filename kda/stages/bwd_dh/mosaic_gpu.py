@@ -255,7 +255,7 @@ def _walk_body(order_g, cu_g, qg_g, kg_g, w_g, do_g, dv_g, dec_g, dht_g, dh0_g, 
     du = dv + kd
     dub_s[...] = (du * (-1.0 / scale)).astype(BF16)
     plgpu.commit_smem()
-    du_g[rows, i_h, cols] = du
+    du_g[rows, i_h, cols] = du.astype(du_g.dtype)
     dS = dS * lax.broadcast_in_dim(decay, (K, BV), [0]) + scale * _acc([(qg.T, do), (w.T, dub_s)], (K, BV))
     plgpu.wgmma_wait(0)          # no wgmma may stay in flight across the loop's back-edge
     return dS
@@ -372,9 +372,11 @@ def _terms_kernel(Ta, HV, K, V, *, scale, interp, tail_zeros=True, packed=False,
   )
 
 
-def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False, need_dh0=True, packed=False):
-  """The walk kernel, du stored over dv (a mutable ref); dht_zero: dht not read; need_dh0=False: dh0
-  not stored; packed: do is packed, with ChunkRows' src and count after aligned_cu (_walk_body)."""
+def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False, need_dh0=True, packed=False,
+                 du16=False):
+  """The walk kernel, du stored over dv (a mutable ref) or, du16, as bf16 in an output of its own
+  (the tail's rows unwritten); dht_zero: dht not read; need_dh0=False: dh0 not stored; packed: do is
+  packed, with ChunkRows' src and count after aligned_cu (_walk_body)."""
   absent = [8] * dht_zero + [9] * (not need_dh0)     # dht_g, dh0_g in _walk_body's refs
 
   def body(*refs):
@@ -384,13 +386,14 @@ def _walk_kernel(Ta, HV, K, V, N, *, scale, interp, grid, names, dht_zero=False,
       kw = dict(rows_g=(refs.pop(2), refs.pop(2), refs.pop(2)), land_s=refs.pop())
     for i in absent:
       refs.insert(i, None)
-    refs.insert(10, refs[6])                          # du_g: dv's ref
+    refs.insert(10, refs.pop(11) if du16 else refs[6])   # du_g: its output, or dv's ref
     return _walk_body(*refs, scale=scale, **kw)
 
   return plgpu.kernel(
       body,
       out_type=(*[jax.ShapeDtypeStruct((N, HV, K, V), F32)] * need_dh0,   # dh0
-                jax.ShapeDtypeStruct((Ta // BT, HV, K, V), BF16)),  # dh: dS_next per chunk
+                jax.ShapeDtypeStruct((Ta // BT, HV, K, V), BF16),   # dh: dS_next per chunk
+                *[jax.ShapeDtypeStruct((Ta, HV, V), BF16)] * du16),
       grid=grid, grid_names=names,
       scratch_types=_walk_scratch(K, packed),
       compiler_params=_params(lane=True),
@@ -427,7 +430,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   _, Ta, HV, K = qg.shape
   V = v_new.shape[-1]
   N = aligned_cu.shape[0] - 1
-  NTa, NV = Ta // BT, V // BV
+  NTa = Ta // BT
   if N == 0:                                  # no program to launch; every chunk is tail
     zk = jnp.zeros((1, Ta, HV, K), F32)
     zp = jnp.zeros((1, NTa, HV, 2 * BT, K), BF16) if pairs else zk
@@ -437,27 +440,13 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
     raise ValueError(f"mosaic_gpu bwd_dh kernel: do_packed must be bf16 [1, T, {HV}, {V}] with rows, got "
                      f"{do_packed.dtype}{list(do_packed.shape)}, rows {rows is not None}")
   aligned_cu = aligned_cu.astype(jnp.int32)
-  order = sequence_order(aligned_cu, config.longest_first)       # [N]: the sequence of each rank
   decay = chunk_decay(gc_int, gc_frac, BT)                          # [NTa, HV, K] f32
-  qg, kg, w, v_new = (x[0].astype(BF16) for x in (qg, kg, w, v_new))
-  h = h[0].astype(BF16)
-  dob = None if packed else do[0].astype(BF16)
-  dv = dv[0].astype(F32)
   interp = plgpu.InterpretGPUParams() if interpret else None
-
-  if config.seq_major and N <= MAX_GRID_YZ:
-    grid, names = (N, HV, NV), ("r", "h", "v")
-  else:
-    grid, names = (NV, HV, N), ("v", "h", "r")
-  walk = _walk_kernel(Ta, HV, K, V, N, scale=float(scale), interp=interp, grid=grid, names=names,
-                      dht_zero=dht_zero, need_dh0=need_dh0, packed=packed)
-  du = jax.new_ref(dv)                                              # du over dv: dv dies in the walk
+  dh0, du, dh = _walk(qg, kg, w, decay, do, dv, dht, aligned_cu, scale=scale, interp=interp, config=config,
+                      dht_zero=dht_zero, need_dh0=need_dh0, do_packed=do_packed, rows=rows, clean=clean)
+  v_new, h = v_new[0].astype(BF16), h[0].astype(BF16)
+  dob = None if packed else do[0].astype(BF16)
   lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), clean_flag(clean)) if packed else ()
-  *dh0, dh = walk(order, aligned_cu, *lead, qg, kg, w, do_packed[0] if packed else dob, du, decay,
-                  *(() if dht_zero else (dht.astype(F32),)))
-  du = jax.ref.freeze(du)
-  dh0 = dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)
-
   store_du = du_dtype is not None and jnp.dtype(du_dtype) == jnp.dtype(BF16)
   terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), interp=interp, tail_zeros=tail_zeros, packed=packed,
                         store_du=store_du, pairs=pairs)
@@ -470,3 +459,49 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   dgc = outs.pop(0)
   du = jax.ref.freeze(vn) if store_du else du
   return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])
+
+
+def _walk(qg, kg, w, decay, do, dv, dht, aligned_cu, *, scale, interp, config, dht_zero, need_dh0, do_packed, rows,
+          clean, du16=False):
+  """The walk kernel's call (N >= 1) -> (dh0 [N, HV, K, V] f32 (zeros unless need_dh0), du [Ta, HV, V]
+  (float32 over dv's buffer, or du16: bf16 of its own, the tail's rows unwritten), dh [NTa, HV, K, V]
+  bf16)."""
+  packed = do_packed is not None
+  _, Ta, HV, K = qg.shape
+  V, N = dv.shape[-1], aligned_cu.shape[0] - 1
+  order = sequence_order(aligned_cu, config.longest_first)       # [N]: the sequence of each rank
+  qg, kg, w = (x[0].astype(BF16) for x in (qg, kg, w))
+  dob = None if packed else do[0].astype(BF16)
+  dv = dv[0].astype(F32)
+  if config.seq_major and N <= MAX_GRID_YZ:
+    grid, names = (N, HV, V // BV), ("r", "h", "v")
+  else:
+    grid, names = (V // BV, HV, N), ("v", "h", "r")
+  kernel = _walk_kernel(Ta, HV, K, V, N, scale=float(scale), interp=interp, grid=grid, names=names,
+                        dht_zero=dht_zero, need_dh0=need_dh0, packed=packed, du16=du16)
+  du = dv if du16 else jax.new_ref(dv)                              # du over dv: dv dies in the walk
+  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), clean_flag(clean)) if packed else ()
+  outs = kernel(order, aligned_cu, *lead, qg, kg, w, do_packed[0] if packed else dob, du, decay,
+                *(() if dht_zero else (dht.astype(F32),)))
+  *dh0, dh = outs[:-1] if du16 else outs
+  du = outs[-1] if du16 else jax.ref.freeze(du)
+  return (dh0[0] if need_dh0 else jnp.zeros((N, HV, K, V), F32)), du, dh
+
+
+def walk(qg, kg, w, gc_int, gc_frac, v_new, do, dv, dht, aligned_cu, *, scale, interpret=False, config=None,
+         dht_zero=False, need_dh0=True, do_packed=None, rows=None, clean=None):
+  """The walk alone, for a consumer that forms the terms itself (bwd_wy's `terms` kernel): -> (dh0
+  [N, HV, K, V] f32, dh [1, NTa, HV, K, V] bf16, du [1, Ta, HV, V] bf16 (the tail's rows unwritten),
+  decay [NTa, HV, K] f32). Arguments as `apply`'s (h is not read here)."""
+  config = config or Config()
+  _, Ta, HV, K = qg.shape
+  V, N = v_new.shape[-1], aligned_cu.shape[0] - 1
+  decay = chunk_decay(gc_int, gc_frac, BT)
+  if N == 0:
+    return (jnp.zeros((0, HV, K, V), F32), jnp.zeros((1, Ta // BT, HV, K, V), BF16),
+            jnp.zeros((1, Ta, HV, V), BF16), decay)
+  interp = plgpu.InterpretGPUParams() if interpret else None
+  dh0, du, dh = _walk(qg, kg, w, decay, do, dv, dht, aligned_cu.astype(jnp.int32), scale=scale, interp=interp,
+                      config=config, dht_zero=dht_zero, need_dh0=need_dh0, do_packed=do_packed, rows=rows,
+                      clean=clean, du16=True)
+  return dh0, dh[None], du[None], decay

@@ -109,6 +109,10 @@ class Config:
   # too unless `apply`'s dAkk_parts; one CTA per SM. overlap_loads does not apply there; K != V
   # runs the kernel above
   split: bool = False
+  # K == V, in the packed backward where S2 runs its kernels: S3's program per (slab, head, chunk)
+  # forms S2's terms itself from the walk's dh and bf16 du, h, do and v_new
+  # (kda.stages.bwd_wy.mosaic_gpu.fused), and S2's terms kernel does not run; one CTA per SM
+  terms: bool = False
 
   def __post_init__(self):
     if self.cotangent_terms not in (1, 2):
