@@ -368,31 +368,63 @@ def pair_store(ref, c, h, cols, x, BT=64):
     ref[c, h, pl.ds(i * BT, BT), cols] = part
 
 
+# Slab pairs (pairs="slabs", D == 2 * BT): the same array, columns slab s of chunk c's term in rows
+# [s BT, (s + 1) BT) of [c, h], its hi terms in columns [0, BT), its lo terms in [BT, 2 BT): the
+# bytes of the state's key rows of slab s, so a program that has read those rows of a state can
+# store its slab's pair over them while another program reads the other slab's rows.
+
+def slab_pair_tile(ref, c, h, cols, BT=64):
+  """Chunk c, head h, columns `cols` (one BT-wide slab) of a slab-pair ref, float32 [BT, BT]."""
+  block = ref.at[c, h, cols]
+  return load(block.at[:, pl.ds(0, BT)]).astype(F32) + load(block.at[:, pl.ds(BT, BT)]).astype(F32)
+
+
+def slab_pair_store(ref, c, h, cols, x, BT=64):
+  """float32 x [BT, BT] into chunk c, head h, columns `cols` (one slab) of a slab-pair ref."""
+  for i, part in enumerate(split(x)):
+    ref[c, h, cols, pl.ds(i * BT, BT)] = part
+
+
 def term_load(ref, c, h, rows, cols, pairs, BT=64):
   """Chunk c (its rows `rows`), head h, columns `cols` of a float32 term, float32 [BT, cols] (WGMMA
-  layout): from its pair ref where `pairs`, else from the rows of a [Ta, HV, D] ref."""
+  layout): from its pair ref where `pairs` (its slab-pair ref where pairs == "slabs"), else from
+  the rows of a [Ta, HV, D] ref."""
+  if pairs == "slabs":
+    return slab_pair_tile(ref, c, h, cols, BT)
   return pair_load(ref, c, h, cols, BT) if pairs else load(ref.at[rows, h, cols])
 
 
 def term_store(ref, c, h, rows, cols, x, pairs, BT=64):
   """float32 x [BT, cols] into chunk c (its rows `rows`), head h, columns `cols` of a term: its pair
-  ref where `pairs` (pair_store), else the rows of a [Ta, HV, D] ref."""
-  if pairs:
+  ref where `pairs` (pair_store; slab_pair_store where pairs == "slabs"), else the rows of a
+  [Ta, HV, D] ref."""
+  if pairs == "slabs":
+    slab_pair_store(ref, c, h, cols, x, BT)
+  elif pairs:
     pair_store(ref, c, h, cols, x, BT)
   else:
     ref[rows, h, cols] = x
 
 
-def to_pairs(x, BT=64):
-  """[1, Ta, HV, D] float32 -> its pairs [1, NTa, HV, 2 BT, D] bf16 (the layout above)."""
+def to_pairs(x, BT=64, slabs=False):
+  """[1, Ta, HV, D] float32 -> its pairs [1, NTa, HV, 2 BT, D] bf16 (the layout above; slabs: the
+  slab-pair layout, D == 2 BT)."""
   _, Ta, HV, D = x.shape
-  c = x.astype(F32).reshape(Ta // BT, BT, HV, D).transpose(0, 2, 1, 3)
+  c = x.astype(F32).reshape(Ta // BT, BT, HV, D).transpose(0, 2, 1, 3)       # [NTa, HV, BT, D]
   hi = c.astype(BF16)
-  return jnp.concatenate([hi, (c - hi.astype(F32)).astype(BF16)], axis=2)[None]
+  lo = (c - hi.astype(F32)).astype(BF16)
+  if not slabs:
+    return jnp.concatenate([hi, lo], axis=2)[None]
+  by_slab = lambda t: t.reshape(Ta // BT, HV, BT, D // BT, BT).transpose(0, 1, 3, 2, 4)   # [.., s, row, col]
+  return jnp.concatenate([by_slab(hi), by_slab(lo)], axis=-1).reshape(1, Ta // BT, HV, 2 * BT, D)
 
 
-def from_pairs(p, BT=64):
-  """Pairs [1, NTa, HV, 2 BT, D] bf16 -> [1, Ta, HV, D] float32 (hi + lo)."""
+def from_pairs(p, BT=64, slabs=False):
+  """Pairs [1, NTa, HV, 2 BT, D] bf16 -> [1, Ta, HV, D] float32 (hi + lo; slabs: slab pairs)."""
   _, NTa, HV, _, D = p.shape
-  x = p[0, :, :, :BT].astype(F32) + p[0, :, :, BT:].astype(F32)
+  if slabs:
+    b = p[0].reshape(NTa, HV, D // BT, BT, 2, BT).astype(F32)                 # [.., s, row, hi|lo, col]
+    x = (b[..., 0, :] + b[..., 1, :]).transpose(0, 1, 3, 2, 4).reshape(NTa, HV, BT, D)
+  else:
+    x = p[0, :, :, :BT].astype(F32) + p[0, :, :, BT:].astype(F32)
   return x.transpose(0, 2, 1, 3).reshape(1, NTa * BT, HV, D)

@@ -130,7 +130,8 @@ def keep_pairs(plan, name, args, pairs, **extra):
   """(pairs, args) for S3 or S4 (`name`) whose arguments 7 and 8 are the previous stage's pairs:
   unchanged where its kernel takes them, else ({}, args with those two back in float32)."""
   if pairs and plan.choose(name, *args, **plan.stage_kwargs(name), **extra, **pairs) != "mosaic_gpu":
-    return {}, args[:7] + (from_pairs(args[7]), from_pairs(args[8])) + args[9:]
+    slabs = pairs["pairs"] == "slabs"
+    return {}, args[:7] + (from_pairs(args[7], slabs=slabs), from_pairs(args[8], slabs=slabs)) + args[9:]
   return pairs, args
 
 

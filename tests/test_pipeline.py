@@ -601,8 +601,8 @@ def test_defer_qg_reaches_s3_and_s4(monkeypatch, packed):
 
 
 def test_keep_pairs_turns_them_back_where_the_kernel_does_not_run():
-  """kda.steps.keep_pairs: S4 on the reference gets S3's pairs back in float32 (hi + lo) and no
-  `pairs` keyword; S3 on its kernel keeps them."""
+  """kda.steps.keep_pairs: S4 on the reference gets S3's pairs (or slab pairs) back in float32 (hi +
+  lo) and no `pairs` keyword; S3 on its kernel keeps them."""
   from kda._mosaic_gpu import from_pairs, to_pairs
   from kda.steps import keep_pairs
   Ta, HV, K, BT = 128, 1, 128, 64
@@ -619,6 +619,8 @@ def test_keep_pairs_turns_them_back_where_the_kernel_does_not_run():
   assert pairs == {} and args[:7] == it[:7] and args[9:] == it[9:]
   np.testing.assert_array_equal(np.asarray(args[7]), np.asarray(from_pairs(pq)))
   np.testing.assert_array_equal(np.asarray(args[8]), np.asarray(from_pairs(pk)))
+  _, args = keep_pairs(plan, "bwd_intra", it, dict(pairs="slabs"))     # bwd_wy's terms kernel's slab pairs
+  np.testing.assert_array_equal(np.asarray(args[7]), np.asarray(from_pairs(pq, slabs=True)))
   wy = (bf(1, Ta, HV, K), bf(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta, HV), f32(1, Ta, HV, K), f32(1, Ta, HV, K),
         bf(1, Ta, HV, BT), pq, pk, f32(1, Ta, HV, K), bf(1, Ta, HV, K), f32(1, Ta // BT, HV, K), cu)
   assert keep_pairs(plan, "bwd_wy", wy, dict(pairs=True), dv_dtype=jnp.bfloat16) == (dict(pairs=True), wy)

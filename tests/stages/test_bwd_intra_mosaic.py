@@ -550,30 +550,31 @@ def test_one_term_dA_stays_within_bf16_rounding():
   assert errs["dq"][0] > 10 * TOL["dq"][0], fmt(errs)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["aligned", "packed"])
-def test_pairs_give_the_same_bits(packed):
+@pytest.mark.parametrize("packed,layout", [(False, True), (True, True), (True, "slabs")],
+                         ids=["aligned", "packed", "packed-slabs"])
+def test_pairs_give_the_same_bits(packed, layout):
   """pairs=True: S3's dq, dk given as their pairs give every output bit for bit the call on float32
-  dq, dk = hi + lo (simulator; aligned with the tail's copies, and packed dq, dk and q, k); it lowers
-  for CUDA."""
+  dq, dk = hi + lo (simulator; aligned with the tail's copies, and packed dq, dk and q, k); so do
+  pairs="slabs" (bwd_wy's terms kernel's slab pairs); it lowers for CUDA."""
   from kda import padding
   from kda._mosaic_gpu import from_pairs, to_pairs
   from tests.stages.test_gate_mosaic import packed_layout
   case = "K128-HV2-64_50"
   lens, Ta, HV, K = CASES[case]
   args, _ = make_inputs(case, "strong", accumulate=True)
-  layout, _ = packed_layout(lens, [70, 0], extra_T=3, tail_chunks=1)
+  lay, _ = packed_layout(lens, [70, 0], extra_T=3, tail_chunks=1)
   kw = dict(scale=K ** -0.5, chunk_size=BT, grad_dtype=BF16)
   if packed:
-    rows = padding.chunk_rows(layout)
-    kw.update(rows=rows, pieces=padding.gap_pieces(rows, layout.aligned_cu, layout.T, BT), T=layout.T,
-              qk_packed=True)
-    args = tuple(bwd_setup.packed_and_aligned(layout, args[:2])[0]) + tuple(args[2:])
+    rows = padding.chunk_rows(lay)
+    kw.update(rows=rows, pieces=padding.gap_pieces(rows, lay.aligned_cu, lay.T, BT), T=lay.T, qk_packed=True)
+    args = tuple(bwd_setup.packed_and_aligned(lay, args[:2])[0]) + tuple(args[2:])
   args = list(args)
-  pairs = [to_pairs(x) for x in args[7:9]]
-  args[7:9] = [from_pairs(p) for p in pairs]
-  f = lambda *a, **k: mgb.apply(*a, layout.aligned_cu, interpret=True, **kw, **k)
+  slabs = layout == "slabs"
+  pairs = [to_pairs(x, slabs=slabs) for x in args[7:9]]
+  args[7:9] = [from_pairs(p, slabs=slabs) for p in pairs]
+  f = lambda *a, **k: mgb.apply(*a, lay.aligned_cu, interpret=True, **kw, **k)
   want = jax.jit(f)(*args)
-  got = jax.jit(lambda *a: f(*a, pairs=True))(*args[:7], *pairs, *args[9:])
+  got = jax.jit(lambda *a: f(*a, pairs=layout))(*args[:7], *pairs, *args[9:])
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(got, name).astype(F32)),
                                   np.asarray(getattr(want, name).astype(F32)), name)

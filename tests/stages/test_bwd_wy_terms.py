@@ -118,3 +118,21 @@ def test_terms_kernel_lowers_in_one_cta(packed):
     return fused.apply(*a[:13], scale=K ** -0.5, dv_dtype=BF16, dAkk_parts=True, **kw)
   smem = lowered_smem_bytes(f, *args)
   assert smem == fused.smem_bytes(V, packed) and 116224 < smem <= 232448
+
+
+def test_slab_pairs_over_h_and_dh():
+  """pairs (K = V = 128): dq and dk come as slab pairs over h's and dh's buffers (two programs per
+  chunk, each storing over the state rows only it reads), equal to the float32 call's dq, dk as
+  kda._mosaic_gpu.to_pairs(slabs=True) forms them; every other output the same bits."""
+  from kda._mosaic_gpu import from_pairs, to_pairs
+  args = _walk_outputs("K128-V128-HV1-130")
+  f = lambda *a, **k: fused.apply(*a, scale=128 ** -0.5, dv_dtype=BF16, interpret=True, **k)
+  want = jax.jit(f)(*args)
+  got = jax.jit(lambda *a: f(*a, pairs=True))(*args)
+  for name, a, b in zip(NAMES, got, want):
+    if name in ("dq", "dk"):
+      assert a.shape == args[7].shape and a.dtype == BF16
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(to_pairs(b, slabs=True)), name)
+      assert np.abs(np.asarray(from_pairs(a, slabs=True) - b)).max() <= 2e-5 * np.abs(np.asarray(b)).max()
+    else:
+      np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(b.astype(F32)), name)

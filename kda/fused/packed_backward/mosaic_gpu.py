@@ -100,7 +100,7 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   if _terms_in_s3(plan, dh_kw, qa, va):
     ds, wy = _walk_then_terms(plan, dh_args, dh_kw, (q3, k3, v3, ba, *gc, saved.Ainv), rows, pieces, layout, clean,
                               interpret, **dv_dtype)
-    pairs, defer, wy_kw = {}, {}, dict(rows=rows)     # dv left packed
+    pairs, defer, wy_kw = _slab_pairs(qa, va), {}, dict(rows=rows)     # dv left packed
   else:
     ds, wy, pairs, defer, wy_kw = _s2_s3(plan, stage, packed_kw, dh_args, dh_kw, qa, ka, va, ba, q3, k3, v3, gc, saved,
                                          av.dAqk, layout, rows, pieces, tail, clean, grad_dtype, dv_dtype)
@@ -137,6 +137,11 @@ def _terms_in_s3(plan, dh_kw, qa, va) -> bool:
               and qa.shape[-1] == va.shape[-1] and not plan.config("pipeline").defer_qg)
 
 
+def _slab_pairs(q, v) -> dict:
+  """The terms kernel's dq, dk as slab pairs over h's and dh's buffers where K == V == 128."""
+  return dict(pairs="slabs") if q.shape[-1] == v.shape[-1] == 128 else {}
+
+
 def _walk_then_terms(plan, dh_args, dh_kw, wy_inputs, rows, pieces, layout, clean, interpret, dv_dtype):
   """S2's walk, then S3's terms kernel on its dh and bf16 du -> (an S2 Out with dh0, S3's Out with
   dAkk as its slabs' parts for bwd_intra)."""
@@ -152,7 +157,7 @@ def _walk_then_terms(plan, dh_args, dh_kw, wy_inputs, rows, pieces, layout, clea
     dq, dk, dv_, dbeta, dgc, dg_state, dAkk = bwd_wy_terms.apply(
         q, k, v, beta, gc_int, gc_frac, Ainv, h, dh, dh_kw["do_packed"], v_new, du, decay, aligned_cu,
         scale=plan.scale, dv_dtype=dv_dtype, interpret=interpret, approx_math=cfg.approx_math, rows=rows,
-        pieces=pieces, T=layout.T, clean=clean, dAkk_parts=True)
+        pieces=pieces, T=layout.T, clean=clean, dAkk_parts=True, **_slab_pairs(q, v))
   return (bwd_dh.Out(dh0, du, None, None, None, None),
           bwd_wy.Out(dq, dk, dv_, dbeta, dgc, dg_state, dAkk))
 

@@ -409,7 +409,7 @@ def _kernel(Ta, HV, K, *, scale, interpret, config, skip_tail=False, grad_dtype=
   out = lambda shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   kw = dict(seg=True) if seg else {}        # the body's and the tail's
   if pairs:
-    kw["pairs"] = True
+    kw["pairs"] = pairs             # True, or "slabs" (kda._mosaic_gpu's slab pairs)
   body = functools.partial(_body, scale=scale, bounded=config.bounded == "auto", dA_terms=config.dA_terms,
                            defer_qg=defer_qg, **kw)
   if packed_T is not None:
@@ -453,7 +453,8 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   src[c] + r, r < count[c] (the rest of the landed tile taken as 0), so no aligned copy of them need
   exist; the same bits as the aligned call. clean (with qk_packed; a bool scalar, traced or not):
   where true, the non-finite values of q, k are read as 0 too (kda.confine's rerun), with no copy
-  and the same kernel. pairs: dq, dk come as their pairs (S3's `pairs`). defer_qg (S3's): dq is S2's
+  and the same kernel. pairs: dq, dk come as their pairs (S3's `pairs`; "slabs": the slab pairs of
+  bwd_wy's terms kernel). defer_qg (S3's): dq is S2's
   dqg, the cotangent of qg = q exp(gc), and the kernel forms S3's part of dq, dqg exp(gc), and adds
   dqg q exp(gc) to dgc (each program has its tile of gc in SMEM)."""
   config = config or Config()
@@ -476,7 +477,7 @@ def apply(q, k, beta, gc_int, gc_frac, dAqk, dAkk, dq, dk, dbeta, dgc, aligned_c
   f = _kernel(Ta, HV, K, scale=float(scale), interpret=interpret, config=config, skip_tail=skip,
               grad_dtype=grad_dtype, packed_T=T if packed else None,
               tail_zeros=bool(tail_zeros) or not (skip or packed), seg=seg is not None, packed_qk=bool(qk_packed),
-              pairs=bool(pairs), defer_qg=bool(defer_qg))
+              pairs=pairs if pairs == "slabs" else bool(pairs), defer_qg=bool(defer_qg))
   cu = (aligned_cu.astype(jnp.int32),) if skip or packed else ()
   if packed:
     cu = (rows.src, rows.count, pieces) + cu

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kda._mosaic_gpu import BF16, COL, F32, ROW, clean_flag, kept_rows, last_row, packed_chunk, packed_tile
+from kda._mosaic_gpu import term_store
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, swz as _swz
 from kda.stages.gate import exponent
@@ -74,12 +75,14 @@ def smem_bytes(V, packed=False, stage_dtype=BF16):
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g,
          oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
          q_s, k_s, v_s, a_s, dup_s, gi_s, gf_s, h_s, dh_s, do_s, vn_s, du_s, t0, t1, t2, t3, l_s, *bars,
-         scale, store_dv=None, rows_qkv=None, rows_do=None):
+         scale, store_dv=None, rows_qkv=None, rows_do=None, pairs=False):
   """Program (p, h, c). GMEM: q, k [Ta, HV, K], v [Ta, HV, V] bf16 (packed: [T, ...], rows_qkv);
   Ainv [Ta, HV, 64] bf16, beta^T [HV, Ta], gc_int, gc_frac [Ta, HV, K] f32; h, dh [NTa, HV, K, V],
   v_new, du [Ta, HV, V] bf16, do [Ta, HV, V] bf16 (packed: [T, HV, V], rows_do: (src, count, clean),
   vn_s then a (tiles, landing) union); dec [NTa, HV, K] f32 (exp(gc_last)). Out: dq, dk, dgc,
-  dg_state [Ta, HV, K] f32, dv [Ta, HV, V] (store_dv: packed), dbeta [P, HV, Ta], dAkk [P, Ta, HV, 64]."""
+  dg_state [Ta, HV, K] f32, dv [Ta, HV, V] (store_dv: packed), dbeta [P, HV, Ta], dAkk [P, Ta, HV, 64].
+  pairs: dq, dk are h's and dh's refs and take their slab pairs (kda._mosaic_gpu.slab_pair_store)
+  over the rows of slab p, which only this program reads, once they have landed."""
   nv = h_s.shape[0]
   p, h, c = lax.axis_index("p"), lax.axis_index("h"), lax.axis_index("c")
   rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
@@ -150,7 +153,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
     issue_vn()
   dqg = scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], shape)
   eg = gate()                      # formed again (the same bits) rather than held through the products
-  oq_g[rows, h, cols] = dqg * eg
+  term_store(oq_g, c, h, rows, cols, dqg * eg, "slabs" if pairs else False)
   og_g[rows, h, cols] = dqg * tile(q_s) * eg + dkb * (beta * (tile(k_s) * eg))
   plgpu.barrier_wait(bars[3])
   hd = _acc([(h_s.at[j], dh_s.at[j].T) for j in range(nv)], shape)     # h_p dh_p^T: its diagonal
@@ -159,13 +162,13 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
   dkg = _acc([(vn_t.at[j], dh_s.at[j].T) for j in range(nv)], shape)
   el = jnp.exp(exponent(last_row(gi_g, c, h, cols, shape), last_row(gf_g, c, h, cols, shape),
                         _load(gi_s), _load(gf_s)))
-  ok_g[rows, h, cols] = dkg * el + dkb * beta * gate()
+  term_store(ok_g, c, h, rows, cols, dkg * el + dkb * beta * gate(), "slabs" if pairs else False)
   put(dkg * (tile(k_s) * el), t0, t1, t2)                           # dkg kg, in three terms
   before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
   ogs_g[rows, h, cols] = before + lax.broadcast_in_dim(dgl, shape, [1])
 
 
-def _packed_body(src_g, cnt_g, pieces_g, cu_g, clean_g, *refs, scale):
+def _packed_body(src_g, cnt_g, pieces_g, cu_g, clean_g, *refs, scale, pairs=False):
   """Packed q, k, v, do and dv (`packed_chunk`, the stage is the last scratch): program (p, h, c)
   stores its slab of its chunk's dv rows packed and zeroes the gap pieces c, c + NTa, ... of it."""
   *refs, stage = refs
@@ -174,21 +177,27 @@ def _packed_body(src_g, cnt_g, pieces_g, cu_g, clean_g, *refs, scale):
   dst = lambda ds: ov_g.at[ds, h, pl.ds(pl.multiple_of(p * SLAB, SLAB), SLAB)]
   rows = (src_g[c], cnt_g[c], clean_g[0])
   packed_chunk(stage, src_g, cnt_g, pieces_g, cu_g, c,
-               lambda store: body(*refs, scale=scale, rows_qkv=rows, rows_do=rows,
+               lambda store: body(*refs, scale=scale, rows_qkv=rows, rows_do=rows, pairs=pairs,
                                   store_dv=lambda x: store(dst, x)),
                None, [dst], BT)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(Ta, HV, K, V, *, scale, interpret, approx_math, dv_dtype, packed_T=None):
+def _kernel(Ta, HV, K, V, *, scale, interpret, approx_math, dv_dtype, packed_T=None, pairs=False):
   P = K // SLAB
   out = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
   packed = packed_T is not None
-  fn = functools.partial(_packed_body if packed else body, scale=scale)
+  fn = functools.partial(_packed_body if packed else body, scale=scale, pairs=pairs)
+  n_in = 13 + 5 * packed           # (src, count, pieces, aligned_cu, clean), q .. decay
+
+  def wrapped(*refs):              # pairs: dq, dk over h's and dh's refs (inputs 7 and 8 after the lead)
+    ins, rest = refs[:n_in], list(refs[n_in:])
+    dqk = [ins[n_in - 6], ins[n_in - 5]] if pairs else [rest.pop(0), rest.pop(0)]
+    return fn(*ins, *dqk, *rest)
   return plgpu.kernel(
-      fn,
-      out_type=(out(Ta, HV, K), out(Ta, HV, K), out(packed_T or Ta, HV, V, dtype=dv_dtype), out(P, HV, Ta),
-                out(Ta, HV, K), out(Ta, HV, K), out(P, Ta, HV, BT)),
+      wrapped,
+      out_type=((out(Ta, HV, K),) * 2 * (not pairs) + (out(packed_T or Ta, HV, V, dtype=dv_dtype), out(P, HV, Ta),
+                out(Ta, HV, K), out(Ta, HV, K), out(P, Ta, HV, BT))),
       grid=(P, HV, Ta // BT), grid_names=("p", "h", "c"),
       scratch_types=scratch(V, packed, dv_dtype),
       compiler_params=_params(lane=True, approx_math=approx_math),
@@ -199,23 +208,30 @@ def _kernel(Ta, HV, K, V, *, scale, interpret, approx_math, dv_dtype, packed_T=N
 
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, h, dh, do, v_new, du, decay, aligned_cu=None, *, scale,
           dv_dtype=None, interpret=False, approx_math=False, rows=None, pieces=None, T=None, clean=None,
-          dAkk_parts=False):
+          dAkk_parts=False, pairs=False):
   """(dq, dk, dv, dbeta, dgc, dg_state, dAkk) of bwd_wy from S2's walk: h, dh [1, NTa, HV, K, V],
   v_new, du [1, Ta, HV, V] bf16, decay [NTa, HV, K] (kda.stages.state.chunk_decay), do [1, Ta, HV,
   V]. Packed (rows, pieces, T, aligned_cu): q, k, v, do are the packed [1, T, ...] arrays and dv
   leaves packed [1, T, HV, V]; clean: non-finite values of q, k, v, do read as 0. dAkk_parts: dAkk
-  as its slabs' parts [K // 64, Ta, HV, 64], else their sum [1, Ta, HV, 64]."""
+  as its slabs' parts [K // 64, Ta, HV, 64], else their sum [1, Ta, HV, 64]. pairs (K == V == 128):
+  dq and dk come as slab pairs [1, NTa, HV, 128, K] bf16 (kda._mosaic_gpu: ~2^-17 relative) stored
+  over h's and dh's buffers, so neither takes a float32 buffer of its own (h is not read after)."""
   _, Ta, HV, K = gc_int.shape
   V = v_new.shape[-1]
+  if pairs and not K == V == 2 * BT:
+    raise ValueError(f"mosaic_gpu bwd_wy terms kernel: pairs need K == V == {2 * BT}, got K={K}, V={V}")
   dv_dtype = jnp.dtype(dv_dtype or F32)
   bf = lambda x: x[0].astype(BF16)
   f32 = lambda x: x[0].astype(F32)
   packed = rows is not None
   f = _kernel(Ta, HV, K, V, scale=float(scale), interpret=interpret, approx_math=approx_math, dv_dtype=dv_dtype,
-              packed_T=T if packed else None)
+              packed_T=T if packed else None, pairs=bool(pairs))
   lead = ((rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), pieces, aligned_cu.astype(jnp.int32),
            clean_flag(clean)) if packed else ())
-  dq, dk, dv, dbeta, dgc, dgs, dAkk = f(*lead, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int),
-                                        f32(gc_frac), bf(h), bf(dh), bf(do), bf(v_new), bf(du), decay.astype(F32))
+  hr, dhr = (jax.new_ref(bf(x)) for x in (h, dh)) if pairs else (bf(h), bf(dh))
+  outs = list(f(*lead, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac), hr, dhr,
+                bf(do), bf(v_new), bf(du), decay.astype(F32)))
+  dq, dk = (jax.ref.freeze(hr), jax.ref.freeze(dhr)) if pairs else (outs.pop(0), outs.pop(0))
+  dv, dbeta, dgc, dgs, dAkk = outs
   dAkk = dAkk if dAkk_parts else jnp.sum(dAkk, 0)[None]
   return dq[None], dk[None], dv[None], jnp.sum(dbeta, 0).T[None], dgc[None], dgs[None], dAkk
