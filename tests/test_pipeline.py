@@ -738,7 +738,8 @@ def test_packed_backward_with_segment_gaps_equals_the_aligned_one():
 def test_terms_in_s3(monkeypatch, D):
   """bwd_wy's Config(terms=True), K = V = D (simulator): the packed backward runs S2's walk alone and
   S3's terms kernel (S2's apply is not called), and the gradients (initial state's included) are 0
-  at tokens of no sequence and within bf16 rounding of the reference's and of the default's."""
+  at tokens of no sequence and within bf16 rounding of the default's (and, at 128, of the
+  reference's)."""
   from kda.stages.bwd_dh import mosaic_gpu as mgd
   from kda.stages.bwd_wy import mosaic_gpu as mgw
   from kda.stages.bwd_wy.mosaic_gpu import fused
@@ -753,7 +754,8 @@ def test_terms_in_s3(monkeypatch, D):
           x, kw["initial_state"])
   got = grads("mosaic_gpu", {"bwd_wy": mgw.Config(terms=True)})
   assert called == ["kda.stages.bwd_dh.mosaic_gpu.walk", "kda.stages.bwd_wy.mosaic_gpu.fused.apply"], called
-  want, ref = grads("mosaic_gpu"), grads("reference")
+  want = grads("mosaic_gpu")
+  ref = grads("reference") if D == 128 else want            # the default's own check: test_grad (CI time)
   end = int(kw["cu_seqlens"][-1])
   for name, a, b, r in zip("q k v g beta h0".split(), (*got[0], got[1]), (*want[0], want[1]), (*ref[0], ref[1])):
     a, b, r = (np.asarray(t.astype(jnp.float32)) for t in (a, b, r))
