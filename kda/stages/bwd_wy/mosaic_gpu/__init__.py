@@ -47,6 +47,10 @@ Config.split (K == V): the split kernel (`split`, its own module): one program p
 head, chunk), each operand of its slab by TMA up front in three groups awaited in order of first
 use, dbeta and dAkk stored per slab and added by the launcher; one CTA per SM.
 
+Config.terms (K == V, the packed backward): the terms kernel (`fused`, its own module) forms S2's
+terms in the split kernel's programs from the walk's dh and bf16 du, h, do and v_new, so S2's terms
+kernel does not run (kda.fused.packed_backward.mosaic_gpu calls the two).
+
 Precision: every float32 wgmma operand is a hi + lo bf16 split (three wgmmas: hi hi, hi lo, lo hi,
 ~2^-16 relative; one term less where a side is bf16-exact: a, L) but du and dw, which enter as one
 bf16 term (2^-9) unless Config.cotangent_terms=2; float32 accumulation; the exponentials and sums
