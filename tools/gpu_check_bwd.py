@@ -5,10 +5,11 @@ cases, H = 16, K = V = 128 by default):
   1. the reference backward (jnp), every stage recorded (pipeline.backward(record=True));
   2. every backward stage that has a mosaic_gpu kernel, on the recorded inputs of its stage, against
      the recorded reference output: max |d| / max |ref| per field, and the median ms of both;
-  3. jax.grad of sum(o * do) with impl="mosaic_gpu" (and with PipelineConfig(defer_qg=True)) against
-     impl="reference" (max relative error per gradient), all timed;
-  4. determinism: that compiled jax.grad called --repeat more times gives the first call's
-     gradients bit for bit (the elements that differ are counted per gradient).
+  3. jax.grad of sum(o * do) with impl="mosaic_gpu" (and with the candidates PipelineConfig(defer_qg=True)
+     and bwd_wy's Config(terms=True)) against impl="reference" (max relative error per gradient), all
+     timed;
+  4. determinism: that compiled jax.grad (and with terms) called --repeat more times gives the first
+     call's gradients bit for bit (the elements that differ are counted per gradient).
 `--interpret --total 256 --heads 1 --head-dim 64` runs it in the simulator on a CPU (a smoke run).
 Writes everything to --out as JSON; exit status 1 if a check fails (a field above --tol).
 """
@@ -120,19 +121,25 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
     argnums = (0, 1, 2, 3, 4, 5) + ((6, 7) if raw else ())
     return jax.jit(jax.grad(f, argnums=argnums))
 
-  # the kernels' gradient, the reference's, and the kernels' with PipelineConfig.defer_qg on
+  # the kernels' gradient, the reference's, and the kernels' with the candidate switches on
+  from kda.stages.bwd_wy import mosaic_gpu as wy
+  candidates = {"defer_qg": {"pipeline": planning.PipelineConfig(defer_qg=True)},
+                "terms": {"bwd_wy": wy.Config(terms=True)}}
   grads = {"mosaic_gpu": loss("mosaic_gpu"), "reference": loss("reference"),
-           "mosaic_gpu [defer_qg]": loss("mosaic_gpu", {"pipeline": planning.PipelineConfig(defer_qg=True)})}
+           **{f"mosaic_gpu [{c}]": loss("mosaic_gpu", cfg) for c, cfg in candidates.items()}}
   want = grads["reference"](*x)
   rel = lambda got: {n: _rel(a, b) for n, a, b in zip(GRADS, got, want)}
   got = grads["mosaic_gpu"](*x)
   out["grad_max_rel"] = rel(got)
   print("  grad_max_rel", json.dumps(out["grad_max_rel"]), flush=True)
-  out["grad_max_rel [defer_qg]"] = rel(grads["mosaic_gpu [defer_qg]"](*x))
-  print("  grad_max_rel [defer_qg]", json.dumps(out["grad_max_rel [defer_qg]"]), flush=True)
+  for c in candidates:
+    out[f"grad_max_rel [{c}]"] = rel(grads[f"mosaic_gpu [{c}]"](*x))
+    print(f"  grad_max_rel [{c}]", json.dumps(out[f"grad_max_rel [{c}]"]), flush=True)
   out["grad_finite"] = bool(all(np.isfinite(np.asarray(jnp.asarray(a, jnp.float32))).all() for a in got))
   out["grad_ms"] = {i: bench.timeit(grads[i], *x, reps=reps) for i in grads}
   out["grad_bits_differ"] = bit_differences(got, [grads["mosaic_gpu"](*x) for _ in range(repeat)])
+  first = grads["mosaic_gpu [terms]"](*x)
+  out["grad_bits_differ [terms]"] = bit_differences(first, [grads["mosaic_gpu [terms]"](*x) for _ in range(repeat)])
   return out, ok and out["grad_finite"] and not any(out["grad_bits_differ"].values())
 
 

@@ -52,7 +52,15 @@ def _inputs(key, B, T, H, K, V, dtype):
   return (q, k, v, g, beta), A_log, dt_bias, do
 
 
-def dims_case(K, V, dtype, varlen, tol, impl=None):
+def _config(text, impl, dtype, K, V):
+  """tools.configs' text (--config) as chunk_kda's config for a plan of these dims, or None."""
+  if not text:
+    return None
+  from tools import configs
+  return configs.parse(text, kda.plan.make_plan(scale=K ** -0.5, chunk_size=64, impl=impl, dtype=dtype, K=K, V=V))
+
+
+def dims_case(K, V, dtype, varlen, tol, impl=None, config=""):
   H = 4
   B, T = (1, CU[-1]) if varlen else (2, CU[-1] // 2)
   x, A_log, dt_bias, do = _inputs(jax.random.PRNGKey(K + 7 * V), B, T, H, K, V, dtype)
@@ -67,7 +75,7 @@ def dims_case(K, V, dtype, varlen, tol, impl=None):
 
   def ours(x, A_log, dt_bias, h0):
     return kda.chunk_kda(*x, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
-                         cu_seqlens=cu, impl=impl, **gkw)
+                         cu_seqlens=cu, impl=impl, config=_config(config, impl, dtype, K, V), **gkw)
 
   def truth(x, A_log, dt_bias, h0):
     q, k, v, g, beta = (a.astype(jnp.float32) for a in x)
@@ -93,7 +101,7 @@ def dims_case(K, V, dtype, varlen, tol, impl=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _nan_setup(total, impl, lengths):
+def _nan_setup(total, impl, lengths, config=""):
   """(lens, cu, inputs, do, run) of the NaN part for one length range, run(x, do) -> (o, gradients)
   from two programs, the forward and jax.grad of a loss linear in o, compiled once for every input
   the part spoils."""
@@ -107,16 +115,17 @@ def _nan_setup(total, impl, lengths):
   x = list(x)
   x[3] = jax.nn.log_sigmoid(x[3]) / 16                  # log-space gates (the segmented mode takes them)
   cuj = jnp.asarray(cu)
+  cfg = _config(config, impl, jnp.bfloat16, K, K)
 
-  forward = jax.jit(lambda x: kda.chunk_kda(*x, cu_seqlens=cuj, impl=impl)[0])
+  forward = jax.jit(lambda x: kda.chunk_kda(*x, cu_seqlens=cuj, impl=impl, config=cfg)[0])
   # the gradients of a loss linear in o (o is dead there: the backward decides on its own probe)
-  grad = jax.jit(jax.grad(lambda x, do: jnp.sum(kda.chunk_kda(*x, cu_seqlens=cuj, impl=impl)[0].astype(
+  grad = jax.jit(jax.grad(lambda x, do: jnp.sum(kda.chunk_kda(*x, cu_seqlens=cuj, impl=impl, config=cfg)[0].astype(
       jnp.float32) * do)))
   return lens, cu, x, do, lambda x, do: (forward(x), grad(x, do))
 
 
-def nan_case(where, total, impl=None, lengths=(1, 4)):
-  lens, cu, x, do, run = _nan_setup(total, impl, tuple(lengths))
+def nan_case(where, total, impl=None, lengths=(1, 4), config=""):
+  lens, cu, x, do, run = _nan_setup(total, impl, tuple(lengths), config)
   T = int(cu[-1])
   bad_seq = len(lens) // 3
   tok = int(cu[bad_seq])
@@ -159,6 +168,7 @@ def main(argv=None):
   p.add_argument("--layouts", default="varlen,fixed", help="the dims part's layouts")
   p.add_argument("--where", default="q,k,v,g,beta,do", help="the inputs the nan part spoils")
   p.add_argument("--lengths", default="1-3,40-299", help="sequence length ranges of the nan part")
+  p.add_argument("--config", default="", help="chunk_kda's configs, name.field=value,... (tools.configs)")
   p.add_argument("--out")
   a = p.parse_args(argv)
   rows = []
@@ -167,7 +177,7 @@ def main(argv=None):
       for K, V in (tuple(map(int, d.split("x"))) for d in a.dims.split(",")):
         for varlen in (lay == "varlen" for lay in a.layouts.split(",")):
           try:
-            rows.append(dims_case(K, V, jnp.dtype(dt), varlen, a.tol, a.impl))
+            rows.append(dims_case(K, V, jnp.dtype(dt), varlen, a.tol, a.impl, a.config))
           except Exception as e:  # noqa: BLE001 - report and go on
             rows.append({"case": f"dims K{K} V{V} {dt} {'varlen' if varlen else 'fixed'}", "ok": False,
                          "error": f"{type(e).__name__}: {e}"[:400]})
@@ -176,7 +186,7 @@ def main(argv=None):
     for lengths in (tuple(int(x) + i for i, x in enumerate(r.split("-"))) for r in a.lengths.split(",")):
       for where in a.where.split(","):
         try:
-          rows.append(nan_case(where, a.total, a.impl, lengths))
+          rows.append(nan_case(where, a.total, a.impl, lengths, a.config))
         except Exception as e:  # noqa: BLE001
           rows.append({"case": f"nan in {where}, lengths {lengths}", "ok": False,
                        "error": f"{type(e).__name__}: {e}"[:400]})
