@@ -311,11 +311,7 @@ def _body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   # a loop, not unrolled: the slabs' arrays never pile up in registers
   carry = (dAinv, functools.reduce(jnp.add, dbeta), *([x] if overlap else []))
   dAinv, dsum, *_ = lax.fori_loop(0, nk, k_slab, carry)
-  put(dAinv, t0, t1)
-  p = _acc([(t0, aT), (t1, aT)], shape)                      # dAinv @ Ainv^T
-  put(p, t2, t3)
-  m = _acc([(aT, t2), (aT, t3)], shape)                      # Ainv^T @ that
-  oa_g[rows, h, :] = jnp.where(strict, -m, 0.0)
+  oa_g[rows, h, :] = jnp.where(strict, -split.ainv_chain(put, dAinv, aT, (t0, t1, t2, t3), shape), 0.0)
   odb_g[h, rows] = dsum
 
 

@@ -43,6 +43,7 @@ from kda._mosaic_gpu import BF16, COL, F32, ROW, clean_flag, kept_rows, last_row
 from kda._mosaic_gpu import term_store
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split
 from kda._mosaic_gpu import smem_bytes as _smem_bytes, swz as _swz
+from kda.stages.bwd_wy.mosaic_gpu.split import ainv_chain
 from kda.stages.gate import exponent
 
 BT = SLAB = 64
@@ -139,11 +140,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
   put(beta * keg, t2, t3)                                    # kb
   dAinv = dAinv + _acc([(t0, t2.T), (t0, t3.T)], shape)
   # dAkk's part first, so dAinv and the products' arrays are gone before the terms are formed
-  put(dAinv, t0, t1)
-  pa = _acc([(t0, aT), (t1, aT)], shape)                     # dAinv_p @ Ainv^T
-  put(pa, t2, t3)
-  m = _acc([(aT, t2), (aT, t3)], shape)                      # Ainv^T @ that
-  oa_g[p, rows, h, :] = jnp.where(strict, -m, 0.0)
+  oa_g[p, rows, h, :] = jnp.where(strict, -ainv_chain(put, dAinv, aT, (t0, t1, t2, t3), shape), 0.0)
   odb_g[p, h, rows] = dbeta
   plgpu.barrier_wait(bars[2])
   if land is not None:             # do's rows of the chunk (others 0) into its wgmma tiles; then v_new

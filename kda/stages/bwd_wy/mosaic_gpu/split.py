@@ -66,6 +66,16 @@ def smem_bytes(stage_dtype=None, du_bf16=False, packed_qkv=False, defer_qg=False
   return _smem_bytes(scratch(stage_dtype, du_bf16, packed_qkv, defer_qg=defer_qg), reduction=True)
 
 
+def ainv_chain(put, dAinv, aT, tiles, shape):
+  """Ainv^T (dAinv Ainv^T) on the tensor cores, each float32 operand put in two bf16 terms (`put`
+  into two of the four work tiles); dAkk = strict_tril(-that)."""
+  t0, t1, t2, t3 = tiles
+  put(dAinv, t0, t1)
+  pa = _acc([(t0, aT), (t1, aT)], shape)                     # dAinv @ Ainv^T
+  put(pa, t2, t3)
+  return _acc([(aT, t2), (aT, t3)], shape)                   # Ainv^T @ that
+
+
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
          oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g, *scratch,
          store_dv=None, ct=1, qkv_rows=None, pairs=False, defer_qg=False):
@@ -130,11 +140,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, dqg_g, dkg_g, dw_g, du_g, dgl_g,
   put(beta * keg, t2, t3)                                    # kb
   dAinv = dAinv + _acc(cross, shape)
   # dAkk's part first, so dAinv and the products' arrays are gone before S2's terms are read
-  put(dAinv, t0, t1)
-  pa = _acc([(t0, aT), (t1, aT)], shape)                     # dAinv_p @ Ainv^T
-  put(pa, t2, t3)
-  m = _acc([(aT, t2), (aT, t3)], shape)                      # Ainv^T @ that
-  oa_g[p, rows, h, :] = jnp.where(strict, -m, 0.0)
+  oa_g[p, rows, h, :] = jnp.where(strict, -ainv_chain(put, dAinv, aT, (t0, t1, t2, t3), shape), 0.0)
   odb_g[p, h, rows] = dbeta
   plgpu.barrier_wait(bars[2])
   term = pair_tile if pairs else _load
