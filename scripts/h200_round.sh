@@ -9,9 +9,13 @@
 #   NaN confinement (short sequences; q and do spoiled) and K = V = 256 and 128 x 256 cases.
 # Phase 3: the per-stage profile of A, B, C (tools.profile), A and C with bwd_wy.split=1, then
 #   tools.bench_states with traced cu_seqlens.
+# Phase 4 CONFIG (a candidate default, tools.configs' text, e.g. bwd_wy.terms=1): A, B, C with the
+#   default and with CONFIG in one call, the backward's gradient checks and bits (tools.gpu_check_bwd
+#   --cases short: the candidates' gradients beside the default's), NaN confinement and the K = V =
+#   256 cases with CONFIG.
 # Everything lands in $OUT: the JSON, and every step's output in one round.log (a device call
 # brings back at most 8 files). Device call: carry [".peer", ".whl"], command
-#   bash scripts/h200_round.sh SECONDS [2|3]    (SECONDS: what the call may take in all)
+#   bash scripts/h200_round.sh SECONDS [2|3|4 CONFIG]    (SECONDS: what the call may take in all)
 # .dev/extra.sh OUT, where present (an ignored path: carry it), runs in phase 3 before the states.
 set -u
 O=${OUT:-/tmp/out}; mkdir -p $O
@@ -29,6 +33,19 @@ run $(lim 200) 3 python3 -m tools.gpu_check_bwd --cases long --gates plain --rep
 t edges
 run $(lim 90) 3 python3 -m tools.gpu_check_edges --parts nan --dtypes bfloat16 --where q,do --lengths 1-3 --out $O/edges.json
 run $(lim 170) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --out $O/dims.json
+t done; exit 0
+fi
+if [ "${2:-1}" = 4 ]; then
+cfg=$3
+t "bench default"
+run $(lim 140) 6 python3 -m tools.bench --variants A:plain,B:plain,C:plain --impls auto --reps 10 --out $O/kda.json
+t "bench $cfg"
+run $(lim 140) 6 python3 -m tools.bench --variants A:plain,B:plain,C:plain --impls auto --reps 10 --config $cfg --out $O/kda_candidate.json
+t check_bwd
+run $(lim 120) 4 python3 -m tools.gpu_check_bwd --cases short --gates plain --reps 3 --repeat 2 --out $O/check_bwd.json
+t "edges $cfg"
+run $(lim 80) 3 python3 -m tools.gpu_check_edges --parts nan --dtypes bfloat16 --where q,do --lengths 1-3 --config $cfg --out $O/edges.json
+run $(lim 130) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --config $cfg --out $O/dims.json
 t done; exit 0
 fi
 if [ "${2:-1}" = 3 ]; then
