@@ -42,7 +42,7 @@ run $(lim 140) 6 python3 -m tools.bench --variants A:plain,B:plain,C:plain --imp
 t "bench $cfg"
 run $(lim 140) 6 python3 -m tools.bench --variants A:plain,B:plain,C:plain --impls auto --reps 10 --config $cfg --out $O/kda_candidate.json
 t check_bwd
-run $(lim 120) 4 python3 -m tools.gpu_check_bwd --cases short --gates plain --reps 3 --repeat 2 --out $O/check_bwd.json
+run $(lim 120) 4 python3 -m tools.gpu_check_bwd --cases short --gates plain --total 8192 --reps 3 --repeat 2 --out $O/check_bwd.json
 t "edges $cfg"
 run $(lim 80) 3 python3 -m tools.gpu_check_edges --parts nan --dtypes bfloat16 --where q,do --lengths 1-3 --config $cfg --out $O/edges.json
 run $(lim 130) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --config $cfg --out $O/dims.json
