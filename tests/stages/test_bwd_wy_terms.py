@@ -118,6 +118,8 @@ def test_terms_kernel_lowers_in_one_cta(packed):
     return fused.apply(*a[:13], scale=K ** -0.5, dv_dtype=BF16, dAkk_parts=True, **kw)
   smem = lowered_smem_bytes(f, *args)
   assert smem == fused.smem_bytes(V, packed) and 116224 < smem <= 232448
+  assert fused.reason(K, V, HV, packed) is None
+  assert "K == V" in fused.reason(128, 64, HV) and "K == V" in fused.reason(256, 256, HV)
 
 
 def test_slab_pairs_over_h_and_dh():

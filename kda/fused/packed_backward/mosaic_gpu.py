@@ -131,10 +131,11 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
 def _terms_in_s3(plan, dh_kw, qa, va) -> bool:
   """Whether S3 forms S2's terms itself (bwd_wy's mosaic_gpu Config.terms): where S2 runs its kernels
   on the packed bf16 do and hands S3's kernel a bf16 du (dh_kw from s2_du_kw: S3's one-term
-  cotangents), K == V and dq is not deferred to S4."""
+  cotangents), the terms kernel takes the dims (`fused.reason`) and dq is not deferred to S4."""
   cfg = plan.config("bwd_wy", "mosaic_gpu")
   return bool(cfg is not None and cfg.terms and "du_dtype" in dh_kw and "do_packed" in dh_kw
-              and qa.shape[-1] == va.shape[-1] and not plan.config("pipeline").defer_qg)
+              and bwd_wy_terms.reason(qa.shape[-1], va.shape[-1], va.shape[2]) is None
+              and not plan.config("pipeline").defer_qg)
 
 
 def _slab_pairs(q, v) -> dict:

@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kda._mosaic_gpu import BF16, COL, F32, ROW, clean_flag, kept_rows, last_row, packed_chunk, packed_tile
 from kda._mosaic_gpu import term_store
 from kda._mosaic_gpu import acc as _acc, iota as _iota, load as _load, params as _params, split as _split
-from kda._mosaic_gpu import smem_bytes as _smem_bytes, swz as _swz
+from kda._mosaic_gpu import MAX_GRID_YZ, smem_reason, smem_bytes as _smem_bytes, swz as _swz
 from kda.stages.bwd_wy.mosaic_gpu.split import ainv_chain
 from kda.stages.gate import exponent
 
@@ -71,6 +71,15 @@ def scratch(V, packed=False, stage_dtype=None):
 def smem_bytes(V, packed=False, stage_dtype=BF16):
   """Shared memory per program (dbeta's row sums reserve the reduction scratch)."""
   return _smem_bytes(scratch(V, packed, stage_dtype), reduction=True)
+
+
+def reason(K, V, HV, packed=True):
+  """None if the kernel takes head dims K, V and HV value heads, else the reason in words."""
+  if K != V or K not in (64, 128):
+    return f"the terms kernel takes K == V in (64, 128), got K={K}, V={V}"
+  if HV > MAX_GRID_YZ:
+    return f"HV must be <= {MAX_GRID_YZ} (a CUDA grid y limit), got {HV}"
+  return smem_reason(smem_bytes(V, packed), "bwd_wy terms")
 
 
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g,
