@@ -446,7 +446,7 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
                       dht_zero=dht_zero, need_dh0=need_dh0, do_packed=do_packed, rows=rows, clean=clean)
   v_new, h = v_new[0].astype(BF16), h[0].astype(BF16)
   dob = None if packed else do[0].astype(BF16)
-  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), clean_flag(clean)) if packed else ()
+  lead = _rows_lead(rows, clean) if packed else ()
   store_du = du_dtype is not None and jnp.dtype(du_dtype) == jnp.dtype(BF16)
   terms = _terms_kernel(Ta, HV, K, V, scale=float(scale), interp=interp, tail_zeros=tail_zeros, packed=packed,
                         store_du=store_du, pairs=pairs)
@@ -459,6 +459,11 @@ def apply(qg, kg, w, gc_int, gc_frac, h, v_new, do, dv, dht, aligned_cu, *, scal
   dgc = outs.pop(0)
   du = jax.ref.freeze(vn) if store_du else du
   return Out(dh0, du[None], dqg[None], dkg[None], dw[None], dgc[None])
+
+
+def _rows_lead(rows, clean):
+  """The leading refs of both kernels where do is packed: ChunkRows' src and count, the clean flag."""
+  return rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), clean_flag(clean)
 
 
 def _walk(qg, kg, w, decay, do, dv, dht, aligned_cu, *, scale, interp, config, dht_zero, need_dh0, do_packed, rows,
@@ -480,7 +485,7 @@ def _walk(qg, kg, w, decay, do, dv, dht, aligned_cu, *, scale, interp, config, d
   kernel = _walk_kernel(Ta, HV, K, V, N, scale=float(scale), interp=interp, grid=grid, names=names,
                         dht_zero=dht_zero, need_dh0=need_dh0, packed=packed, du16=du16)
   du = dv if du16 else jax.new_ref(dv)                              # du over dv: dv dies in the walk
-  lead = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32), clean_flag(clean)) if packed else ()
+  lead = _rows_lead(rows, clean) if packed else ()
   outs = kernel(order, aligned_cu, *lead, qg, kg, w, do_packed[0] if packed else dob, du, decay,
                 *(() if dht_zero else (dht.astype(F32),)))
   *dh0, dh = outs[:-1] if du16 else outs
