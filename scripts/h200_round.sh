@@ -11,8 +11,9 @@
 #   tools.bench_states with traced cu_seqlens.
 # Phase 4 CONFIG (a candidate default, tools.configs' text, e.g. bwd_wy.terms=1): A, B, C with the
 #   default and with CONFIG in one call, the backward's gradient checks and bits (tools.gpu_check_bwd
-#   --cases short: the candidates' gradients beside the default's), NaN confinement and the K = V =
-#   256 cases with CONFIG.
+#   --cases short: the candidates' gradients beside the default's), NaN confinement with CONFIG, the
+#   peers (so both configs stand beside them in one call), then, if time is left, the K = V = 256
+#   cases with CONFIG.
 # Everything lands in $OUT: the JSON, and every step's output in one round.log (a device call
 # brings back at most 8 files). Device call: carry [".peer", ".whl"], command
 #   bash scripts/h200_round.sh SECONDS [2|3|4 CONFIG]    (SECONDS: what the call may take in all)
@@ -45,7 +46,12 @@ t check_bwd
 run $(lim 120) 4 python3 -m tools.gpu_check_bwd --cases short --gates plain --total 8192 --reps 3 --repeat 2 --out $O/check_bwd.json
 t "edges $cfg"
 run $(lim 80) 3 python3 -m tools.gpu_check_edges --parts nan --dtypes bfloat16 --where q,do --lengths 1-3 --config $cfg --out $O/edges.json
+t peer
+run $(lim 150) 6 bash .peer/run_peer.sh A,B,C
+if [ $(lim 999) -gt 60 ]; then
+t "dims $cfg"
 run $(lim 130) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --config $cfg --out $O/dims.json
+fi
 t done; exit 0
 fi
 if [ "${2:-1}" = 3 ]; then
