@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kda.stages.bwd_dh import mosaic_gpu as mgd
+from kda.stages.bwd_gate.reference import reverse_chunk_cumsum
 from kda.stages.bwd_wy import mosaic_gpu as mgw
 from kda.stages.bwd_wy.mosaic_gpu import fused
 from kda.stages.state import chunk_decay
@@ -50,8 +51,10 @@ def _s2_then_split(q, k, v, beta, gi, gf, Ainv, h, dh, do, vn, du, decay, *, sca
 @pytest.mark.parametrize("case", ["K64-V64-HV2-40_64", "K128-V128-HV1-130"])
 def test_terms_kernel_matches_s2_terms_then_split(case):
   """The same dq, dk, dv, dbeta, dAkk bits as S2's terms kernel followed by S3's split kernel (dw
-  and dqg, dkg formed by the same wgmma sums); dgc and dg_state within float32 rounding (dgc_last
-  sums h dh over V as a product's diagonal, in another order)."""
+  and dqg, dkg formed by the same wgmma sums). The terms kernel hands dgc's reverse cumsum on inside
+  dg_state (dgc = 0): what bwd_gate forms of the pair, reverse_chunk_cumsum(dgc) + dg_state, within
+  float32 rounding of the split kernel's (the cumsums as products, dgc_last's sum over V as a
+  product's diagonal, in other orders)."""
   args = _walk_outputs(case)
   scale = args[0].shape[-1] ** -0.5
   want = jax.jit(lambda *a: _s2_then_split(*a, scale=scale))(*args)
@@ -60,10 +63,14 @@ def test_terms_kernel_matches_s2_terms_then_split(case):
     a, b = np.asarray(a.astype(F32)), np.asarray(b.astype(F32))
     assert a.shape == b.shape, (name, a.shape, b.shape)
     assert np.abs(b).max() > 0, name
-    if name in ("dgc", "dg_state"):
-      assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), name
-    else:
+    if name not in ("dgc", "dg_state"):
       np.testing.assert_array_equal(a, b, name)
+  got, want = dict(zip(NAMES, got)), dict(zip(NAMES, want))
+  assert np.all(np.asarray(got["dgc"]) == 0)
+  gate = lambda o: np.asarray(reverse_chunk_cumsum(o["dgc"], BT) + o["dg_state"])
+  a, b = gate(got), gate(want)
+  assert np.abs(b).max() > 0
+  assert np.abs(a - b).max() <= 2e-6 * np.abs(b).max()
 
 
 def test_packed_terms_kernel_equals_aligned():

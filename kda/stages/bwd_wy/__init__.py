@@ -20,7 +20,9 @@ kg_s = k_s exp(gc_last - gc_s) decays through the gates after s, and the state d
 through all of them, so their gate gradients are the sums above, formed directly: as a cotangent of
 gc (+sum_s dkg * kg at the last row, -dkg * kg at row s) bwd_gate's reverse cumsum would subtract
 nearly equal sums, losing float32 accuracy when strong gates make the true gradient small. bwd_gate
-adds dg_state to the reverse cumsum of dgc.
+adds dg_state to the reverse cumsum of dgc, so only that sum is S3's contract: a backend may hand
+dgc's reverse cumsum on inside dg_state and return dgc = 0 (the terms kernel does, which saves the
+backward's peak one [Ta, HV, K] float32 buffer).
 
 Every exponent is gc (<= 0) or gc_last - gc (<= 0): nothing overflows however strong the gates.
 Nothing here reads a state or its cotangent: every input and output is O(T) or O(NTa) times K, V or

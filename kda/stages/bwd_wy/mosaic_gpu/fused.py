@@ -12,7 +12,15 @@ arrive by TMA at the start on four barriers, awaited in order of first use:
                                      dAkk_p = strict_tril(-Ainv^T dAinv_p Ainv^T)
     2: do, q                         dqg_p = scale do h_p^T, dq = dqg_p eg, dgc = dqg_p q eg + dkb kb
     3: dh_p                          dgc_last_p = decay diag(h_p dh_p^T)
-    4: v_new                         dkg_p = v_new dh_p^T, dk, el, dg_state = L (dkg kg) + dgc_last_p
+    4: v_new                         dkg_p = v_new dh_p^T, dk, el,
+                                     dg_state = (I + L^T) dgc + L (dkg kg) + dgc_last_p
+
+L is the strictly lower [64, 64] ones matrix: L x is x's exclusive cumsum over the chunk's rows and
+(I + L^T) x its inclusive reverse cumsum, the one bwd_gate applies to dgc. So the kernel hands dgc
+on inside dg_state and returns dgc = 0 (bwd_gate's reverse_cumsum(dgc) + dg_state is unchanged):
+one [Ta, HV, K] float32 output fewer where the terms kernel runs, the backward's peak (bwd_intra
+adds its dgc terms to the zeros). The products take every float32 operand in three bf16 terms
+(~2^-24 relative), as the split kernel's L product does.
 
 dw enters the products as one bf16 term (bwd_wy's cotangent_terms=1; the same rounding S3 gives
 S2's float32 dw), du as the walk's bf16 du; every other float32 operand is split as in the split
@@ -83,14 +91,14 @@ def reason(K, V, HV, packed=True):
 
 
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g,
-         oq_g, ok_g, ov_g, odb_g, og_g, ogs_g, oa_g,
+         oq_g, ok_g, ov_g, odb_g, ogs_g, oa_g,
          q_s, k_s, v_s, a_s, dup_s, gi_s, gf_s, h_s, dh_s, do_s, vn_s, du_s, t0, t1, t2, t3, l_s, *bars,
          scale, store_dv=None, rows_qkv=None, rows_do=None, pairs=False):
   """Program (p, h, c). GMEM: q, k [Ta, HV, K], v [Ta, HV, V] bf16 (packed: [T, ...], rows_qkv);
   Ainv [Ta, HV, 64] bf16, beta^T [HV, Ta], gc_int, gc_frac [Ta, HV, K] f32; h, dh [NTa, HV, K, V],
   v_new, du [Ta, HV, V] bf16, do [Ta, HV, V] bf16 (packed: [T, HV, V], rows_do: (src, count, clean),
-  vn_s then a (tiles, landing) union); dec [NTa, HV, K] f32 (exp(gc_last)). Out: dq, dk, dgc,
-  dg_state [Ta, HV, K] f32, dv [Ta, HV, V] (store_dv: packed), dbeta [P, HV, Ta], dAkk [P, Ta, HV, 64].
+  vn_s then a (tiles, landing) union); dec [NTa, HV, K] f32 (exp(gc_last)). Out: dq, dk, dg_state
+  [Ta, HV, K] f32 (dgc's reverse cumsum included), dv [Ta, HV, V] (store_dv: packed), dbeta [P, HV, Ta], dAkk [P, Ta, HV, 64].
   pairs: dq, dk are h's and dh's refs and take their slab pairs (kda._mosaic_gpu.slab_pair_store)
   over the rows of slab p, which only this program reads, once they have landed."""
   nv = h_s.shape[0]
@@ -160,7 +168,9 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
   dqg = scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], shape)
   eg = gate()                      # formed again (the same bits) rather than held through the products
   term_store(oq_g, c, h, rows, cols, dqg * eg, "slabs" if pairs else False)
-  og_g[rows, h, cols] = dqg * tile(q_s) * eg + dkb * (beta * (tile(k_s) * eg))
+  dgc = dqg * tile(q_s) * eg + dkb * (beta * (tile(k_s) * eg))
+  put(dgc, t0, t1, t2)                                              # in three terms
+  after = dgc + _acc([(l_s.T, t0), (l_s.T, t1), (l_s.T, t2)], shape)   # its reverse cumsum: (I + L^T) dgc
   plgpu.barrier_wait(bars[3])
   hd = _acc([(h_s.at[j], dh_s.at[j].T) for j in range(nv)], shape)     # h_p dh_p^T: its diagonal
   dgl = _load(dec_g.at[c, h, cols], COL) * jnp.sum(jnp.where(row == col, hd, 0.0), axis=0)
@@ -171,7 +181,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
   term_store(ok_g, c, h, rows, cols, dkg * el + dkb * beta * gate(), "slabs" if pairs else False)
   put(dkg * (tile(k_s) * el), t0, t1, t2)                           # dkg kg, in three terms
   before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-  ogs_g[rows, h, cols] = before + lax.broadcast_in_dim(dgl, shape, [1])
+  ogs_g[rows, h, cols] = after + before + lax.broadcast_in_dim(dgl, shape, [1])
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, clean_g, *refs, scale, pairs=False):
@@ -203,7 +213,7 @@ def _kernel(Ta, HV, K, V, *, scale, interpret, approx_math, dv_dtype, packed_T=N
   return plgpu.kernel(
       wrapped,
       out_type=((out(Ta, HV, K),) * 2 * (not pairs) + (out(packed_T or Ta, HV, V, dtype=dv_dtype), out(P, HV, Ta),
-                out(Ta, HV, K), out(Ta, HV, K), out(P, Ta, HV, BT))),
+                out(Ta, HV, K), out(P, Ta, HV, BT))),
       grid=(P, HV, Ta // BT), grid_names=("p", "h", "c"),
       scratch_types=scratch(V, packed, dv_dtype),
       compiler_params=_params(lane=True, approx_math=approx_math),
@@ -215,7 +225,8 @@ def _kernel(Ta, HV, K, V, *, scale, interpret, approx_math, dv_dtype, packed_T=N
 def apply(q, k, v, beta, gc_int, gc_frac, Ainv, h, dh, do, v_new, du, decay, aligned_cu=None, *, scale,
           dv_dtype=None, interpret=False, approx_math=False, rows=None, pieces=None, T=None, clean=None,
           dAkk_parts=False, pairs=False):
-  """(dq, dk, dv, dbeta, dgc, dg_state, dAkk) of bwd_wy from S2's walk: h, dh [1, NTa, HV, K, V],
+  """(dq, dk, dv, dbeta, dgc, dg_state, dAkk) of bwd_wy from S2's walk (dgc = 0: its reverse cumsum
+  is in dg_state, which bwd_gate adds as it is): h, dh [1, NTa, HV, K, V],
   v_new, du [1, Ta, HV, V] bf16, decay [NTa, HV, K] (kda.stages.state.chunk_decay), do [1, Ta, HV,
   V]. Packed (rows, pieces, T, aligned_cu): q, k, v, do are the packed [1, T, ...] arrays and dv
   leaves packed [1, T, HV, V]; clean: non-finite values of q, k, v, do read as 0. dAkk_parts: dAkk
@@ -238,6 +249,6 @@ def apply(q, k, v, beta, gc_int, gc_frac, Ainv, h, dh, do, v_new, du, decay, ali
   outs = list(f(*lead, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, f32(gc_int), f32(gc_frac), hr, dhr,
                 bf(do), bf(v_new), bf(du), decay.astype(F32)))
   dq, dk = (jax.ref.freeze(hr), jax.ref.freeze(dhr)) if pairs else (outs.pop(0), outs.pop(0))
-  dv, dbeta, dgc, dgs, dAkk = outs
+  dv, dbeta, dgs, dAkk = outs
   dAkk = dAkk if dAkk_parts else jnp.sum(dAkk, 0)[None]
-  return dq[None], dk[None], dv[None], jnp.sum(dbeta, 0).T[None], dgc[None], dgs[None], dAkk
+  return dq[None], dk[None], dv[None], jnp.sum(dbeta, 0).T[None], jnp.zeros_like(dgs)[None], dgs[None], dAkk
