@@ -13,14 +13,15 @@ arrive by TMA at the start on four barriers, awaited in order of first use:
     2: do, q                         dqg_p = scale do h_p^T, dq = dqg_p eg, dgc = dqg_p q eg + dkb kb
     3: dh_p                          dgc_last_p = decay diag(h_p dh_p^T)
     4: v_new                         dkg_p = v_new dh_p^T, dk, el,
-                                     dg_state = (I + L^T) dgc + L (dkg kg) + dgc_last_p
+                                     dg_state = U dgc + L (dkg kg) + dgc_last_p
 
-L is the strictly lower [64, 64] ones matrix: L x is x's exclusive cumsum over the chunk's rows and
-(I + L^T) x its inclusive reverse cumsum, the one bwd_gate applies to dgc. So the kernel hands dgc
-on inside dg_state and returns dgc = 0 (bwd_gate's reverse_cumsum(dgc) + dg_state is unchanged):
-one [Ta, HV, K] float32 output fewer where the terms kernel runs, the backward's peak (bwd_intra
-adds its dgc terms to the zeros). The products take every float32 operand in three bf16 terms
-(~2^-24 relative), as the split kernel's L product does.
+L is the strictly lower [64, 64] ones matrix (L x: x's exclusive cumsum over the chunk's rows) and
+U = I + L^T (U x: x's inclusive reverse cumsum, the one bwd_gate applies to dgc), both 0/1 bf16
+tiles. So the kernel hands dgc on inside dg_state and returns dgc = 0 (bwd_gate's
+reverse_cumsum(dgc) + dg_state is unchanged): one [Ta, HV, K] float32 output fewer where the terms
+kernel runs, the backward's peak (bwd_intra adds its dgc terms to the zeros). dgc waits for the
+product in three bf16 terms (~2^-24 relative) over SMEM tiles no product reads by then (du's slab,
+Ainv), as dkg kg enters the L product.
 
 dw enters the products as one bf16 term (bwd_wy's cotangent_terms=1; the same rounding S3 gives
 S2's float32 dw), du as the walk's bf16 du; every other float32 operand is split as in the split
@@ -34,7 +35,7 @@ packed rows through a plain stage (kda._mosaic_gpu.packed_chunk), the chunks at 
 aligned_cu[-1] are neither read nor written. do's landing shares v_new's bytes, so v_new's TMA is
 issued once do has been moved into its wgmma tiles.
 
-SMEM per program (`smem_bytes`): 192 KiB aligned, 200 KiB packed (+ the reduction scratch and the
+SMEM per program (`smem_bytes`): 200 KiB aligned, 208 KiB packed (+ the reduction scratch and the
 barriers), one CTA per SM.
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ def scratch(V, packed=False, stage_dtype=None):
       _swz((BT, SLAB)),                                                # du's slab p
       plgpu.SMEM((BT, SLAB), F32), plgpu.SMEM((BT, SLAB), F32),        # gc_int, gc_frac
       slabs(), slabs(), slabs(), vn, slabs(),                          # h_p, dh_p, do, v_new, du by V slabs
-      *[_swz((BT, SLAB)) for _ in range(4)], _swz((BT, BT)),           # work tiles, L
+      *[_swz((BT, SLAB)) for _ in range(4)], _swz((BT, BT)), _swz((BT, BT)),   # work tiles, L, U
       plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=2 * nv + 3),
       plgpu.Barrier(num_arrivals=nv + 1), plgpu.Barrier(num_arrivals=nv), plgpu.Barrier(num_arrivals=nv),
       *([plgpu.SMEM((BT, SLAB), stage_dtype)] if packed else []),
@@ -92,7 +93,7 @@ def reason(K, V, HV, packed=True):
 
 def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g,
          oq_g, ok_g, ov_g, odb_g, ogs_g, oa_g,
-         q_s, k_s, v_s, a_s, dup_s, gi_s, gf_s, h_s, dh_s, do_s, vn_s, du_s, t0, t1, t2, t3, l_s, *bars,
+         q_s, k_s, v_s, a_s, dup_s, gi_s, gf_s, h_s, dh_s, do_s, vn_s, du_s, t0, t1, t2, t3, l_s, u_s, *bars,
          scale, store_dv=None, rows_qkv=None, rows_do=None, pairs=False):
   """Program (p, h, c). GMEM: q, k [Ta, HV, K], v [Ta, HV, V] bf16 (packed: [T, ...], rows_qkv);
   Ainv [Ta, HV, 64] bf16, beta^T [HV, Ta], gc_int, gc_frac [Ta, HV, K] f32; h, dh [NTa, HV, K, V],
@@ -129,6 +130,7 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
   row, col = _iota(0, shape), _iota(1, shape)
   strict = col < row
   l_s[...] = jnp.where(strict, 1.0, 0.0).astype(BF16)       # L: the exclusive row cumsum
+  u_s[...] = jnp.where(col >= row, 1.0, 0.0).astype(BF16)   # U = I + L^T: the inclusive reverse one
   beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
   tile = lambda x_s: packed_tile(x_s, row, rows_qkv)
 
@@ -168,9 +170,8 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
   dqg = scale * _acc([(do_s.at[j], h_s.at[j].T) for j in range(nv)], shape)
   eg = gate()                      # formed again (the same bits) rather than held through the products
   term_store(oq_g, c, h, rows, cols, dqg * eg, "slabs" if pairs else False)
-  dgc = dqg * tile(q_s) * eg + dkb * (beta * (tile(k_s) * eg))
-  put(dgc, t0, t1, t2)                                              # in three terms
-  after = dgc + _acc([(l_s.T, t0), (l_s.T, t1), (l_s.T, t2)], shape)   # its reverse cumsum: (I + L^T) dgc
+  dgc_terms = (dup_s, a_s, t3)     # tiles no product reads any more (du's slab, Ainv), held to the end
+  put(dqg * tile(q_s) * eg + dkb * (beta * (tile(k_s) * eg)), *dgc_terms)   # dgc, in three terms
   plgpu.barrier_wait(bars[3])
   hd = _acc([(h_s.at[j], dh_s.at[j].T) for j in range(nv)], shape)     # h_p dh_p^T: its diagonal
   dgl = _load(dec_g.at[c, h, cols], COL) * jnp.sum(jnp.where(row == col, hd, 0.0), axis=0)
@@ -180,8 +181,8 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
                         _load(gi_s), _load(gf_s)))
   term_store(ok_g, c, h, rows, cols, dkg * el + dkb * beta * gate(), "slabs" if pairs else False)
   put(dkg * (tile(k_s) * el), t0, t1, t2)                           # dkg kg, in three terms
-  before = _acc([(l_s, t0), (l_s, t1), (l_s, t2)], shape)
-  ogs_g[rows, h, cols] = after + before + lax.broadcast_in_dim(dgl, shape, [1])
+  cums = _acc([(l_s, t0), (l_s, t1), (l_s, t2)] + [(u_s, t) for t in dgc_terms], shape)   # L (dkg kg) + U dgc
+  ogs_g[rows, h, cols] = cums + lax.broadcast_in_dim(dgl, shape, [1])
 
 
 def _packed_body(src_g, cnt_g, pieces_g, cu_g, clean_g, *refs, scale, pairs=False):
