@@ -8,7 +8,7 @@
 #   beside the defaults, jax.grad against the reference, bit determinism), tools.gpu_check_edges'
 #   NaN confinement (short sequences; q and do spoiled) and K = V = 256 and 128 x 256 cases.
 # Phase 3: the per-stage profile of A, B, C (tools.profile), A and C with bwd_wy.split=1, then
-#   tools.bench_states with traced cu_seqlens.
+#   tools.bench_states with traced cu_seqlens (and its device time by piece).
 # Phase 4 CONFIG (a candidate default, tools.configs' text, e.g. bwd_wy.terms=1): A, B, C with the
 #   default and with CONFIG in one call, the backward's gradient checks and bits (tools.gpu_check_bwd
 #   --cases short: the candidates' gradients beside the default's), NaN confinement with CONFIG, the
@@ -61,7 +61,7 @@ t split
 run $(lim 120) 3 python3 -m tools.profile --variants A:plain,C:plain --no-fwd --reps 3 --config bwd_wy.split=1 --out $O/kda_profile_split.json
 if [ -f .dev/extra.sh ]; then t extra; run $(lim 210) 40 bash .dev/extra.sh $O; fi
 t states
-run $(lim 600) 3 python3 -m tools.bench_states --many 200000x1 --reps 5 --out $O/states_traced.json
+run $(lim 600) 3 python3 -m tools.bench_states --many 200000x1 --reps 5 --profile /tmp/kda-states-profile --out $O/states_traced.json
 t done; exit 0
 fi
 v=A:plain,B:plain,C:plain; [ $(lim 999) -lt 150 ] && v=B:plain
