@@ -99,7 +99,8 @@ def body(q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, h_g, dh_g, do_g, vn_g, du_g, dec_g
   Ainv [Ta, HV, 64] bf16, beta^T [HV, Ta], gc_int, gc_frac [Ta, HV, K] f32; h, dh [NTa, HV, K, V],
   v_new, du [Ta, HV, V] bf16, do [Ta, HV, V] bf16 (packed: [T, HV, V], rows_do: (src, count, clean),
   vn_s then a (tiles, landing) union); dec [NTa, HV, K] f32 (exp(gc_last)). Out: dq, dk, dg_state
-  [Ta, HV, K] f32 (dgc's reverse cumsum included), dv [Ta, HV, V] (store_dv: packed), dbeta [P, HV, Ta], dAkk [P, Ta, HV, 64].
+  [Ta, HV, K] f32 (dgc's reverse cumsum included), dv [Ta, HV, V] (store_dv: packed), dbeta
+  [P, HV, Ta], dAkk [P, Ta, HV, 64].
   pairs: dq, dk are h's and dh's refs and take their slab pairs (kda._mosaic_gpu.slab_pair_store)
   over the rows of slab p, which only this program reads, once they have landed."""
   nv = h_s.shape[0]
