@@ -121,6 +121,7 @@ class Plan:
         "output": dict(scale=scale, chunk_size=BT), "bwd_recompute": dict(gate, **h0),
         "bwd_dav": dict(chunk_size=BT), "bwd_dh": dict(scale=scale, chunk_size=BT, **dh),
         "bwd_wy": dict(chunk_size=BT), "bwd_intra": dict(scale=scale, chunk_size=BT), "bwd_gate": gate,
+        "short": dict(scale=scale),
     }[name]
 
   def choose(self, name: str, *args, **kwargs) -> str:

@@ -7,12 +7,13 @@ call the sequences of at most L tokens (PipelineConfig.short_len) skip the chunk
     S = diag(exp(g_t)) S;   S = S + k_t (beta_t (v_t - k_t^T S))^T;   o_t = scale S^T q_t
 
 over all N sequences at once, state [N, HV, K, V] float32 (step t reads token starts[n] + t of a
-short sequence n; elsewhere q, k, g, beta are 0 there and the step leaves S as it is), differentiated
-by JAX through a checkpoint per step (the backward keeps one state per step). The other sequences
+short sequence n; elsewhere q, k, g, beta are 0 there and the step leaves S as it is): the stage
+kda.stages.short (its Pallas kernel on a GPU keeps each state on chip for all steps, forward and
+backward; its reference is jnp, differentiated through a checkpoint per step). The other sequences
 run the chunked pipeline on the layout without the short ones (`split`): where the lengths are
 traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a sequence there has more
-than L tokens), not T + N * (BT - 1). Each step reads and writes every sequence's state; a chunk of
-the pipeline costs several states' traffic, so a few steps are cheaper than one chunk.
+than L tokens), not T + N * (BT - 1). A chunk of the pipeline costs several states' traffic, the
+steps one read and one write of each state.
 
 Inputs enter the steps masked (a token of no short sequence reads 0 before any arithmetic, a long
 sequence's state starts at 0 here), so a NaN in one sequence reaches no other sequence's results
@@ -20,18 +21,13 @@ or gradients.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from kda import shapes
-from kda._vma import vary_like
 from kda.padding.layout import Layout, aligned_cu_seqlens, make_layout
 from kda.stages.gate import activate
 from kda.steps import query_keys
-
-HI = lax.Precision.HIGHEST
 
 
 def takes(L: int, *, initial_state, output_final_state: bool, N: int) -> bool:
@@ -79,34 +75,14 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
     gs = jnp.where(active[..., None, None], gs, 0.0)
   qs, ks, gs, vs, bs = (x.astype(F32) for x in (qs, ks, gs, take(v), take(beta)))
   S = jnp.where(short[:, None, None, None], h0.astype(F32), 0.0)
-  outs = []
-  reached = jnp.any(active, axis=0)                                     # [steps]: some sequence has token t
-  for i in range(steps):
-    xs = (S, qs[:, i], ks[:, i], vs[:, i], gs[:, i], bs[:, i])
-    if exact or i == 0:
-      S, o_i = _step(*xs, plan.scale)
-    else:
-      S, o_i = lax.cond(reached[i], lambda *a: _step(*a, plan.scale), _idle, *xs)
-    outs.append(o_i)
+  reached = None if exact else jnp.any(active, axis=0)                  # [steps]: some sequence has token t
+  xs = tuple(x[:, :steps] for x in (qs, ks, vs, gs, bs))
+  o_s, S = plan.run("short", *xs, S, reached, **plan.stage_kwargs("short")) if steps else (None, S)
   o = jnp.zeros((T,) + v.shape[2:], v.dtype)
   wrote = jnp.zeros((T,), jnp.bool_)
   if steps:
     idx = at[:, :steps].reshape(-1)
-    o = o.at[idx].set(jnp.stack(outs, 1).reshape((-1,) + v.shape[2:]).astype(v.dtype), mode="drop")
+    o = o.at[idx].set(o_s.reshape((-1,) + v.shape[2:]).astype(v.dtype), mode="drop")
     wrote = wrote.at[idx].set(True, mode="drop")
   return o[None], wrote, S
 
-
-def _idle(S, q, k, v, g, beta):
-  """A step no sequence reaches: S as it is, o = 0 (what _step gives there; under shard_map both
-  vary as _step's results do)."""
-  return vary_like((S, jnp.zeros(v.shape, S.dtype)), q, k, v, g, beta)
-
-
-@jax.checkpoint      # the backward keeps the state entering each step, not the step's temporaries
-def _step(S, q, k, v, g, beta, scale):
-  """One token of every sequence: S [N, HV, K, V], q, k, g [N, HV, K], v [N, HV, V], beta [N, HV]."""
-  S = S * jnp.exp(g)[..., None]
-  err = beta[..., None] * (v - jnp.einsum("nhk,nhkv->nhv", k, S, precision=HI))
-  S = S + k[..., None] * err[:, :, None, :]
-  return S, scale * jnp.einsum("nhk,nhkv->nhv", q, S, precision=HI)

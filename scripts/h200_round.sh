@@ -14,9 +14,12 @@
 #   --cases short: the candidates' gradients beside the default's), NaN confinement with CONFIG, the
 #   peers (so both configs stand beside them in one call), then, if time is left, the K = V = 256
 #   cases with CONFIG.
+# Phase 5 (the stage short's kernels): tools.gpu_check_edges' states part (a call with states over
+#   many short sequences against the recurrence, NaN confinement), tools.bench_states traced (with
+#   its profile) and concrete, then the K = V = 256 cases if time is left.
 # Everything lands in $OUT: the JSON, and every step's output in one round.log (a device call
 # brings back at most 8 files). Device call: carry [".peer", ".whl"], command
-#   bash scripts/h200_round.sh SECONDS [2|3|4 CONFIG]    (SECONDS: what the call may take in all)
+#   bash scripts/h200_round.sh SECONDS [2|3|4 CONFIG|5]    (SECONDS: what the call may take in all)
 # .dev/extra.sh OUT, where present (an ignored path: carry it), runs in phase 3 before the states.
 set -u
 O=${OUT:-/tmp/out}; mkdir -p $O
@@ -51,6 +54,19 @@ run $(lim 150) 6 bash .peer/run_peer.sh A,B,C
 if [ $(lim 999) -gt 60 ]; then
 t "dims $cfg"
 run $(lim 130) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --config $cfg --out $O/dims.json
+fi
+t done; exit 0
+fi
+if [ "${2:-1}" = 5 ]; then
+t "edges states"
+run $(lim 150) 3 python3 -m tools.gpu_check_edges --parts states --total 20000 --out $O/states_check.json
+t "states traced"
+run $(lim 200) 8 python3 -m tools.bench_states --many 200000x1 --reps 5 --profile /tmp/kda-states-profile --out $O/states_traced.json
+t "states concrete"
+run $(lim 120) 4 python3 -m tools.bench_states --many 200000x1 --reps 5 --concrete --out $O/states_concrete.json
+if [ $(lim 999) -gt 60 ]; then
+t "dims"
+run $(lim 150) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --out $O/dims.json
 fi
 t done; exit 0
 fi

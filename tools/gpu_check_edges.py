@@ -1,6 +1,6 @@
-"""python -m tools.gpu_check_edges: head dims up to 256, float16, and NaN confinement, on the device.
+"""python -m tools.gpu_check_edges: head dims up to 256, float16, NaN confinement, states (device).
 
-Two parts (--parts):
+Three parts (--parts; default dims,nan):
   dims  chunk_kda forward + backward (impl=None) against the token recurrence for K, V in
         {(256, 256), (128, 256), (256, 128)}, bf16 and f16, varlen (cu_seqlens [0, 100, 300, 1200,
         3000, 4096]) and fixed length (B = 2), raw gates with safe_gate and lower_bound -5 (the varlen
@@ -12,6 +12,11 @@ Two parts (--parts):
         40-299 tokens: one sequence per chunk):
         every other sequence's o and gradients must stay finite and equal to the run with that
         value replaced by 0; the bad sequence must stay non-finite somewhere.
+  states a call with initial and final states over many short sequences (1-4 tokens, the stage
+        `short`) and a few long ones, traced cu_seqlens, bf16: o, the final states and every
+        gradient against the token recurrence (--tol), then a NaN in one short sequence's v and one
+        in another's initial state: every other sequence's o, final state and gradients must equal
+        the run with those values replaced by 0.
 Prints one JSON line per case and writes them to --out; exit status 1 if a check fails.
 CPU smoke run (kernels interpreted, small): --total 300 --parts nan --impl xla.
 """
@@ -157,6 +162,54 @@ def nan_case(where, total, impl=None, lengths=(1, 4), config=""):
   return res
 
 
+def states_case(total, tol, impl=None, config=""):
+  rng = np.random.default_rng(5)
+  lens = []
+  while sum(lens) < total:
+    lens.append(int(rng.integers(70, 200)) if len(lens) % 50 == 7 else int(rng.integers(1, 5)))
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  T, H, K, N = int(cu[-1]), 4, 128, len(lens)
+  x, _, _, do = _inputs(jax.random.PRNGKey(2), 1, T, H, K, K, jnp.bfloat16)
+  x = list(x)
+  x[3] = jax.nn.log_sigmoid(x[3]) / 16
+  h0 = jax.random.normal(jax.random.PRNGKey(4), (N, H, K, K)) * 0.1
+  cfg = _config(config, impl, jnp.bfloat16, K, K)
+
+  def loss(fn, x, h0, cu):
+    o, ht = fn(x, h0, cu)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht * 0.5), (o, ht)
+
+  ours = lambda x, h0, cu: kda.chunk_kda(*x, initial_state=h0, output_final_state=True, cu_seqlens=cu, impl=impl,
+                                         config=cfg)
+  truth = lambda x, h0, cu: recurrent_kda(*(a.astype(jnp.float32) for a in x), initial_state=h0,
+                                          output_final_state=True, cu_seqlens=cu)
+  grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(fn, *a), argnums=(0, 1), has_aux=True))
+  cuj = jnp.asarray(cu)
+  with kda.plan.recording() as choices:
+    run = grad(ours)
+    (gx, gh), (o, ht) = run(x, h0, cuj)
+  (wx, wh), (o_r, ht_r) = grad(truth)(x, h0, cuj)
+  errs = {"o": ratio(o, o_r), "ht": ratio(ht, ht_r), "dh0": ratio(gh, wh)}
+  errs.update({n: ratio(a, b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), gx, wx)})
+  res = {"case": f"states: {N} sequences, {T} tokens", "errors": errs,
+         "short": sorted({c.backend for c in choices if c.name == "short"})}
+  ok = all(np.isfinite(e) and e <= tol for e in errs.values())
+  seq_of = np.searchsorted(cu, np.arange(T), side="right") - 1
+  bad = [i for i, n in enumerate(lens) if n <= 4][3:5]             # v spoiled in one, h0 in the other
+  spoil = lambda val: ([*x[:2], x[2].at[0, cu[bad[0]]].set(val), *x[3:]], h0.at[bad[1], 1, 2, 3].set(val))
+  (bx, bh), (bo, bht) = run(*spoil(jnp.nan), cuj)
+  (zx, zh), (zo, zht) = run(*spoil(0.0), cuj)
+  tok, seq = ~np.isin(seq_of, bad), ~np.isin(np.arange(N), bad)
+  same = {n: bool(np.array_equal(np.asarray(a, np.float32)[0, tok], np.asarray(b, np.float32)[0, tok]))
+          for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (bo, *bx), (zo, *zx))}
+  same.update(ht=bool(np.array_equal(np.asarray(bht)[seq], np.asarray(zht)[seq])),
+              dh0=bool(np.array_equal(np.asarray(bh)[seq], np.asarray(zh)[seq])))
+  spoilt = bool(np.isnan(np.asarray(bht)[bad]).any())
+  res.update(nan_others_equal_zero_run=same, bad_sequences_nonfinite=spoilt)
+  res["ok"] = bool(ok and all(same.values()) and spoilt)
+  return res
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--parts", default="dims,nan")
@@ -191,6 +244,12 @@ def main(argv=None):
           rows.append({"case": f"nan in {where}, lengths {lengths}", "ok": False,
                        "error": f"{type(e).__name__}: {e}"[:400]})
         print(json.dumps(rows[-1]), flush=True)
+  if "states" in a.parts:
+    try:
+      rows.append(states_case(a.total, a.tol, a.impl, a.config))
+    except Exception as e:  # noqa: BLE001
+      rows.append({"case": "states", "ok": False, "error": f"{type(e).__name__}: {e}"[:400]})
+    print(json.dumps(rows[-1]), flush=True)
   if a.out:
     with open(a.out, "w") as fh:
       json.dump(rows, fh, indent=1)

@@ -33,11 +33,12 @@ def test_every_stage_is_a_package_with_its_backends():
 
 
 def test_impl_mosaic_gpu_falls_back_where_no_kernel_takes_the_call():
-  """impl="mosaic_gpu": every stage has the kernel; they refuse this call (chunk 16, float32), so
-  the xla / reference implementations run, bit for bit those of impl="xla"; an impl dict naming an
-  implementation a stage lacks raises."""
+  """impl="mosaic_gpu": every pipeline stage has the kernel (short: its reference); they refuse this
+  call (chunk 16, float32), so the xla / reference implementations run, bit for bit those of
+  impl="xla"; an impl dict naming an implementation a stage lacks raises."""
   plan = planning.make_plan(scale=1.0, chunk_size=16, impl="mosaic_gpu")
-  assert all(i == "mosaic_gpu" for i in dict(plan.impls).values()), plan.impls
+  assert all(i == "mosaic_gpu" for n, i in plan.impls if n != "short"), plan.impls
+  assert plan.impl("short") == "reference"
   with pytest.raises(ValueError, match="stage 'bwd_dav' has no 'pallas' implementation"):
     planning.make_plan(scale=1.0, chunk_size=16, impl={"bwd_dav": "pallas"})
   inp = cases.make_inputs(0, lens=[20, 13], H=1, K=16, V=16)

@@ -1,0 +1,115 @@
+"""The short stage: the Pallas kernels (interpret mode) against the reference, forward and backward,
+a NaN kept in its sequence, the Triton lowering for an H200, and the kernel in a whole call."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kda
+from kda.reference import recurrent_kda
+from kda.stages import short
+from tests.lowering import lower_h200
+
+
+def _inputs(N, S, HV, K, V, seed=0, lens=None):
+  """Step inputs [N, S, ...] float32; with lens, the steps past a sequence's length are zeros."""
+  r = np.random.default_rng(seed)
+  f = lambda *s: r.standard_normal(s).astype(np.float32)
+  k = f(N, S, HV, K)
+  xs = [f(N, S, HV, K) * 0.5, k / np.linalg.norm(k, axis=-1, keepdims=True), f(N, S, HV, V),
+        -np.abs(f(N, S, HV, K)) * 0.3, 1 / (1 + np.exp(-f(N, S, HV)))]
+  if lens is not None:
+    on = np.arange(S)[None, :] < np.asarray(lens)[:, None]
+    xs = [x * on.reshape(on.shape + (1,) * (x.ndim - 2)) for x in xs]
+  return [jnp.asarray(x) for x in xs] + [jnp.asarray(f(N, HV, K, V) * 0.3)]
+
+
+def _run(impl, xs, reached=None, config=None, scale=0.7):
+  fn = lambda *a: tuple(short.STAGE(impl, *a, reached, interpret=True, config=config, scale=scale))
+  out, vjp = jax.vjp(fn, *xs)
+  r = np.random.default_rng(9)
+  cts = tuple(jnp.asarray(r.standard_normal(x.shape), jnp.float32) for x in out)
+  return out, vjp(cts)
+
+
+CASES = {
+    "1_step": dict(N=5, S=1, HV=2, K=32, V=16),
+    "3_steps_ragged": dict(N=6, S=3, HV=1, K=16, V=32, lens=[3, 1, 0, 2, 3, 1]),
+    "odd_dims_v_tiles": dict(N=3, S=2, HV=2, K=24, V=48, block_v=16),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_the_reference_forward_and_backward(case):
+  kw = dict(CASES[case])
+  bv = kw.pop("block_v", None)
+  xs = _inputs(**kw)
+  reached = jnp.asarray(np.arange(kw["S"]) < max(kw.get("lens") or [kw["S"]]))
+  (o, s), grads = _run("pallas", xs, reached, short.pallas.Config(block_v=bv))
+  (o_r, s_r), grads_r = _run("reference", xs, reached)
+  np.testing.assert_allclose(o, o_r, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(s, s_r, rtol=1e-5, atol=1e-5)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_r):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max()), err_msg=name)
+
+
+def test_a_nan_stays_in_its_sequence():
+  """A NaN in sequence 1's initial state and another in sequence 3's v: every other sequence's
+  outputs and gradients are those of the clean call, bit for bit."""
+  xs = _inputs(N=5, S=2, HV=1, K=16, V=16, seed=2)
+  bad = list(xs)
+  bad[5] = bad[5].at[1, 0, 3, 4].set(jnp.nan)
+  bad[2] = bad[2].at[3, 1, 0, 2].set(jnp.nan)
+  (o, s), g = _run("pallas", bad)
+  (o_ok, s_ok), g_ok = _run("pallas", xs)
+  keep = np.array([True, False, True, False, True])
+  for a, b in zip((o, s) + tuple(g), (o_ok, s_ok) + tuple(g_ok)):
+    np.testing.assert_array_equal(np.asarray(a)[keep], np.asarray(b)[keep])
+  assert np.isnan(np.asarray(s)[1]).any() and np.isnan(np.asarray(s)[3]).any()
+
+
+def test_supports_counts_the_registers():
+  xs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
+        [(4, 1, 1, 512)] * 2 + [(4, 1, 1, 256), (4, 1, 1, 512), (4, 1, 1), (4, 1, 512, 256)]]
+  assert short.STAGE.supports("pallas", *xs, scale=1.0) is None            # BV = 8 by default
+  why = short.STAGE.supports("pallas", *xs, scale=1.0, config=short.pallas.Config(block_v=64))
+  assert "[512, 64]" in why and "1024 registers" in why
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (256, 256)])
+def test_kernels_lower_for_h200(K, V):
+  xs = _inputs(N=4, S=3, HV=2, K=K, V=V)
+  run = functools.partial(short.pallas.apply, scale=0.1)
+  loss = lambda *a: sum(jnp.sum(x * x) for x in run(*a))
+  txt = lower_h200(jax.grad(loss, argnums=tuple(range(6))), *xs)
+  assert txt.count("__gpu$xla.gpu.triton") == 2                       # the forward and the backward
+
+
+def test_the_kernel_in_a_call_with_states():
+  """impl={"short": "pallas"}: short sequences (1-4 tokens, traced cu_seqlens) beside long ones,
+  o, the final states and every gradient the recurrence's."""
+  lens = [1, 3, 70, 0, 2, 4, 1]
+  r = np.random.default_rng(4)
+  T, H, K, V = sum(lens), 2, 32, 16
+  f = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
+  k = f(1, T, H, K)
+  xs = (f(1, T, H, K), k / jnp.linalg.norm(k, axis=-1, keepdims=True), f(1, T, H, V),
+        -jnp.abs(f(1, T, H, K)) * 0.2, jax.nn.sigmoid(f(1, T, H)), f(len(lens), H, K, V))
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  w_o, w_s = f(1, T, H, V), f(len(lens), H, K, V)
+
+  def loss(call):
+    return lambda *a: (lambda o, s: jnp.sum(o * w_o) + jnp.sum(s * w_s))(*call(*a))
+  got = lambda *a: kda.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=a[6],
+                                 impl={"short": "pallas"})
+  ref = lambda *a: recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu)
+  args = (*xs, jnp.asarray(cu))
+  for a, b in zip(jax.jit(got)(*args), ref(*xs)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  g = jax.jit(jax.grad(loss(got), argnums=tuple(range(6))))(*args)
+  g_r = jax.grad(loss(ref), argnums=tuple(range(6)))(*xs)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g, g_r):
+    np.testing.assert_allclose(a, b, atol=5e-5 * float(np.abs(b).max()), err_msg=name)
