@@ -292,24 +292,25 @@ def _known_lens(B, T, cu_seqlens, segment_ids):
 
 
 def _with_short(backward, plan, layout, L, lens, q, k, v, g, beta, h0, A_log, dt_bias):
-  """_core on the sequences longer than L, the recurrence (kda.short) on the others; lens: as
-  kda.short.split's."""
+  """_core on the sequences longer than L, then the recurrence (kda.short) on the others, from the
+  chunks' final states; lens: as kda.short.split's. A short sequence is empty in the chunks' layout,
+  so its final state there is its h0; a long one has no step in the recurrence, whose zero inputs
+  leave its state as it is: the recurrence's states are every sequence's final state, and no select
+  between the two paths reads or writes a state."""
   rest, is_short, steps, any_long = short.split(layout, L, lens)
+  o_long = None
+  if any_long is not False:
+    core = lambda *a: _core(backward, plan, rest, *a)
+    args = (q, k, v, g, beta, h0, A_log, dt_bias)
+    if any_long is True:
+      o_long, h0 = core(*args)
+    else:              # traced lengths: the chunks of the worst-case layout run only where a sequence needs them
+      none = lambda *a: vary_like((jnp.zeros_like(v), a[5]), *a, rest.starts, rest.lens)
+      o_long, h0 = lax.cond(any_long, core, none, *args)
   with scope("short"):
     o, wrote, states = short.run(plan, layout, is_short, steps, q, k, v, g, beta, h0, A_log, dt_bias,
                                  exact=lens is not None)
-  if any_long is False:
-    return o, states
-  at_short = is_short[:, None, None, None]
-  core = lambda *a: _core(backward, plan, rest, *a)
-  args = (q, k, v, g, beta, jnp.where(at_short, 0.0, h0), A_log, dt_bias)
-  if any_long is True:
-    o_long, final_long = core(*args)
-  else:                # traced lengths: the chunks of the worst-case layout run only where a sequence needs them
-    none = lambda *a: vary_like((jnp.zeros_like(o), jnp.zeros_like(states)), *a, rest.starts, rest.lens)
-    o_long, final_long = lax.cond(any_long, core, none, *args)
-  with scope("short"):
-    return jnp.where(wrote[None, :, None, None], o, o_long), jnp.where(at_short, states, final_long)
+    return (o if o_long is None else jnp.where(wrote[None, :, None, None], o, o_long)), states
 
 
 def _core(backward, plan, layout, q, k, v, g, beta, h0, A_log, dt_bias, resets=None, probe=None, *, clean=False):

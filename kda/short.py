@@ -15,9 +15,11 @@ traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a sequenc
 than L tokens), not T + N * (BT - 1). A chunk of the pipeline costs several states' traffic, the
 steps one read and one write of each state.
 
-Inputs enter the steps masked (a token of no short sequence reads 0 before any arithmetic, a long
-sequence's state starts at 0 here), so a NaN in one sequence reaches no other sequence's results
-or gradients.
+The long sequences run first: the steps start from the chunks' final states (a short sequence's
+is its h0: it is empty there), and a long sequence, whose step inputs are all 0, keeps its state,
+so the steps' states are every sequence's final state. Inputs enter the steps masked (a token of no
+short sequence reads 0 before any arithmetic), and each sequence's state is its own, so a NaN in one
+sequence reaches no other sequence's results or gradients.
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ def split(layout: Layout, L: int, lens=None):
 def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt_bias, exact=True):
   """The recurrence on the short sequences: packed q, k [1, T, H, K], v [1, T, HV, V], g [1, T, HV, K],
   beta [1, T, HV], h0 [N, HV, K, V] -> (o [1, T, HV, V] in v's dtype, 0 at other tokens; the
-  tokens it wrote [T] bool; the states after the steps [N, HV, K, V] float32, 0 at long sequences).
+  tokens it wrote [T] bool; the states after the steps [N, HV, K, V] float32: a long sequence's
+  h0 as given, for it takes no step).
   exact=False (steps a bound, the lengths traced): a step no sequence reaches is skipped at run time
   (lax.cond), forward and backward."""
   T, HV = q.shape[1], v.shape[2]
@@ -74,7 +77,7 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
     gs = activate(gs, A_log, dt_bias, use_gate_in_kernel=True, lower_bound=plan.lower_bound)
     gs = jnp.where(active[..., None, None], gs, 0.0)
   qs, ks, gs, vs, bs = (x.astype(F32) for x in (qs, ks, gs, take(v), take(beta)))
-  S = jnp.where(short[:, None, None, None], h0.astype(F32), 0.0)
+  S = h0.astype(F32)
   reached = None if exact else jnp.any(active, axis=0)                  # [steps]: some sequence has token t
   xs = tuple(x[:, :steps] for x in (qs, ks, vs, gs, bs))
   o_s, S = plan.run("short", *xs, S, reached, **plan.stage_kwargs("short")) if steps else (None, S)

@@ -333,7 +333,8 @@ CASES = {
     "shard_map-heads-pallas": lambda: heads("pallas"),
     "shard_map-heads-closed-cu-xla": lambda: heads_closed_cu("xla"),
     "shard_map-seqs+heads-reference": lambda: sequences("reference", "model"),
-    "shard_map-seqs+heads-xla": lambda: sequences("xla", "model"),
+    # the xla stages, and the short stage's Pallas kernels (interpret mode) on the one-token sequence
+    "shard_map-seqs+heads-xla-short_pallas": lambda: sequences({"short": "pallas"}, "model"),
     "shard_map-segment_ids-xla": lambda: segments("xla"),
     "shard_map-heads-recurrence": recurrence,
     "unchecked-region": unchecked_region,

@@ -8,7 +8,8 @@ in one subprocess with 4 emulated CPU devices (tests/multidevice_cases.py; run i
 - shard_map, heads over "model" (H and HV split together, GVA groups whole, gate in kernel with
   A_log / dt_bias split alike), packed sequences over "data" (each device its own row,
   cu_seqlens and initial states), both at once, and batch rows over "data" with segment_ids;
-  the Pallas kernels (interpret mode) on the heads split, the xla and reference paths and
+  the Pallas kernels (interpret mode) on the heads split (and the short stage's on the sequences
+  split, a one-token sequence with states), the xla and reference paths and
   kda.reference.recurrent_kda on the others (the split is the same for every impl); also
   a concrete cu_seqlens placed on the mesh and closed over by the shard_map body;
 - plain jax.jit, explicit mesh axes: chunk_kda partitions itself (no all-gather in the compiled
