@@ -78,9 +78,10 @@ def run(plan, layout: Layout, short, steps: int, q, k, v, g, beta, h0, A_log, dt
     gs = jnp.where(active[..., None, None], gs, 0.0)
   qs, ks, gs, vs, bs = (x.astype(F32) for x in (qs, ks, gs, take(v), take(beta)))
   S = h0.astype(F32)
-  reached = None if exact else jnp.any(active, axis=0)                  # [steps]: some sequence has token t
+  lens = jnp.where(short, jnp.minimum(layout.lens, steps), 0).astype(jnp.int32)   # a long one takes no step
   xs = tuple(x[:, :steps] for x in (qs, ks, vs, gs, bs))
-  o_s, S = plan.run("short", *xs, S, reached, **plan.stage_kwargs("short")) if steps else (None, S)
+  o_s, S = (plan.run("short", *xs, S, lens, skip=not exact, **plan.stage_kwargs("short")) if steps
+            else (None, S))
   o = jnp.zeros((T,) + v.shape[2:], v.dtype)
   wrote = jnp.zeros((T,), jnp.bool_)
   if steps:

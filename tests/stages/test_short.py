@@ -14,20 +14,18 @@ from tests.lowering import lower_h200
 
 
 def _inputs(N, S, HV, K, V, seed=0, lens=None):
-  """Step inputs [N, S, ...] float32; with lens, the steps past a sequence's length are zeros."""
+  """Step inputs [N, S, ...] float32 (random past a sequence's lens too: they must not be read)."""
   r = np.random.default_rng(seed)
   f = lambda *s: r.standard_normal(s).astype(np.float32)
   k = f(N, S, HV, K)
   xs = [f(N, S, HV, K) * 0.5, k / np.linalg.norm(k, axis=-1, keepdims=True), f(N, S, HV, V),
         -np.abs(f(N, S, HV, K)) * 0.3, 1 / (1 + np.exp(-f(N, S, HV)))]
-  if lens is not None:
-    on = np.arange(S)[None, :] < np.asarray(lens)[:, None]
-    xs = [x * on.reshape(on.shape + (1,) * (x.ndim - 2)) for x in xs]
   return [jnp.asarray(x) for x in xs] + [jnp.asarray(f(N, HV, K, V) * 0.3)]
 
 
-def _run(impl, xs, reached=None, config=None, scale=0.7):
-  fn = lambda *a: tuple(short.STAGE(impl, *a, reached, interpret=True, config=config, scale=scale))
+def _run(impl, xs, lens=None, config=None, scale=0.7):
+  fn = lambda *a: tuple(short.STAGE(impl, *a, lens, skip=lens is not None, interpret=True, config=config,
+                                    scale=scale))
   out, vjp = jax.vjp(fn, *xs)
   r = np.random.default_rng(9)
   cts = tuple(jnp.asarray(r.standard_normal(x.shape), jnp.float32) for x in out)
@@ -46,14 +44,19 @@ def test_kernel_matches_the_reference_forward_and_backward(case):
   kw = dict(CASES[case])
   bv = kw.pop("block_v", None)
   xs = _inputs(**kw)
-  reached = jnp.asarray(np.arange(kw["S"]) < max(kw.get("lens") or [kw["S"]]))
-  (o, s), grads = _run("pallas", xs, reached, short.pallas.Config(block_v=bv))
-  (o_r, s_r), grads_r = _run("reference", xs, reached)
+  lens = None if "lens" not in kw else jnp.asarray(kw["lens"], jnp.int32)
+  (o, s), grads = _run("pallas", xs, lens, short.pallas.Config(block_v=bv))
+  (o_r, s_r), grads_r = _run("reference", xs, lens)
   np.testing.assert_allclose(o, o_r, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(s, s_r, rtol=1e-5, atol=1e-5)
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_r):
     assert a.shape == b.shape and a.dtype == b.dtype, name
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max()), err_msg=name)
+  if lens is not None:          # steps not taken: o and the gradients of their inputs are 0
+    off = np.arange(kw["S"])[None, :] >= np.asarray(lens)[:, None]
+    assert off.any()
+    for x in (o, *grads[:5]):
+      assert not np.asarray(x)[off].any()
 
 
 def test_a_nan_stays_in_its_sequence():
@@ -81,7 +84,7 @@ def test_supports_counts_the_registers():
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (256, 256)])
 def test_kernels_lower_for_h200(K, V):
-  xs = _inputs(N=4, S=3, HV=2, K=K, V=V)
+  xs = _inputs(N=4, S=3, HV=2, K=K, V=V) + [jnp.asarray([3, 0, 1, 2], jnp.int32)]
   run = functools.partial(short.pallas.apply, scale=0.1)
   loss = lambda *a: sum(jnp.sum(x * x) for x in run(*a))
   txt = lower_h200(jax.grad(loss, argnums=tuple(range(6))), *xs)

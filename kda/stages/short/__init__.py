@@ -15,10 +15,11 @@ Its backward, dS' the cotangent of S' and do_t of o_t (dS' += scale q_t do_t^T f
     dg_t = rowsum(dSd * Sd);   dS = diag(exp(g_t)) dSd
 
 In:  q, k, g [N, S, HV, K], v [N, S, HV, V], beta [N, S, HV] float32: step t of sequence n at [n, t];
-     a step with q = k = g = beta = v = 0 leaves the state as it is and writes o = 0 (how a sequence
-     shorter than S is padded); h0 [N, HV, K, V] float32; reached [S] bool or None (whether some
-     sequence has step t: a backend may skip the others).
-Out: o [N, S, HV, V] float32, final_state [N, HV, K, V] float32; differentiable in every input.
+     h0 [N, HV, K, V] float32; lens [N] int32 or None (all S): sequence n takes its first lens[n]
+     steps, its later inputs are not read. Static: scale; skip (the reference skips at run time, by
+     a lax.cond, a step no sequence takes: for lengths known only at run time).
+Out: o [N, S, HV, V] float32 (0 at steps not taken), final_state [N, HV, K, V] float32;
+     differentiable in the float inputs (their gradients 0 at steps not taken).
 Every sequence's results and gradients read its own inputs only, so a NaN stays in its sequence.
 """
 from __future__ import annotations

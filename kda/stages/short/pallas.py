@@ -1,9 +1,10 @@
 """short: the Pallas kernels, Triton lowering (any CUDA GPU); the math is in kda.stages.short.
 
 Grid (N, HV, V tiles): one program per sequence, head and tile of BV state columns keeps its
-[K, BV] float32 state on chip for all S steps, so the state is read and written once per call. The
-forward stores o and the final state. The backward walks the steps in reverse, recomputing the state
-entering step t from h0 (S(S+1)/2 steps: S is a few tokens) rather than storing S states. The
+[K, BV] float32 state on chip for the sequence's lens[n] steps (the others are identities it skips,
+writing zeros), so the state is read and written once per call. The forward stores o and the final
+state. The backward walks the steps in reverse, recomputing the state entering step t from h0
+(n(n+1)/2 steps: n is a few tokens) rather than storing n states. The
 columns of a state are independent in every step (the reductions over K), the rows are not (dq, dk,
 dg, dbeta sum over V), so with several V tiles those four are per-tile sums added after the kernel.
 """
@@ -40,7 +41,7 @@ def _block_v(config, Kp, Vp):
   return min(Vp, config.block_v or max(1, TILE // Kp))
 
 
-def supports(q, k, v, g, beta, h0, reached=None, *, scale, config=None):
+def supports(q, k, v, g, beta, h0, lens=None, *, scale, skip=False, config=None):
   config = config or Config()
   Kp, Vp = _pallas.next_pow2(q.shape[-1]), _pallas.next_pow2(v.shape[-1])
   BV = _block_v(config, Kp, Vp)
@@ -67,25 +68,36 @@ def _step(S, q, k, v, g, b, scale):
   return S1, Sd, r, e, scale * jnp.sum(q * S1, axis=0, keepdims=True)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, *, scale):
+def _zero_rows(n, refs):
+  """Rows n.. of each [S, D] ref to 0: the steps past a sequence's own."""
+  def zero(i, carry):
+    for ref in refs:
+      ref[pl.ds(i, 1), :] = jnp.zeros((1, ref.shape[1]), ref.dtype)
+    return carry
+  lax.fori_loop(n, refs[0].shape[0], zero, 0)
+
+
+def _fwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, *, scale):
   refs = (q_ref, k_ref, v_ref, g_ref, b_ref)
+  n = lens_ref[pl.program_id(0)]
 
   def body(i, S):
     S, *_, o = _step(S, *_token(i, *refs), scale)
     o_ref[pl.ds(i, 1), :] = o
     return S
 
-  ht_ref[...] = lax.fori_loop(0, q_ref.shape[0], body, h0_ref[...])
+  ht_ref[...] = lax.fori_loop(0, n, body, h0_ref[...])
+  _zero_rows(n, (o_ref,))
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, do_ref, dht_ref,
+def _bwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, do_ref, dht_ref,
                 dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, *, scale):
   refs = (q_ref, k_ref, v_ref, g_ref, b_ref)
-  steps = q_ref.shape[0]
+  n = lens_ref[pl.program_id(0)]
   rowsum = lambda x: jnp.transpose(jnp.sum(x, axis=1, keepdims=True))     # [K, BV] -> [1, K]
 
   def back(r, dS):
-    i = steps - 1 - r
+    i = n - 1 - r
     row = pl.ds(i, 1)
     S = lax.fori_loop(0, i, lambda j, S: _step(S, *_token(j, *refs), scale)[0], h0_ref[...])
     q, k, v, g, b = _token(i, *refs)
@@ -102,11 +114,14 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, do_ref, dht_ref,
     dg_ref[row, :] = rowsum(dSd * Sd)
     return dSd * jnp.exp(g)
 
-  dh0_ref[...] = lax.fori_loop(0, steps, back, dht_ref[...])
+  dh0_ref[...] = lax.fori_loop(0, n, back, dht_ref[...])
+  _zero_rows(n, (dq_ref, dk_ref, dv_ref, dg_ref, db_ref))
 
 
-def apply(q, k, v, g, beta, h0, reached=None, *, scale, interpret=False, config=None):
-  return Out(*_short(q, k, v, g, beta, h0, float(scale), bool(interpret), config or Config()))
+def apply(q, k, v, g, beta, h0, lens=None, *, scale, skip=False, interpret=False, config=None):
+  N, S = q.shape[:2]
+  lens = jnp.full((N,), S, jnp.int32) if lens is None else jnp.minimum(lens.astype(jnp.int32), S)
+  return Out(*_short(q, k, v, g, beta, h0, lens, float(scale), bool(interpret), config or Config()))
 
 
 def _specs(N, S, HV, Kp, Vp, BV):
@@ -115,7 +130,8 @@ def _specs(N, S, HV, Kp, Vp, BV):
   betas = pl.BlockSpec((None, S, None, 1), lambda n, h, j: (n, 0, h, 0))
   states = pl.BlockSpec((None, None, Kp, BV), lambda n, h, j: (n, h, 0, j))
   partial = lambda d: pl.BlockSpec((None, None, S, None, d), lambda n, h, j: (j, n, 0, h, 0))
-  return keys, vals, betas, states, partial
+  seqs = pl.BlockSpec((N,), lambda n, h, j: (0,))
+  return seqs, keys, vals, betas, states, partial
 
 
 def _padded(q, k, v, g, beta, h0):
@@ -137,30 +153,31 @@ def _launch(kernel, interpret, config, ins, out_specs, out_shapes, in_specs, gri
   return unchecked(call, *ins) if interpret else call(*ins)
 
 
-def _forward(q, k, v, g, beta, h0, scale, interpret, config):
+def _forward(q, k, v, g, beta, h0, lens, scale, interpret, config):
   N, S, HV, K = q.shape
   V = v.shape[-1]
   ins = _padded(q, k, v, g, beta, h0)
   Kp, Vp = ins[0].shape[-1], ins[2].shape[-1]
   BV = _block_v(config, Kp, Vp)
-  keys, vals, betas, states, _ = _specs(N, S, HV, Kp, Vp, BV)
-  o, ht = _launch(functools.partial(_fwd_kernel, scale=scale), interpret, config, ins, [vals, states],
-                  [(N, S, HV, Vp), (N, HV, Kp, Vp)], [keys, keys, vals, keys, betas, states],
-                  (N, HV, Vp // BV))
+  seqs, keys, vals, betas, states, _ = _specs(N, S, HV, Kp, Vp, BV)
+  o, ht = _launch(functools.partial(_fwd_kernel, scale=scale), interpret, config, (lens,) + ins,
+                  [vals, states], [(N, S, HV, Vp), (N, HV, Kp, Vp)],
+                  [seqs, keys, keys, vals, keys, betas, states], (N, HV, Vp // BV))
   return o[..., :V], ht[..., :K, :V]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _short(q, k, v, g, beta, h0, scale, interpret, config):
-  return _forward(q, k, v, g, beta, h0, scale, interpret, config)
+# lens, an int array, travels as a primal argument and gets no cotangent
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _short(q, k, v, g, beta, h0, lens, scale, interpret, config):
+  return _forward(q, k, v, g, beta, h0, lens, scale, interpret, config)
 
 
-def _short_fwd(q, k, v, g, beta, h0, scale, interpret, config):
-  return _forward(q, k, v, g, beta, h0, scale, interpret, config), (q, k, v, g, beta, h0)
+def _short_fwd(q, k, v, g, beta, h0, lens, scale, interpret, config):
+  return _forward(q, k, v, g, beta, h0, lens, scale, interpret, config), (q, k, v, g, beta, h0, lens)
 
 
 def _short_bwd(scale, interpret, config, res, cts):
-  q, k, v, g, beta, h0 = res
+  q, k, v, g, beta, h0, lens = res
   do, dht = cts
   N, S, HV, K = q.shape
   V = v.shape[-1]
@@ -170,17 +187,17 @@ def _short_bwd(scale, interpret, config, res, cts):
   nV = Vp // BV
   ins += (_pallas.pad_dim(do.astype(jnp.float32), 3, Vp),
           _pallas.pad_dim(_pallas.pad_dim(dht.astype(jnp.float32), 2, Kp), 3, Vp))
-  keys, vals, betas, states, partial = _specs(N, S, HV, Kp, Vp, BV)
+  seqs, keys, vals, betas, states, partial = _specs(N, S, HV, Kp, Vp, BV)
   dq, dk, dv, dg, db, dh0 = _launch(
-      functools.partial(_bwd_kernel, scale=scale), interpret, config, ins,
+      functools.partial(_bwd_kernel, scale=scale), interpret, config, (lens,) + ins,
       [partial(Kp), partial(Kp), vals, partial(Kp), partial(1), states],
       [(nV, N, S, HV, Kp), (nV, N, S, HV, Kp), (N, S, HV, Vp), (nV, N, S, HV, Kp), (nV, N, S, HV, 1),
        (N, HV, Kp, Vp)],
-      [keys, keys, vals, keys, betas, states, vals, states], (N, HV, nV))
+      [seqs, keys, keys, vals, keys, betas, states, vals, states], (N, HV, nV))
   tiles = lambda x: jnp.sum(x, axis=0)     # the V tiles' partial sums
   cast = lambda x, like: x.astype(like.dtype)
   return (cast(tiles(dq)[..., :K], q), cast(tiles(dk)[..., :K], k), cast(dv[..., :V], v),
-          cast(tiles(dg)[..., :K], g), cast(tiles(db)[..., 0], beta), cast(dh0[..., :K, :V], h0))
+          cast(tiles(dg)[..., :K], g), cast(tiles(db)[..., 0], beta), cast(dh0[..., :K, :V], h0), None)
 
 
 _short.defvjp(_short_fwd, _short_bwd)

@@ -12,10 +12,16 @@ from kda.stages.short import Out
 HI = lax.Precision.HIGHEST
 
 
-def apply(q, k, v, g, beta, h0, reached=None, *, scale):
+def apply(q, k, v, g, beta, h0, lens=None, *, scale, skip=False):
   S = h0
   outs = []
-  for i in range(q.shape[1]):
+  steps = q.shape[1]
+  reached = None
+  if lens is not None:            # the steps past a sequence's own are not taken: their inputs read 0
+    on = lens[:, None] > jnp.arange(steps)[None]
+    q, k, v, g, beta = (jnp.where(on.reshape(on.shape + (1,) * (x.ndim - 2)), x, 0.0) for x in (q, k, v, g, beta))
+    reached = jnp.any(on, axis=0) if skip else None
+  for i in range(steps):
     xs = (S, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
     if reached is None or i == 0:
       S, o_i = step(*xs, scale)
