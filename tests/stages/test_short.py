@@ -1,5 +1,6 @@
-"""The short stage: the Pallas kernels (interpret mode) against the reference, forward and backward,
-a NaN kept in its sequence, the Triton lowering for an H200, and the kernel in a whole call."""
+"""The short stage: the Pallas kernels (interpret mode on a CPU, compiled on a GPU) against the
+reference, forward and backward, a NaN kept in its sequence, the Triton lowering for an H200, and the
+kernel in a whole call."""
 import functools
 
 import jax
@@ -11,6 +12,8 @@ import kda
 from kda.reference import recurrent_kda
 from kda.stages import short
 from tests.lowering import lower_h200
+
+INTERPRET = jax.default_backend() != "gpu"
 
 
 def _inputs(N, S, HV, K, V, seed=0, lens=None):
@@ -24,7 +27,7 @@ def _inputs(N, S, HV, K, V, seed=0, lens=None):
 
 
 def _run(impl, xs, lens=None, config=None, scale=0.7):
-  fn = lambda *a: tuple(short.STAGE(impl, *a, lens, skip=lens is not None, interpret=True, config=config,
+  fn = lambda *a: tuple(short.STAGE(impl, *a, lens, skip=lens is not None, interpret=INTERPRET, config=config,
                                     scale=scale))
   out, vjp = jax.vjp(fn, *xs)
   r = np.random.default_rng(9)
