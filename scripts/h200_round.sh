@@ -64,6 +64,8 @@ t "states traced"
 run $(lim 200) 8 python3 -m tools.bench_states --many 200000x1 --reps 5 --profile /tmp/kda-states-profile --out $O/states_traced.json
 t "states concrete"
 run $(lim 120) 4 python3 -m tools.bench_states --many 200000x1 --reps 5 --concrete --out $O/states_concrete.json
+t "short's tests, compiled"
+run $(lim 90) 3 python3 -m pytest -q -p no:cacheprovider tests/stages/test_short.py
 if [ $(lim 999) -gt 60 ]; then
 t "dims"
 run $(lim 150) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --out $O/dims.json
