@@ -8,11 +8,11 @@ call the sequences of at most L tokens (PipelineConfig.short_len) skip the chunk
 
 over all N sequences at once, state [N, HV, K, V] float32 (step t reads token starts[n] + t of a
 short sequence n; elsewhere q, k, g, beta are 0 there and the step leaves S as it is): the stage
-kda.stages.short (its Pallas kernel on a GPU keeps each state on chip for all steps, forward and
-backward; its reference is jnp, differentiated through a checkpoint per step). The other sequences
-run the chunked pipeline on the layout without the short ones (`split`): where the lengths are
-traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a sequence there has more
-than L tokens), not T + N * (BT - 1). A chunk of the pipeline costs several states' traffic, the
+kda.stages.short (its kernels, on a GPU and a TPU, keep each state on chip for all its steps,
+forward and backward; its reference is jnp, differentiated through a checkpoint per step). The
+other sequences run the chunked pipeline on the layout without the short ones (`split`): where the
+lengths are traced its aligned length is bounded by T + (T // (L + 1)) * (BT - 1) (a sequence
+there has more than L tokens), not T + N * (BT - 1). A chunk of the pipeline costs several states' traffic, the
 steps one read and one write of each state.
 
 The long sequences run first: the steps start from the chunks' final states (a short sequence's

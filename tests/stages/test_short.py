@@ -11,9 +11,10 @@ import pytest
 import kda
 from kda.reference import recurrent_kda
 from kda.stages import short
-from tests.lowering import lower_h200
+from tests.lowering import lower_h200, lower_tpu
 
-INTERPRET = jax.default_backend() != "gpu"
+INTERPRET = {"pallas": jax.default_backend() != "gpu", "mosaic_tpu": jax.default_backend() != "tpu",
+             "reference": False}
 
 
 def _inputs(N, S, HV, K, V, seed=0, lens=None):
@@ -27,7 +28,7 @@ def _inputs(N, S, HV, K, V, seed=0, lens=None):
 
 
 def _run(impl, xs, lens=None, config=None, scale=0.7):
-  fn = lambda *a: tuple(short.STAGE(impl, *a, lens, skip=lens is not None, interpret=INTERPRET, config=config,
+  fn = lambda *a: tuple(short.STAGE(impl, *a, lens, skip=lens is not None, interpret=INTERPRET[impl], config=config,
                                     scale=scale))
   out, vjp = jax.vjp(fn, *xs)
   r = np.random.default_rng(9)
@@ -35,20 +36,24 @@ def _run(impl, xs, lens=None, config=None, scale=0.7):
   return out, vjp(cts)
 
 
+# pallas: block_v 16 splits V = 48 into tiles; mosaic_tpu: N = 5 and 3 pad to 8 sequences per
+# program, N = 6 with 3 steps takes them 8 at a time (48 rows)
 CASES = {
     "1_step": dict(N=5, S=1, HV=2, K=32, V=16),
-    "3_steps_ragged": dict(N=6, S=3, HV=1, K=16, V=32, lens=[3, 1, 0, 2, 3, 1]),
-    "odd_dims_v_tiles": dict(N=3, S=2, HV=2, K=24, V=48, block_v=16),
+    "3_steps_ragged": dict(N=8, S=3, HV=1, K=16, V=32, lens=[3, 1, 0, 2, 3, 1, 2, 0]),
+    "odd_dims_v_tiles": dict(N=3, S=2, HV=2, K=24, V=48, lens=[2, 1, 2]),
 }
+CONFIGS = {"pallas": short.pallas.Config(block_v=16), "mosaic_tpu": short.mosaic_tpu.Config(heads=4)}
 
 
+@pytest.mark.parametrize("impl", ["pallas", "mosaic_tpu"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_the_reference_forward_and_backward(case):
+def test_kernel_matches_the_reference_forward_and_backward(case, impl):
   kw = dict(CASES[case])
-  bv = kw.pop("block_v", None)
   xs = _inputs(**kw)
   lens = None if "lens" not in kw else jnp.asarray(kw["lens"], jnp.int32)
-  (o, s), grads = _run("pallas", xs, lens, short.pallas.Config(block_v=bv))
+  config = CONFIGS[impl] if case == "odd_dims_v_tiles" else None
+  (o, s), grads = _run(impl, xs, lens, config)
   (o_r, s_r), grads_r = _run("reference", xs, lens)
   np.testing.assert_allclose(o, o_r, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(s, s_r, rtol=1e-5, atol=1e-5)
@@ -62,15 +67,16 @@ def test_kernel_matches_the_reference_forward_and_backward(case):
       assert not np.asarray(x)[off].any()
 
 
-def test_a_nan_stays_in_its_sequence():
+@pytest.mark.parametrize("impl", ["pallas", "mosaic_tpu"])
+def test_a_nan_stays_in_its_sequence(impl):
   """A NaN in sequence 1's initial state and another in sequence 3's v: every other sequence's
   outputs and gradients are those of the clean call, bit for bit."""
   xs = _inputs(N=5, S=2, HV=1, K=16, V=16, seed=2)
   bad = list(xs)
   bad[5] = bad[5].at[1, 0, 3, 4].set(jnp.nan)
   bad[2] = bad[2].at[3, 1, 0, 2].set(jnp.nan)
-  (o, s), g = _run("pallas", bad)
-  (o_ok, s_ok), g_ok = _run("pallas", xs)
+  (o, s), g = _run(impl, bad)
+  (o_ok, s_ok), g_ok = _run(impl, xs)
   keep = np.array([True, False, True, False, True])
   for a, b in zip((o, s) + tuple(g), (o_ok, s_ok) + tuple(g_ok)):
     np.testing.assert_array_equal(np.asarray(a)[keep], np.asarray(b)[keep])
@@ -94,8 +100,22 @@ def test_kernels_lower_for_h200(K, V):
   assert txt.count("__gpu$xla.gpu.triton") == 2                       # the forward and the backward
 
 
-def test_the_kernel_in_a_call_with_states():
-  """impl={"short": "pallas"}: short sequences (1-4 tokens, traced cu_seqlens) beside long ones,
+@pytest.mark.parametrize("K,V,N,S", [(64, 64, 200000, 1), (128, 128, 64, 4), (256, 256, 13, 3)])
+def test_tpu_kernels_lower_for_every_generation(K, V, N, S):
+  """The forward and the backward: Mosaic's lowering for v5e, v6e and v7x."""
+  sd = jax.ShapeDtypeStruct
+  xs = [sd((N, S, 2, K), jnp.float32)] * 2 + [sd((N, S, 2, V), jnp.float32), sd((N, S, 2, K), jnp.float32),
+                                              sd((N, S, 2), jnp.float32), sd((N, 2, K, V), jnp.float32),
+                                              sd((N,), jnp.int32)]
+  run = functools.partial(short.mosaic_tpu.apply, scale=0.1)
+  loss = lambda *a: sum(jnp.sum(x * x) for x in run(*a))
+  for gen in ("v5e", "v6e", "v7x"):
+    assert lower_tpu(jax.grad(loss, argnums=tuple(range(6))), *xs, gen=gen) == 2, gen
+
+
+@pytest.mark.parametrize("impl", ["pallas", "mosaic_tpu"])
+def test_the_kernel_in_a_call_with_states(impl):
+  """impl={"short": impl}: short sequences (1-4 tokens, traced cu_seqlens) beside long ones,
   o, the final states and every gradient the recurrence's."""
   lens = [1, 3, 70, 0, 2, 4, 1]
   r = np.random.default_rng(4)
@@ -110,7 +130,7 @@ def test_the_kernel_in_a_call_with_states():
   def loss(call):
     return lambda *a: (lambda o, s: jnp.sum(o * w_o) + jnp.sum(s * w_s))(*call(*a))
   got = lambda *a: kda.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=a[6],
-                                 impl={"short": "pallas"})
+                                 impl={"short": impl})
   ref = lambda *a: recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu)
   args = (*xs, jnp.asarray(cu))
   for a, b in zip(jax.jit(got)(*args), ref(*xs)):

@@ -38,6 +38,6 @@ class Out(NamedTuple):
   final_state: jax.Array  # [N, HV, K, V] float32
 
 
-from kda.stages.short import pallas, reference  # noqa: E402  (they import the names above)
+from kda.stages.short import mosaic_tpu, pallas, reference  # noqa: E402  (they import the names above)
 
-STAGE = Stage(NAME, reference=reference, pallas=pallas)
+STAGE = Stage(NAME, reference=reference, pallas=pallas, mosaic_tpu=mosaic_tpu)
