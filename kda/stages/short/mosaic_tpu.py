@@ -18,7 +18,6 @@ import dataclasses
 import functools
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -26,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kda import _mosaic_tpu as tpu
 from kda._vma import unchecked
-from kda.stages.short import NAME, Out
+from kda.stages.short import NAME, Out, _tile
 
 F32 = tpu.F32
 
@@ -98,23 +97,6 @@ def _token(r, refs, eye):
           b_ref[at, :])
 
 
-def _step(S, q, k, v, g, b, scale):
-  """-> (S', Sd, v - Sd^T k, e, o) of one step (the module's math), S [K, V]."""
-  Sd = S * jnp.exp(g)
-  r = v - jnp.sum(k * Sd, axis=0, keepdims=True)
-  e = b * r
-  S1 = Sd + k * e
-  return S1, Sd, r, e, scale * jnp.sum(q * S1, axis=0, keepdims=True)
-
-
-def _zero_rows(first, end, refs):
-  def zero(r, carry):
-    for ref in refs:
-      ref[pl.ds(r, 1), :] = jnp.zeros((1, ref.shape[1]), ref.dtype)
-    return carry
-  lax.fori_loop(first, end, zero, 0)
-
-
 def _fwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, *, scale, steps):
   refs = (q_ref, k_ref, v_ref, g_ref, b_ref)
   BN, K = h0_ref.shape[0], h0_ref.shape[1]
@@ -124,12 +106,12 @@ def _fwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_r
     base = j * steps
 
     def body(i, S, base=base):
-      S, *_, o = _step(S, *_token(base + i, refs, eye), scale)
+      S, *_, o = _tile.step(S, *_token(base + i, refs, eye), scale)
       o_ref[pl.ds(base + i, 1), :] = o
       return S
 
     ht_ref[j] = lax.fori_loop(0, n, body, h0_ref[j])
-    _zero_rows(base + n, base + steps, (o_ref,))
+    _tile.zero_rows(base + n, base + steps, (o_ref,))
 
 
 def _bwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, do_ref, dht_ref,
@@ -145,28 +127,17 @@ def _bwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, do_ref, dht
     def back(r, dS, j=j, n=n, base=base):
       i = n - 1 - r
       at = pl.ds(base + i, 1)
-      S = lax.fori_loop(0, i, lambda t, S: _step(S, *_token(base + t, refs, eye), scale)[0], h0_ref[j])
-      q, k, v, g, b = _token(base + i, refs, eye)
-      S1, Sd, res, e, _ = _step(S, q, k, v, g, b, scale)
-      do = do_ref[at, :]
-      dS = dS + scale * q * do
-      de = jnp.sum(dS * k, axis=0, keepdims=True)
-      dp = -b * de
-      dv_ref[at, :] = b * de
-      db_ref[at, :] = jnp.sum(res * de, axis=1, keepdims=True)
-      dq_ref[at, :] = scale * rowsum(S1 * do)
-      dk_ref[at, :] = rowsum(dS * e + Sd * dp)
-      dSd = dS + k * dp
-      dg_ref[at, :] = rowsum(dSd * Sd)
-      return dSd * jnp.exp(g)
+      S = lax.fori_loop(0, i, lambda t, S: _tile.step(S, *_token(base + t, refs, eye), scale)[0], h0_ref[j])
+      dS, dq, dk, dg, dv, db = _tile.step_back(S, *_token(base + i, refs, eye), do_ref[at, :], dS, scale, rowsum)
+      dq_ref[at, :], dk_ref[at, :], dg_ref[at, :], dv_ref[at, :], db_ref[at, :] = dq, dk, dg, dv, db
+      return dS
 
     dh0_ref[j] = lax.fori_loop(0, n, back, dht_ref[j])
-    _zero_rows(base + n, base + steps, (dq_ref, dk_ref, dv_ref, dg_ref, db_ref))
+    _tile.zero_rows(base + n, base + steps, (dq_ref, dk_ref, dv_ref, dg_ref, db_ref))
 
 
 def apply(q, k, v, g, beta, h0, lens=None, *, scale, skip=False, interpret=False, config=None):
-  N, S = q.shape[:2]
-  lens = jnp.full((N,), S, jnp.int32) if lens is None else jnp.minimum(lens.astype(jnp.int32), S)
+  lens = _tile.step_count(lens, *q.shape[:2])
   return Out(*_short(q, k, v, g, beta, h0, lens, float(scale), interpret, config or Config()))
 
 
@@ -221,17 +192,7 @@ def _forward(q, k, v, g, beta, h0, lens, scale, interpret, config):
   return _from_heads(o, N, S), ht[:N]
 
 
-# lens, an int array, travels as a primal argument and gets no cotangent
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _short(q, k, v, g, beta, h0, lens, scale, interpret, config):
-  return _forward(q, k, v, g, beta, h0, lens, scale, interpret, config)
-
-
-def _short_fwd(q, k, v, g, beta, h0, lens, scale, interpret, config):
-  return _forward(q, k, v, g, beta, h0, lens, scale, interpret, config), (q, k, v, g, beta, h0, lens)
-
-
-def _short_bwd(scale, interpret, config, res, cts):
+def _backward(scale, interpret, config, res, cts):
   q, k, v, g, beta, h0, lens = res
   do, dht = cts
   N, S, HV, K = q.shape
@@ -243,7 +204,7 @@ def _short_bwd(scale, interpret, config, res, cts):
   dq, dk, dv, dg, db, dh0 = _call(_bwd_kernel, True, ins, N, S, HV, K, V, scale, interpret, config)
   back = lambda x, like: _from_heads(x, N, S).astype(like.dtype)
   return (back(dq, q), back(dk, k), back(dv, v), back(dg, g), back(db, beta)[..., 0],
-          dh0[:N].astype(h0.dtype), None)
+          dh0[:N].astype(h0.dtype))
 
 
-_short.defvjp(_short_fwd, _short_bwd)
+_short = _tile.with_vjp(_forward, _backward)

@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from kda import _pallas
 from kda._vma import out_struct, unchecked
-from kda.stages.short import NAME, Out
+from kda.stages.short import NAME, Out, _tile
 
 # A program's tile: K x BV float32 state; the backward holds four such tiles (the state, Sd, S' and
 # the cotangent), so 4096 elements keep them in 128 registers a thread at four warps.
@@ -59,35 +58,17 @@ def _token(i, q_ref, k_ref, v_ref, g_ref, b_ref):
   return col(q_ref), col(k_ref), v_ref[row, :], col(g_ref), b_ref[row, :]
 
 
-def _step(S, q, k, v, g, b, scale):
-  """-> (S', Sd, v - Sd^T k, e, o) of one step (the module's math), S [K, BV]."""
-  Sd = S * jnp.exp(g)
-  r = v - jnp.sum(k * Sd, axis=0, keepdims=True)
-  e = b * r
-  S1 = Sd + k * e
-  return S1, Sd, r, e, scale * jnp.sum(q * S1, axis=0, keepdims=True)
-
-
-def _zero_rows(n, refs):
-  """Rows n.. of each [S, D] ref to 0: the steps past a sequence's own."""
-  def zero(i, carry):
-    for ref in refs:
-      ref[pl.ds(i, 1), :] = jnp.zeros((1, ref.shape[1]), ref.dtype)
-    return carry
-  lax.fori_loop(n, refs[0].shape[0], zero, 0)
-
-
 def _fwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, *, scale):
   refs = (q_ref, k_ref, v_ref, g_ref, b_ref)
   n = lens_ref[pl.program_id(0)]
 
   def body(i, S):
-    S, *_, o = _step(S, *_token(i, *refs), scale)
+    S, *_, o = _tile.step(S, *_token(i, *refs), scale)
     o_ref[pl.ds(i, 1), :] = o
     return S
 
   ht_ref[...] = lax.fori_loop(0, n, body, h0_ref[...])
-  _zero_rows(n, (o_ref,))
+  _tile.zero_rows(n, o_ref.shape[0], (o_ref,))
 
 
 def _bwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, do_ref, dht_ref,
@@ -99,28 +80,17 @@ def _bwd_kernel(lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, do_ref, dht
   def back(r, dS):
     i = n - 1 - r
     row = pl.ds(i, 1)
-    S = lax.fori_loop(0, i, lambda j, S: _step(S, *_token(j, *refs), scale)[0], h0_ref[...])
-    q, k, v, g, b = _token(i, *refs)
-    S1, Sd, res, e, _ = _step(S, q, k, v, g, b, scale)
-    do = do_ref[row, :]
-    dS = dS + scale * q * do
-    de = jnp.sum(dS * k, axis=0, keepdims=True)
-    dp = -b * de
-    dv_ref[row, :] = b * de
-    db_ref[row, :] = jnp.sum(res * de, axis=1, keepdims=True)
-    dq_ref[row, :] = scale * rowsum(S1 * do)
-    dk_ref[row, :] = rowsum(dS * e + Sd * dp)
-    dSd = dS + k * dp
-    dg_ref[row, :] = rowsum(dSd * Sd)
-    return dSd * jnp.exp(g)
+    S = lax.fori_loop(0, i, lambda j, S: _tile.step(S, *_token(j, *refs), scale)[0], h0_ref[...])
+    dS, dq, dk, dg, dv, db = _tile.step_back(S, *_token(i, *refs), do_ref[row, :], dS, scale, rowsum)
+    dq_ref[row, :], dk_ref[row, :], dg_ref[row, :], dv_ref[row, :], db_ref[row, :] = dq, dk, dg, dv, db
+    return dS
 
   dh0_ref[...] = lax.fori_loop(0, n, back, dht_ref[...])
-  _zero_rows(n, (dq_ref, dk_ref, dv_ref, dg_ref, db_ref))
+  _tile.zero_rows(n, dq_ref.shape[0], (dq_ref, dk_ref, dv_ref, dg_ref, db_ref))
 
 
 def apply(q, k, v, g, beta, h0, lens=None, *, scale, skip=False, interpret=False, config=None):
-  N, S = q.shape[:2]
-  lens = jnp.full((N,), S, jnp.int32) if lens is None else jnp.minimum(lens.astype(jnp.int32), S)
+  lens = _tile.step_count(lens, *q.shape[:2])
   return Out(*_short(q, k, v, g, beta, h0, lens, float(scale), bool(interpret), config or Config()))
 
 
@@ -166,17 +136,7 @@ def _forward(q, k, v, g, beta, h0, lens, scale, interpret, config):
   return o[..., :V], ht[..., :K, :V]
 
 
-# lens, an int array, travels as a primal argument and gets no cotangent
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _short(q, k, v, g, beta, h0, lens, scale, interpret, config):
-  return _forward(q, k, v, g, beta, h0, lens, scale, interpret, config)
-
-
-def _short_fwd(q, k, v, g, beta, h0, lens, scale, interpret, config):
-  return _forward(q, k, v, g, beta, h0, lens, scale, interpret, config), (q, k, v, g, beta, h0, lens)
-
-
-def _short_bwd(scale, interpret, config, res, cts):
+def _backward(scale, interpret, config, res, cts):
   q, k, v, g, beta, h0, lens = res
   do, dht = cts
   N, S, HV, K = q.shape
@@ -197,7 +157,7 @@ def _short_bwd(scale, interpret, config, res, cts):
   tiles = lambda x: jnp.sum(x, axis=0)     # the V tiles' partial sums
   cast = lambda x, like: x.astype(like.dtype)
   return (cast(tiles(dq)[..., :K], q), cast(tiles(dk)[..., :K], k), cast(dv[..., :V], v),
-          cast(tiles(dg)[..., :K], g), cast(tiles(db)[..., 0], beta), cast(dh0[..., :K, :V], h0), None)
+          cast(tiles(dg)[..., :K], g), cast(tiles(db)[..., 0], beta), cast(dh0[..., :K, :V], h0))
 
 
-_short.defvjp(_short_fwd, _short_bwd)
+_short = _tile.with_vjp(_forward, _backward)
