@@ -249,9 +249,8 @@ def chunk_kda_with(q, k, v, g, beta, *, backward, scale=None, initial_state=None
   g = pack(g)
   pc = plan.config("pipeline")
   P = pieces.count(HV, pc.segment_pieces, pc.segment_walks) if pc.segment_pieces else 0
-  if plan.members_select("packed_forward") and pieces.takes(
-      P, contiguous=segment_ids is None, initial_state=initial_state, output_final_state=output_final_state,
-      N=N, use_gate_in_kernel=use_gate_in_kernel):
+  if pieces.takes(P, contiguous=segment_ids is None, initial_state=initial_state,
+                 output_final_state=output_final_state, N=N, use_gate_in_kernel=use_gate_in_kernel):
     # fewer, longer sequences with resets inside; sharing chunks, they are kept apart by zero decays,
     # so a non-finite input is confined to its sequence here (kda.confine)
     seqs = confine.sequences(layout.starts, layout.lens, B * T)

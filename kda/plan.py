@@ -34,9 +34,10 @@ class PipelineConfig:
   packed: the fused groups packed_forward / packed_backward run where they take the call (align and
     unalign folded into the kernels); False keeps the aligned layout everywhere (the same results:
     tools compare the two).
-  segment_pieces: with Mosaic GPU kernels, no states in or out and more sequences than this, the
-    sequences run as this many longer pieces, each sequence start a reset (kda.padding.pieces):
-    fewer chunks and less memory for many short sequences. 0 turns it off.
+  segment_pieces: with no states in or out and more sequences than this, the sequences run as this
+    many longer pieces, each sequence start a reset (kda.padding.pieces), on every backend (the
+    packed Hopper kernels take the resets as segment masks, the other stages as -inf gates): fewer
+    chunks and less memory for many short sequences. 0 turns it off.
   segment_walks: at least this many serial walks (pieces x value heads), so that few heads do not
     serialise the state kernels.
   short_len: in a call with initial or final states, the sequences of at most this many tokens run

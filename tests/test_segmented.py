@@ -176,3 +176,86 @@ def test_a_non_finite_value_stays_in_its_sequence(where, seq, K, H):
     np.testing.assert_array_equal(a[:, keep], b[:, keep], err_msg=name)
   seen = np.asarray(grads[2]) if where == "do" else np.asarray(o)
   assert not np.isfinite(seen[:, lo:hi]).any()
+
+
+def _inputs(T, H, HV, K, V, seed=0):
+  r = [np.random.default_rng(seed + i) for i in range(6)]
+  return ([jnp.asarray(r[0].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
+           jnp.asarray(r[1].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
+           jnp.asarray(r[2].standard_normal((1, T, HV, V)), jnp.bfloat16),
+           jnp.asarray(-np.log1p(np.exp(-r[3].standard_normal((1, T, HV, K)))) / 4, jnp.float32),
+           jnp.asarray(r[4].uniform(0.1, 0.9, (1, T, HV)), jnp.bfloat16)],
+          jnp.asarray(r[5].standard_normal((1, T, HV, V)), jnp.float32))
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference", "mosaic_tpu", "pallas"])
+def test_pieces_run_on_every_backend(impl, monkeypatch):
+  """Every backend runs the pieces (their stages take the resets as -inf gates): two pieces over six
+  sequences (one empty, starts mid-chunk), traced cu_seqlens; o close to the recurrence, o and every
+  gradient close to the aligned run's and 0 past the last sequence."""
+  T, H, HV, K, V = 256, 1, 2, 32, 32
+  x, do = _inputs(T, H, HV, K, V)
+  cu = jnp.asarray(CU)
+  seen = []
+  real = pieces.segmented
+  monkeypatch.setattr(pieces, "segmented", lambda *a, **k: seen.append(1) or real(*a, **k))
+
+  def run(segment_pieces):
+    config = {"pipeline": planning.PipelineConfig(segment_pieces=segment_pieces, segment_walks=4)}
+    fwd = lambda x, cu: kda.chunk_kda(*x, cu_seqlens=cu, impl=impl, config=config)[0]
+    loss = lambda x, cu: jnp.sum(fwd(x, cu).astype(jnp.float32) * do)
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    return f32(jax.jit(fwd)(x, cu)), [f32(a) for a in jax.jit(jax.grad(loss))(x, cu)]
+
+  o, grads = run(2)
+  assert seen
+  seen.clear()
+  o_al, grads_al = run(0)
+  assert not seen
+  end = CU[-1]
+  want = np.asarray(recurrent_kda(*[a.astype(jnp.float32) for a in x], cu_seqlens=cu)[0])
+  assert np.all(o[:, end:] == 0)
+  assert np.abs(o[:, :end] - want[:, :end]).max() <= 1e-2 * np.abs(want[:, :end]).max()
+  assert np.abs(o - o_al).max() <= 2 ** -7 * np.abs(o_al).max()
+  for name, a, b in zip("q k v g beta".split(), grads, grads_al):
+    assert np.isfinite(a).all() and np.all(a[:, end:] == 0), name
+    assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), name
+
+
+@pytest.mark.parametrize("where", ["v", "g", "do"])
+def test_a_non_finite_value_stays_in_its_sequence_on_the_jnp_path(where):
+  """impl="xla", two pieces over six sequences sharing chunks: a NaN at a token of sequence 3 (or,
+  for g, at sequence 4's one token, a reset) leaves every other sequence's o and gradients
+  bit-identical to the run with that value replaced by 0, and that sequence's o (or, for do, its
+  gradients) NaN."""
+  two = {"pipeline": planning.PipelineConfig(segment_pieces=2, segment_walks=4)}
+  T, HV = 200, 2
+  x, do = _inputs(T, 1, HV, 32, 32, seed=10)
+  seq = 4 if where == "g" else 3
+  cu, lo, hi = jnp.asarray(CU), CU[seq], CU[seq + 1]
+  bad_tok = 120 if seq == 3 else lo
+
+  @jax.jit
+  def run(x, do):
+    fwd = lambda *x: kda.chunk_kda(*x, cu_seqlens=cu, impl="xla", config=two)[0]
+    o, vjp = jax.vjp(fwd, *x)
+    return o.astype(jnp.float32), [d.astype(jnp.float32) for d in vjp(do.astype(o.dtype))]
+
+  def put(value):
+    xs, d = list(x), do
+    if where == "do":
+      d = d.at[0, bad_tok, 1, 3].set(value)
+    else:
+      i = "q k v g beta".split().index(where)
+      xs[i] = xs[i].at[(0, bad_tok) + (0,) * (xs[i].ndim - 2)].set(value)
+    return run(xs, d)
+
+  o, grads = put(np.nan)
+  o0, grads0 = put(0.0)
+  keep = np.r_[0:lo, hi:T]
+  for name, a, b in [("o", o, o0)] + list(zip("q k v g beta".split(), grads, grads0)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.isfinite(a[:, keep]).all(), name
+    np.testing.assert_array_equal(a[:, keep], b[:, keep], err_msg=name)
+  seen = np.asarray(grads[2]) if where == "do" else np.asarray(o)
+  assert not np.isfinite(seen[:, lo:hi]).any()
