@@ -125,35 +125,43 @@ def test_forward_with_final_state_lowers_without_while_loops():
   assert "mosaic_gpu" in txt and "stablehlo.while" not in txt
 
 
-@pytest.mark.parametrize("where,seq,K,H", [("v", 3, 32, 1), ("q", 3, 32, 1), ("g", 3, 32, 1), ("do", 3, 32, 1),
-                                             ("g", 4, 32, 1), ("q", 3, 64, 2),
-                                             pytest.param("g", 4, 64, 1, marks=pytest.mark.large),
-                                             pytest.param("v", 3, 64, 1, marks=pytest.mark.large)],
-                         ids=["v", "q", "g", "do", "g-at-a-reset", "q-packed", "g-at-a-reset-packed", "v-packed"])
-def test_a_non_finite_value_stays_in_its_sequence(where, seq, K, H):
-  """impl="mosaic_gpu" (simulator), two pieces over six sequences sharing chunks: one NaN at a token
-  of sequence `seq` leaves every other sequence's o and gradients finite and bit-identical to the run
-  with that value replaced by 0; that sequence's o (or, for do, its gradients) is NaN. Sequence 4 is
-  one token at a reset, where the kernels set the gate to -inf: a NaN there must still be seen.
-  K = V = 32: the backward's kernels refuse the head dims and its jnp stages run (the backward's
-  probe from S0's outputs); 64: the packed backward's kernels (the probe from S0's wy kernel; in
-  the rerun S3 and S4 read q, k, v cleaning, S5 the raw gates). Two value heads; one query head
-  (GVA: q, k repeated, so S3 and S4 read cleaned copies) or two (S3 and S4 read the raw q, k)."""
+def _inputs(T, H, HV, K, V, seed=0):
+  r = [np.random.default_rng(seed + i) for i in range(6)]
+  return ([jnp.asarray(r[0].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
+           jnp.asarray(r[1].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
+           jnp.asarray(r[2].standard_normal((1, T, HV, V)), jnp.bfloat16),
+           jnp.asarray(-np.log1p(np.exp(-r[3].standard_normal((1, T, HV, K)))) / 4, jnp.float32),
+           jnp.asarray(r[4].uniform(0.1, 0.9, (1, T, HV)), jnp.bfloat16)],
+          jnp.asarray(r[5].standard_normal((1, T, HV, V)), jnp.float32))
+
+
+@pytest.mark.parametrize("where,seq,K,H,impl", [
+    ("v", 3, 32, 1, "mosaic_gpu"), ("q", 3, 32, 1, "mosaic_gpu"), ("g", 3, 32, 1, "mosaic_gpu"),
+    ("do", 3, 32, 1, "mosaic_gpu"), ("g", 4, 32, 1, "mosaic_gpu"), ("q", 3, 64, 2, "mosaic_gpu"),
+    pytest.param("g", 4, 64, 1, "mosaic_gpu", marks=pytest.mark.large),
+    pytest.param("v", 3, 64, 1, "mosaic_gpu", marks=pytest.mark.large),
+    ("v", 3, 32, 1, "xla"), ("g", 4, 32, 1, "xla"), ("do", 3, 32, 1, "xla")],
+    ids=["v", "q", "g", "do", "g-at-a-reset", "q-packed", "g-at-a-reset-packed", "v-packed",
+         "v-xla", "g-at-a-reset-xla", "do-xla"])
+def test_a_non_finite_value_stays_in_its_sequence(where, seq, K, H, impl):
+  """Two pieces over six sequences sharing chunks: one NaN at a token of sequence `seq` leaves every
+  other sequence's o and gradients finite and bit-identical to the run with that value replaced by
+  0; that sequence's o (or, for do, its gradients) is NaN. Sequence 4 is one token at a reset, where
+  the gate is set to -inf: a NaN there must still be seen. impl="mosaic_gpu" (simulator): K = V =
+  32, the backward's kernels refuse the head dims and its jnp stages run (the backward's probe from
+  S0's outputs); 64: the packed backward's kernels (the probe from S0's wy kernel; in the rerun S3
+  and S4 read q, k, v cleaning, S5 the raw gates). Two value heads; one query head (GVA: q, k
+  repeated, so S3 and S4 read cleaned copies) or two (S3 and S4 read the raw q, k). impl="xla": the
+  unpacked stages, the resets as -inf gates."""
   two = {"pipeline": planning.PipelineConfig(segment_pieces=2, segment_walks=4)}
-  r = [np.random.default_rng(i) for i in range(6)]
-  T, HV, V = 200, 2, K
-  x = [jnp.asarray(r[0].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
-       jnp.asarray(r[1].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
-       jnp.asarray(r[2].standard_normal((1, T, HV, V)), jnp.bfloat16),
-       jnp.asarray(-np.log1p(np.exp(-r[3].standard_normal((1, T, HV, K)))) / 4, jnp.float32),
-       jnp.asarray(r[4].uniform(0.1, 0.9, (1, T, HV)), jnp.bfloat16)]
-  do = jnp.asarray(r[5].standard_normal((1, T, HV, V)), jnp.float32)
+  T, HV = 200, 2
+  x, do = _inputs(T, H, HV, K, K)
   cu, lo, hi = jnp.asarray(CU), CU[seq], CU[seq + 1]
   bad_tok = 120 if seq == 3 else lo
 
   @jax.jit
   def run(x, do):
-    fwd = lambda *x: kda.chunk_kda(*x, cu_seqlens=cu, impl="mosaic_gpu", config=two)[0]
+    fwd = lambda *x: kda.chunk_kda(*x, cu_seqlens=cu, impl=impl, config=two)[0]
     o, vjp = jax.vjp(fwd, *x)
     return o.astype(jnp.float32), [d.astype(jnp.float32) for d in vjp(do.astype(o.dtype))]
 
@@ -176,16 +184,6 @@ def test_a_non_finite_value_stays_in_its_sequence(where, seq, K, H):
     np.testing.assert_array_equal(a[:, keep], b[:, keep], err_msg=name)
   seen = np.asarray(grads[2]) if where == "do" else np.asarray(o)
   assert not np.isfinite(seen[:, lo:hi]).any()
-
-
-def _inputs(T, H, HV, K, V, seed=0):
-  r = [np.random.default_rng(seed + i) for i in range(6)]
-  return ([jnp.asarray(r[0].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
-           jnp.asarray(r[1].standard_normal((1, T, H, K)) / 6, jnp.bfloat16),
-           jnp.asarray(r[2].standard_normal((1, T, HV, V)), jnp.bfloat16),
-           jnp.asarray(-np.log1p(np.exp(-r[3].standard_normal((1, T, HV, K)))) / 4, jnp.float32),
-           jnp.asarray(r[4].uniform(0.1, 0.9, (1, T, HV)), jnp.bfloat16)],
-          jnp.asarray(r[5].standard_normal((1, T, HV, V)), jnp.float32))
 
 
 @pytest.mark.parametrize("impl", ["xla", "reference", "mosaic_tpu", "pallas"])
@@ -221,41 +219,3 @@ def test_pieces_run_on_every_backend(impl, monkeypatch):
     assert np.isfinite(a).all() and np.all(a[:, end:] == 0), name
     assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), name
 
-
-@pytest.mark.parametrize("where", ["v", "g", "do"])
-def test_a_non_finite_value_stays_in_its_sequence_on_the_jnp_path(where):
-  """impl="xla", two pieces over six sequences sharing chunks: a NaN at a token of sequence 3 (or,
-  for g, at sequence 4's one token, a reset) leaves every other sequence's o and gradients
-  bit-identical to the run with that value replaced by 0, and that sequence's o (or, for do, its
-  gradients) NaN."""
-  two = {"pipeline": planning.PipelineConfig(segment_pieces=2, segment_walks=4)}
-  T, HV = 200, 2
-  x, do = _inputs(T, 1, HV, 32, 32, seed=10)
-  seq = 4 if where == "g" else 3
-  cu, lo, hi = jnp.asarray(CU), CU[seq], CU[seq + 1]
-  bad_tok = 120 if seq == 3 else lo
-
-  @jax.jit
-  def run(x, do):
-    fwd = lambda *x: kda.chunk_kda(*x, cu_seqlens=cu, impl="xla", config=two)[0]
-    o, vjp = jax.vjp(fwd, *x)
-    return o.astype(jnp.float32), [d.astype(jnp.float32) for d in vjp(do.astype(o.dtype))]
-
-  def put(value):
-    xs, d = list(x), do
-    if where == "do":
-      d = d.at[0, bad_tok, 1, 3].set(value)
-    else:
-      i = "q k v g beta".split().index(where)
-      xs[i] = xs[i].at[(0, bad_tok) + (0,) * (xs[i].ndim - 2)].set(value)
-    return run(xs, d)
-
-  o, grads = put(np.nan)
-  o0, grads0 = put(0.0)
-  keep = np.r_[0:lo, hi:T]
-  for name, a, b in [("o", o, o0)] + list(zip("q k v g beta".split(), grads, grads0)):
-    a, b = np.asarray(a), np.asarray(b)
-    assert np.isfinite(a[:, keep]).all(), name
-    np.testing.assert_array_equal(a[:, keep], b[:, keep], err_msg=name)
-  seen = np.asarray(grads[2]) if where == "do" else np.asarray(o)
-  assert not np.isfinite(seen[:, lo:hi]).any()
