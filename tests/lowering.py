@@ -7,13 +7,17 @@ lowering needs no libtpu either: it checks that a program lowers for the platfor
 """
 import jax
 
-_H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+
+
+def h200_mesh():
+  """A context in which Pallas' Triton lowering takes the abstract H200 for the GPU it needs."""
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200))
 
 
 def lower_h200(fn, *args):
   specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H200)
-  with jax.sharding.use_abstract_mesh(mesh):
+  with h200_mesh():
     txt = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in txt, "no Triton custom call in the lowered module"
   return txt

@@ -145,7 +145,7 @@ def test_mosaic_gpu_simulator_inside_shard_map():
 
 # -- compiled kernels (Triton, Mosaic GPU) inside shard_map: their CUDA lowering, from this CPU ---
 
-_H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+from tests.lowering import H200 as _H200  # noqa: E402
 
 
 @pytest.mark.parametrize("impl,call_target", [("pallas", "__gpu$xla.gpu.triton"), ("mosaic_gpu", "mosaic_gpu")])

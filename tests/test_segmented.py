@@ -95,7 +95,7 @@ def _lowered_for_cuda(f, T, HV, K, N):
   on an H200 (the platform mocked; an abstract H200 mesh, which the Triton lowering of the short
   stage's kernels needs)."""
   from unittest import mock
-  from tests.lowering import _H200
+  from tests.lowering import h200_mesh
   S = jax.ShapeDtypeStruct
   bf = lambda *s: S(s, jnp.bfloat16)
   args = (bf(1, T, HV, K), bf(1, T, HV, K), bf(1, T, HV, K), S((1, T, HV, K), jnp.float32), bf(1, T, HV),
@@ -103,8 +103,7 @@ def _lowered_for_cuda(f, T, HV, K, N):
   with mock.patch("kda.plan.platform_of", lambda device=None: ("gpu", "sm90")):
     plan = planning.make_plan(scale=K ** -0.5, chunk_size=64)
     assert plan.members_select("packed_forward") == "mosaic_gpu"
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H200)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with h200_mesh():
       return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
