@@ -149,6 +149,23 @@ def test_aot_table(tmp_path):
   assert "| `aot/h200_aot.json` | aot |" in page
 
 
+def test_residuals_table(tmp_path):
+  folder = tmp_path / "bench"
+  shutil.copytree(DATA, folder)
+  (folder / "res").mkdir()
+  leaves = lambda mib: [[[1, 32768, 16, 128], "bfloat16", int(mib * 2**20)]]
+  (folder / "res" / "residuals.json").write_text(json.dumps(
+      {"tool": "residuals", "run": {"commit": "abc1234", "jax": "0.11.2"},
+       "shapes": {"A": {"kda": {"residual_MiB": 800.6, "leaves": leaves(800.6)},
+                        "jla": {"residual_MiB": 1446.0, "leaves": leaves(1446.0)}}}}))
+  page = report(tmp_path, folder, png=False)[0].read_text()
+  assert "## What a layer keeps for its backward" in page
+  assert "`res/residuals.json` (commit abc1234)" in page
+  assert "| shape | kda | jla | jla / kda |" in page
+  assert "| A | 801 | 1446 | 1.81 |" in page
+  assert "| `res/residuals.json` | residuals |" in page
+
+
 def test_dtype_table(tmp_path):
   folder = tmp_path / "bench"
   shutil.copytree(DATA, folder)

@@ -8,6 +8,8 @@ what wrote it:
   jla  jla_bench.py --out:  {"shapes": {"A": {"fwd": {"ms_median", ...}, "fwdbwd": {...}}}}
   aot  tools.h200_aot --out: {"tool": ..., "run": {commit, jax}, "device", "config",
        "shapes": {"A": {"fwd" | "fwdbwd": {"temp_mb", ...}}}, "kernels": {...}}
+  residuals  a residuals script's --out: {"tool": "residuals", "run": {...}, "shapes": {"A": {"kda" | "jla":
+       {"residual_MiB": x, "leaves": [[shape, dtype, bytes], ...]}}}} (what a layer keeps for its backward)
   tpu  tools.tpu_aot / tools.tpu_program --out: {"tool": ..., "run": {...}, "rows": [{...}, ...]}
        (or any file named tpu_aot*.json with a "rows" list; its rows are shown as they are)
   fidelity  the peers' fidelity.py --out: {"kda[...]" | "fla" | "jla": {"o": {"max_rel", "rms_rel"},
@@ -34,7 +36,8 @@ import pathlib
 import sys
 
 from tools.perf_sections import PEER_NAME, PEERS, cell, num, relative, table
-from tools.perf_sections import aot_section, budget_section, dtype_section, fidelity_section, states_section
+from tools.perf_sections import aot_section, budget_section, dtype_section, fidelity_section, residuals_section
+from tools.perf_sections import states_section
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -47,6 +50,8 @@ def classify(path: pathlib.Path, data) -> str | None:
     return "tpu"
   if data.get("tool") == "tools.h200_aot" and isinstance(data.get("shapes"), dict):
     return "aot"
+  if data.get("tool") == "residuals" and isinstance(data.get("shapes"), dict):
+    return "residuals"
   if isinstance(data.get("rows"), list):
     return "kda"
   if isinstance(data.get("states"), dict) and isinstance(data.get("stateless"), dict) and "many" in data:
@@ -277,6 +282,7 @@ def render(files, png_name: str | None, folder: pathlib.Path | None = None) -> s
     lines += run_section(r)
   lines += tpu_section(files)
   lines += aot_section(files, folder)
+  lines += residuals_section(files, folder)
   lines += fidelity_section(files, folder)
   lines += states_section(files, folder)
   lines += dtype_section(files, folder)

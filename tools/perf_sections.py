@@ -82,6 +82,28 @@ def aot_section(files, folder=None) -> list[str]:
   return lines
 
 
+def residuals_section(files, folder=None) -> list[str]:
+  """One table per residuals file: the MiB one layer keeps between its forward and its backward
+  (the leaves of jax.vjp's closure), kda beside each peer the file measured."""
+  got = [(p, d) for p, k, d in files if k == "residuals"]
+  if not got:
+    return []
+  lines = ["## What a layer keeps for its backward", "",
+           "The residuals of one call (the arrays `jax.vjp` keeps between the forward and the backward, inputs "
+           "included), MiB, traced for an H200 without one: a model of L layers trained without "
+           "rematerialisation holds L times these at the backward's start.", ""]
+  for path, d in got:
+    lines += [f"`{relative(path, folder)}` (commit {d.get('run', {}).get('commit', '?')})", ""]
+    who = list(dict.fromkeys(w for x in d["shapes"].values() for w in x))
+    rows = [[name] + [num(x.get(w, {}).get("residual_MiB"), 0) for w in who]
+            + [f"{x[w]['residual_MiB'] / x['kda']['residual_MiB']:.2f}" if w in x and "kda" in x else "-"
+               for w in who if w != "kda"]
+            for name, x in d["shapes"].items()]
+    lines += table(["shape"] + [PEER_NAME.get(w, w) for w in who] + [f"{PEER_NAME.get(w, w)} / kda" for w in who
+                                                                     if w != "kda"], rows)
+  return lines
+
+
 def _traffic_table(shapes: dict) -> list[str]:
   """The forward + backward's Mosaic GPU calls (h200_aot --traffic): per shape, the MiB of each
   call's operands and results and the time they take at the H200's bandwidth; a kernel called more
