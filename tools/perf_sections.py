@@ -1,6 +1,7 @@
 """The tables of docs/performance.md besides the runs' own (tools.perf_report renders the page):
-bf16 fidelity, many short sequences with states, float32 inputs, and device time by stage beside
-the peers' kernels; and the table helpers every section uses."""
+memory compiled without a device, what a call keeps for its backward, bf16 fidelity, many short
+sequences with states, float32 inputs, and device time by stage beside the peers' kernels; and the
+table helpers every section uses."""
 from __future__ import annotations
 
 import pathlib
