@@ -38,6 +38,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from kda import api, padding
 from kda import plan as planning
 from tests import multidevice_cases
+from tests.lowering import H200
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # float32 throughout; a device computes its heads and rows with the same ops as the unsharded call,
@@ -145,15 +146,13 @@ def test_mosaic_gpu_simulator_inside_shard_map():
 
 # -- compiled kernels (Triton, Mosaic GPU) inside shard_map: their CUDA lowering, from this CPU ---
 
-from tests.lowering import H200 as _H200  # noqa: E402
-
 
 @pytest.mark.parametrize("impl,call_target", [("pallas", "__gpu$xla.gpu.triton"), ("mosaic_gpu", "mosaic_gpu")])
 def test_compiled_kernels_lower_inside_shard_map(impl, call_target):
   """chunk_kda's differentiable core with GPU (not interpreted) kernels, forward and backward,
   inside shard_map with heads over a 2-device "model" axis: traced with vma checks and lowered
   for an H200, each device running its own kernels (no collective)."""
-  mesh = jax.sharding.AbstractMesh((2,), ("model",), axis_types=(AxisType.Auto,), abstract_device=_H200)
+  mesh = jax.sharding.AbstractMesh((2,), ("model",), axis_types=(AxisType.Auto,), abstract_device=H200)
   T, H, K, V, BT = 128, 4, 64, 64, 64
   plan = planning.make_plan(scale=K ** -0.5, chunk_size=BT, impl=impl, interpret=False)
   hs = P(None, None, "model")
