@@ -12,8 +12,9 @@
 # Phase 4 CONFIG (a candidate default, tools.configs' text, e.g. bwd_wy.terms=1): A, B, C with the
 #   default and with CONFIG in one call, the backward's gradient checks and bits (tools.gpu_check_bwd
 #   --cases short: the candidates' gradients beside the default's), NaN confinement with CONFIG, the
-#   peers (so both configs stand beside them in one call), then, if time is left, the K = V = 256
-#   cases with CONFIG.
+#   peers (so both configs stand beside them in one call), then, if time is left, the per-stage
+#   profile of A with CONFIG (which kernel of a combined CONFIG moved) and the K = V = 256 cases with
+#   CONFIG.
 # Phase 5 (the stage short's kernels): tools.gpu_check_edges' states part (a call with states over
 #   many short sequences against the recurrence, NaN confinement), tools.bench_states traced (with
 #   its profile) and concrete, then the K = V = 256 cases if time is left.
@@ -51,6 +52,10 @@ t "edges $cfg"
 run $(lim 80) 3 python3 -m tools.gpu_check_edges --parts nan --dtypes bfloat16 --where q,do --lengths 1-3 --config $cfg --out $O/edges.json
 t peer
 run $(lim 150) 6 bash .peer/run_peer.sh A,B,C
+if [ $(lim 999) -gt 90 ]; then
+t "profile A $cfg"
+run $(lim 90) 3 python3 -m tools.profile --variants A:plain --no-fwd --reps 3 --config $cfg --out $O/kda_profile_candidate.json
+fi
 if [ $(lim 999) -gt 60 ]; then
 t "dims $cfg"
 run $(lim 130) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --config $cfg --out $O/dims.json

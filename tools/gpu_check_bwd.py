@@ -5,11 +5,12 @@ cases, H = 16, K = V = 128 by default):
   1. the reference backward (jnp), every stage recorded (pipeline.backward(record=True));
   2. every backward stage that has a mosaic_gpu kernel, on the recorded inputs of its stage, against
      the recorded reference output: max |d| / max |ref| per field, and the median ms of both;
-  3. jax.grad of sum(o * do) with impl="mosaic_gpu" (and with the candidates PipelineConfig(defer_qg=True)
-     and bwd_wy's Config(terms=True)) against impl="reference" (max relative error per gradient), all
-     timed;
+  3. jax.grad of sum(o * do) with impl="mosaic_gpu" (and with the candidates PipelineConfig(defer_qg=True),
+     bwd_wy's Config(terms=True) and bwd_recompute's Config(per_slab=True)) against impl="reference"
+     (max relative error per gradient), all timed;
   4. determinism: that compiled jax.grad (and with terms) called --repeat more times gives the first
-     call's gradients bit for bit (the elements that differ are counted per gradient).
+     call's gradients bit for bit (the elements that differ are counted per gradient), and that
+     per_slab gives the default's bits.
 `--interpret --total 256 --heads 1 --head-dim 64` runs it in the simulator on a CPU (a smoke run).
 Writes everything to --out as JSON; exit status 1 if a check fails (a field above --tol).
 """
@@ -43,7 +44,7 @@ def _variants():
   from kda.stages.bwd_intra import mosaic_gpu as intra
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
   from kda.stages.bwd_wy import mosaic_gpu as wy
-  return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False)},
+  return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False), "per_slab": recompute.Config(per_slab=True)},
           "bwd_dav": {"no_skip_tail": dav.Config(skip_tail=False)},
           "bwd_dh": {"input_order": dh.Config(longest_first=False)},
           "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False), "overlap_loads": wy.Config(overlap_loads=True),
@@ -122,9 +123,11 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
     return jax.jit(jax.grad(f, argnums=argnums))
 
   # the kernels' gradient, the reference's, and the kernels' with the candidate switches on
+  from kda.stages.bwd_recompute import mosaic_gpu as recompute
   from kda.stages.bwd_wy import mosaic_gpu as wy
   candidates = {"defer_qg": {"pipeline": planning.PipelineConfig(defer_qg=True)},
-                "terms": {"bwd_wy": wy.Config(terms=True)}}
+                "terms": {"bwd_wy": wy.Config(terms=True)},
+                "per_slab": {"bwd_recompute": recompute.Config(per_slab=True)}}
   grads = {"mosaic_gpu": loss("mosaic_gpu"), "reference": loss("reference"),
            **{f"mosaic_gpu [{c}]": loss("mosaic_gpu", cfg) for c, cfg in candidates.items()}}
   want = grads["reference"](*x)
@@ -140,7 +143,10 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
   out["grad_bits_differ"] = bit_differences(got, [grads["mosaic_gpu"](*x) for _ in range(repeat)])
   first = grads["mosaic_gpu [terms]"](*x)
   out["grad_bits_differ [terms]"] = bit_differences(first, [grads["mosaic_gpu [terms]"](*x) for _ in range(repeat)])
-  return out, ok and out["grad_finite"] and not any(out["grad_bits_differ"].values())
+  # per_slab schedules the same arithmetic: the default's gradients, bit for bit
+  out["grad_bits_differ [per_slab]"] = bit_differences(got, [grads["mosaic_gpu [per_slab]"](*x)])
+  same = not any(out["grad_bits_differ"].values()) and not any(out["grad_bits_differ [per_slab]"].values())
+  return out, ok and out["grad_finite"] and same
 
 
 def main(argv=None):

@@ -173,7 +173,7 @@ def test_wy_from_saved_lowers_for_cuda():
     assert smem == want == mgr.smem_bytes(K, V), (K, V, smem)
 
 
-FLIPPED = {"approx_math": False, "skip_tail": False}    # every Config field off its default
+FLIPPED = {"approx_math": False, "skip_tail": False, "per_slab": True}    # every Config field off its default
 
 
 @pytest.mark.parametrize("field", sorted(FLIPPED))
@@ -295,3 +295,37 @@ def test_wy_packed_qkv_equals_aligned(K, V):
   txt = jax.jit(f).trace(*spec).lower(lowering_platforms=("cuda",)).as_text()
   assert sum("stablehlo.custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
   assert lowered_smem_bytes(f, *spec) == mgr.smem_bytes(K, V, packed_qkv=True) == mgr.smem_bytes(K, V)
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128), pytest.param(128, 64, marks=pytest.mark.large)])
+def test_wy_per_slab_gives_the_same_bits(K, V):
+  """Config(per_slab=True), one program per 64-column slab, schedules the same arithmetic: w, u, qg,
+  kg and the probe bit for bit the default's, aligned (a NaN in v marks its chunk's rows) and with
+  packed q, k, v (tail unwritten); its SMEM as lowered is `smem_bytes(per_slab=True)`, 6 tiles."""
+  from tests.stages import bwd_setup
+  from tests.stages.test_gate_mosaic import packed_layout
+  layout, valid = packed_layout([30, 64, 0, 65, 1], [3, 70, 0, 0, 0], extra_T=5, tail_chunks=1)
+  Ta, HV = layout.Ta, 2
+  at_pad = lambda x: ~jnp.asarray(valid).reshape((1, Ta) + (1,) * (x.ndim - 2))
+  q, k, v, A, gi = bwd_setup.randn(11, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT),
+                                   (1, Ta, HV, K))
+  (b,) = bwd_setup.randn(12, (1, Ta, HV))
+  gc = jnp.cumsum((-jnp.abs(gi) * 0.05).reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
+  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False).astype(jnp.bfloat16)
+  beta = jnp.where(at_pad(b), 0.0, jax.nn.sigmoid(b)).astype(jnp.bfloat16)
+  packed, aligned = bwd_setup.packed_and_aligned(layout, [jnp.where(at_pad(x), 0.0, x) for x in (q, k, v)])
+  aligned[2] = aligned[2].at[0, int(layout.starts[3]) + 10, 1, 0].set(jnp.nan)
+  rest = (beta, gc, 0.01 * gi, A, layout.aligned_cu)
+  run = lambda qkv, per_slab, **kw: jax.block_until_ready(jax.jit(functools.partial(
+      mgr.wy_from_saved, interpret=True, probe=True, config=mgr.Config(per_slab=per_slab), **kw))(*qkv, *rest))
+  live = int(layout.aligned_cu[-1])
+  for qkv, kw in ((aligned, {}), (packed, dict(rows=padding.chunk_rows(layout), tail_zeros=False))):
+    want, got = run(qkv, False, **kw), run(qkv, True, **kw)
+    for name, x, y in zip(("w", "u", "qg", "kg", "probe"), got, want):
+      x, y = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (x, y))
+      np.testing.assert_array_equal(x[:, :live], y[:, :live], name)     # tokens before the tail
+    assert float(np.abs(np.asarray(want[0], np.float32)[:, :live]).max()) > 0
+  assert (~np.isfinite(np.asarray(run(aligned, True)[4]))).sum() == BT      # the NaN's chunk, head 1
+  spec = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*aligned, *rest)]
+  f = functools.partial(mgr.wy_from_saved, config=mgr.Config(per_slab=True))
+  assert lowered_smem_bytes(f, *spec) == mgr.smem_bytes(K, V, per_slab=True) == 6 * 8192 + 8

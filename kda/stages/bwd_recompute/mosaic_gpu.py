@@ -56,12 +56,21 @@ class Config:
   # with aligned_cu: the wy kernel stores zeros at the chunks at or past aligned_cu[-1], reading
   # nothing of them
   skip_tail: bool = True
+  # one program per (value head, chunk, 64-column slab) instead of per (value head, chunk): six
+  # SMEM tiles instead of thirteen and one slab's registers, so more programs share an SM to hide
+  # the loads' latency; Ainv is read once per slab. The same bits either way.
+  per_slab: bool = False
 
 
-def _wy_scratch(K, V, packed_qkv=False):
+def _wy_scratch(K, V, packed_qkv=False, per_slab=False):
   """The wy kernel's scratch types; packed_qkv: plain q, k, v tiles (TMA lands packed rows there;
-  they are only read into registers, and qg, kg leave from them by TMA)."""
+  they are only read into registers, and qg, kg leave from them by TMA). per_slab: one slab of q,
+  k, v, Ainv and the split operand; w and u leave from the split's hi tile and v's tile."""
   nk, nv = K // SLAB, V // SLAB
+  if per_slab:
+    tile = (lambda: plgpu.SMEM((BT, SLAB), BF16)) if packed_qkv else (lambda: _swz((BT, SLAB)))
+    return [tile(), tile(), tile(), _swz((BT, BT)), _swz((BT, SLAB)), _swz((BT, SLAB)),
+            plgpu.Barrier(num_arrivals=4)]
   tile = (lambda n: plgpu.SMEM((n, BT, SLAB), BF16)) if packed_qkv else (lambda n: _swz((n, BT, SLAB)))
   return [tile(nk), tile(nk), tile(nv),                                       # q, k, v
           _swz((BT, BT)),                                                     # Ainv
@@ -70,10 +79,10 @@ def _wy_scratch(K, V, packed_qkv=False):
           plgpu.Barrier(num_arrivals=2 * nk + nv + 1)]
 
 
-def smem_bytes(K, V, probe=False, packed_qkv=False):
+def smem_bytes(K, V, probe=False, packed_qkv=False, per_slab=False):
   """Shared memory per wy program (kda._mosaic_gpu.smem_bytes of the scratch the launcher allocates;
   the probe's row sums reserve the reduction scratch)."""
-  return _smem_bytes(_wy_scratch(K, V, packed_qkv), reduction=probe)
+  return _smem_bytes(_wy_scratch(K, V, packed_qkv, per_slab), reduction=probe)
 
 
 def _wy_reason(q, k, v, beta, Ainv, aligned_cu, packed_qkv=False) -> Optional[str]:
@@ -261,17 +270,113 @@ def _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows=None):
     p_g[h, rows] = jnp.sum(functools.reduce(jnp.add, seen), axis=1)
 
 
+def _wy_slab_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, packed_qkv=False):
+  """`_wy_body` for one 64-column slab j of chunk c (Config.per_slab; grid axis "i" = c * S + j with
+  S = max(nk, nv), the slabs of a chunk side by side): q, k, v's slab j (slab nk - 1 or nv - 1 where
+  j is past K's or V's slabs: the same values stored twice) and Ainv by TMA; u_j = Ainv @ (beta v_j)
+  then leaves from v's tile and w_j from the split's hi tile once their products have read them.
+  The probe output is [S, HV, Ta], each slab's row sums (`wy_from_saved` adds them)."""
+  qkv_rows = None
+  if packed_qkv:
+    qkv_rows, refs = refs[:2], refs[2:]
+  if skip_tail:
+    cu_g, refs = refs[0], refs[1:]
+  if not probe:
+    refs = refs[:11] + (None,) + refs[11:]
+  (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
+   q_s, k_s, v_s, a_s, t0, t1, bar) = refs
+  S = max(nk, nv)
+  h, i = lax.axis_index("h"), lax.axis_index("i")
+  c, j = i // S, i % S
+  jk, jv = jnp.minimum(j, nk - 1), jnp.minimum(j, nv - 1)
+  rows = pl.ds(pl.multiple_of(c * BT, BT), BT)
+  ck, cv = pl.ds(pl.multiple_of(jk * SLAB, SLAB), SLAB), pl.ds(pl.multiple_of(jv * SLAB, SLAB), SLAB)
+  w_s = t0
+
+  def store():
+    plgpu.commit_smem()
+    for src, dst in ((w_s, w_g), (q_s, qg_g), (k_s, kg_g)):
+      plgpu.copy_smem_to_gmem(src, dst.at[rows, h, ck])
+    plgpu.copy_smem_to_gmem(v_s, u_g.at[rows, h, cv])
+    plgpu.wait_smem_to_gmem(0)
+
+  def compute():
+    src = rows if qkv_rows is None else pl.ds(qkv_rows[0][c], BT)
+    for g, x_s, cols in ((q_g, q_s, ck), (k_g, k_s, ck), (v_g, v_s, cv)):
+      plgpu.copy_gmem_to_smem(g.at[src, h, cols], x_s, bar)
+    plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
+    shape = (BT, SLAB)
+    row = _iota(0, shape)
+    cnt = None if qkv_rows is None else (qkv_rows[0][c], qkv_rows[1][c])
+    tile = lambda x_s: packed_tile(x_s, row, cnt)
+    beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
+    seen = []                # 0 * x summed over the outputs (probe): NaN exactly where one is not finite
+
+    def kept(x):
+      if p_g is not None:
+        seen[:] = [x * 0.0 + seen[0]] if seen else [x * 0.0]
+      return x
+
+    def times_a(x, during=None):
+      t0[...], t1[...] = _split(x)
+      plgpu.commit_smem()
+      return _acc([(a_s, t0), (a_s, t1)], shape, during)
+
+    plgpu.barrier_wait(bar)
+    # slab jk's gc, read while u's product runs
+    u, (gi, gf) = times_a(beta * tile(v_s), lambda: (_load(gi_g.at[rows, h, ck]), _load(gf_g.at[rows, h, ck])))
+    v_s[...] = kept(u).astype(BF16)       # v is in registers no more: its tile takes u
+    last = lambda ref: last_row(ref, c, h, ck, shape)
+    eg, el = jnp.exp(exponent(gi, gf)), jnp.exp(exponent(last(gi_g), last(gf_g), gi, gf))
+    q_s[...] = kept(tile(q_s) * eg).astype(BF16)
+    kx = tile(k_s)
+    k_s[...] = kept(kx * el).astype(BF16)
+    w = times_a(beta * kx * eg)
+    w_s[...] = kept(w).astype(BF16)             # the product has read the split: its hi tile takes w
+    if p_g is not None:
+      p_g[j, h, rows] = jnp.sum(seen[0], axis=1)
+
+  live = live_chunk(cu_g, c, BT) if skip_tail else None
+  if skip_tail and probe:
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+      p_g[j, h, rows] = zeros((BT,), ROW)
+  if skip_tail and not tail_zeros:
+
+    @pl.when(live)
+    def _():
+      compute()
+      store()
+    return
+  if skip_tail:
+    pl.when(live)(compute)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+      z = zeros((BT, SLAB), dtype=BF16)
+      for x_s in (w_s, q_s, k_s, v_s):
+        x_s[...] = z
+  else:
+    compute()
+  store()
+
+
 @functools.lru_cache(maxsize=None)
 def _wy_kernel(Ta, HV, K, V, *, interpret, approx_math, skip_tail=False, tail_zeros=True, probe=False,
-               packed_qkv=False):
+               packed_qkv=False, per_slab=False):
   out = lambda D: jax.ShapeDtypeStruct((Ta, HV, D), BF16)
+  nk, nv = K // SLAB, V // SLAB
+  S = max(nk, nv)
+  body, grid, names, probe_shape = ((_wy_slab_body, (HV, S * (Ta // BT)), ("h", "i"), (S, HV, Ta)) if per_slab
+                                    else (_wy_body, (HV, Ta // BT), ("h", "c"), (HV, Ta)))
   return plgpu.kernel(
-      functools.partial(_wy_body, nk=K // SLAB, nv=V // SLAB, skip_tail=skip_tail, tail_zeros=tail_zeros,
+      functools.partial(body, nk=nk, nv=nv, skip_tail=skip_tail, tail_zeros=tail_zeros,
                         probe=probe, packed_qkv=packed_qkv),
       out_type=(out(K), out(V), out(K), out(K))                   # w, u, qg, kg
-      + ((jax.ShapeDtypeStruct((HV, Ta), F32),) if probe else ()),   # the finiteness probe
-      grid=(HV, Ta // BT), grid_names=("h", "c"),
-      scratch_types=_wy_scratch(K, V, packed_qkv),
+      + ((jax.ShapeDtypeStruct(probe_shape, F32),) if probe else ()),   # the finiteness probe
+      grid=grid, grid_names=names,
+      scratch_types=_wy_scratch(K, V, packed_qkv, per_slab),
       compiler_params=_params(lane=True, approx_math=approx_math),
       kernel_name="kda_bwd_recompute_wy", interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
@@ -292,11 +397,14 @@ def wy_from_saved(q, k, v, beta, gc_int, gc_frac, Ainv, aligned_cu=None, *, inte
   bf = lambda x: x[0].astype(BF16)
   skip = config.skip_tail and aligned_cu is not None
   f = _wy_kernel(Ta, HV, K, V, interpret=interpret, approx_math=config.approx_math, skip_tail=skip,
-                 tail_zeros=bool(tail_zeros) or not skip, probe=bool(probe), packed_qkv=rows is not None)
+                 tail_zeros=bool(tail_zeros) or not skip, probe=bool(probe), packed_qkv=rows is not None,
+                 per_slab=config.per_slab)
   cu = (aligned_cu.astype(jnp.int32),) if skip else ()
   if rows is not None:
     cu = (rows.src.astype(jnp.int32), rows.count.astype(jnp.int32)) + cu
   outs = f(*cu, bf(q), bf(k), bf(v), bf(Ainv), beta[0].astype(F32).T, gc_int[0].astype(F32), gc_frac[0].astype(F32))
+  if probe and config.per_slab:
+    outs = outs[:4] + (jnp.sum(outs[4], axis=0),)
   return tuple(x[None] for x in outs[:4]) + tuple(outs[4:])
 
 
