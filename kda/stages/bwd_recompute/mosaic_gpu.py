@@ -23,6 +23,13 @@ tokens, maybe NaN), as align leaves them: the same bits as on the aligned copies
 semantics: the same code as Warpgroup here, lowered without layout inference. Against the forward's
 w, u (formed from its float32 in-kernel inverse) the difference is the bf16 rounding of Ainv, ~2^-9
 relative, the same the reference S0 sees.
+
+Config.per_slab: one program per (value head, chunk, 64-column slab j), grid (HV, NTa * S) with S =
+max(K, V) / 64 and a chunk's slabs side by side on grid x (their Ainv reads meet in L2): q, k, v's
+slab j and Ainv by TMA, u_j then w_j, qg_j, kg_j, each stored from a tile its inputs have left (u over
+v's, w over the split's hi tile). Six tiles, 49160 bytes of SMEM, and 166 registers (205 for the
+default, compiled for an H200 in the packed backward): three programs per SM instead of two to hide
+the loads' latency. The same arithmetic in the same order: the same bits.
 """
 from __future__ import annotations
 
