@@ -251,27 +251,33 @@ def test_wy_probe_marks_every_non_finite_input():
     assert not np.asarray(run(*nan_tail, acu, tail_zeros=tz)[4]).any(), tz
 
 
+def _packed_wy_inputs(seed, K, V, gf_scale=0.0):
+  """A packed layout (lengths 30, 64, 0, 65, 1; a 3- and a 70-token gap, 5 tokens after the last, a
+  tail chunk), HV = 2, and wy_from_saved's inputs on it: (layout, packed q, k, v with NaN at tokens
+  of no sequence, their aligned copies, the other arguments with gc_frac = gf_scale * noise)."""
+  from tests.stages import bwd_setup
+  from tests.stages.test_gate_mosaic import packed_layout
+  layout, valid = packed_layout([30, 64, 0, 65, 1], [3, 70, 0, 0, 0], extra_T=5, tail_chunks=1)
+  Ta, HV = layout.Ta, 2
+  at_pad = lambda x: ~jnp.asarray(valid).reshape((1, Ta) + (1,) * (x.ndim - 2))
+  q, k, v, A, gi = bwd_setup.randn(seed, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT),
+                                   (1, Ta, HV, K))
+  (b,) = bwd_setup.randn(seed + 1, (1, Ta, HV))
+  gc = jnp.cumsum((-jnp.abs(gi) * 0.05).reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
+  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False).astype(jnp.bfloat16)
+  beta = jnp.where(at_pad(b), 0.0, jax.nn.sigmoid(b)).astype(jnp.bfloat16)
+  packed, aligned = bwd_setup.packed_and_aligned(layout, [jnp.where(at_pad(x), 0.0, x) for x in (q, k, v)])
+  return layout, packed, aligned, (beta, gc, gf_scale * gi, A, layout.aligned_cu)
+
+
 @pytest.mark.parametrize("K,V", [(64, 128), pytest.param(128, 64, marks=pytest.mark.large)])
 def test_wy_packed_qkv_equals_aligned(K, V):
   """rows given: q, k, v read from the packed arrays (NaN at tokens of no sequence: a 3- and a
   70-token gap, 5 tokens after the last) give w, u, qg, kg and the probe bit for bit the call on
   their aligned copies, the tail unwritten or not; a NaN in one sequence's v marks the probe in its
   chunks only, as on the aligned copy. Lowered for CUDA: one kernel, the aligned call's SMEM."""
-  from tests.stages import bwd_setup
-  from tests.stages.test_gate_mosaic import packed_layout
-  lens, HV = [30, 64, 0, 65, 1], 2
-  layout, valid = packed_layout(lens, [3, 70, 0, 0, 0], extra_T=5, tail_chunks=1)
-  Ta = layout.Ta
-  at_pad = lambda x: ~jnp.asarray(valid).reshape((1, Ta) + (1,) * (x.ndim - 2))
-  q, k, v, A, gi = bwd_setup.randn(7, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT),
-                                   (1, Ta, HV, K))
-  (b,) = bwd_setup.randn(8, (1, Ta, HV))
-  gc = jnp.cumsum((-jnp.abs(gi) * 0.05).reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
-  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False).astype(jnp.bfloat16)
-  beta = jnp.where(at_pad(b), 0.0, jax.nn.sigmoid(b)).astype(jnp.bfloat16)
-  packed, aligned = bwd_setup.packed_and_aligned(layout, [jnp.where(at_pad(x), 0.0, x) for x in (q, k, v)])
+  layout, packed, aligned, rest = _packed_wy_inputs(7, K, V)
   rows = padding.chunk_rows(layout)
-  rest = (beta, gc, jnp.zeros_like(gc), A, layout.aligned_cu)
   run = lambda qkv, **kw: jax.block_until_ready(jax.jit(functools.partial(
       mgr.wy_from_saved, interpret=True, probe=True, **kw))(*qkv, *rest))
   for tz in (True, False):
@@ -302,20 +308,8 @@ def test_wy_per_slab_gives_the_same_bits(K, V):
   """Config(per_slab=True), one program per 64-column slab, schedules the same arithmetic: w, u, qg,
   kg and the probe bit for bit the default's, aligned (a NaN in v marks its chunk's rows) and with
   packed q, k, v (tail unwritten); its SMEM as lowered is `smem_bytes(per_slab=True)`, 6 tiles."""
-  from tests.stages import bwd_setup
-  from tests.stages.test_gate_mosaic import packed_layout
-  layout, valid = packed_layout([30, 64, 0, 65, 1], [3, 70, 0, 0, 0], extra_T=5, tail_chunks=1)
-  Ta, HV = layout.Ta, 2
-  at_pad = lambda x: ~jnp.asarray(valid).reshape((1, Ta) + (1,) * (x.ndim - 2))
-  q, k, v, A, gi = bwd_setup.randn(11, (1, Ta, HV, K), (1, Ta, HV, K), (1, Ta, HV, V), (1, Ta, HV, BT),
-                                   (1, Ta, HV, K))
-  (b,) = bwd_setup.randn(12, (1, Ta, HV))
-  gc = jnp.cumsum((-jnp.abs(gi) * 0.05).reshape(1, Ta // BT, BT, HV, K), axis=2).reshape(gi.shape)
-  A = bwd_setup.mask_rows(A * 0.2, BT, strict=False).astype(jnp.bfloat16)
-  beta = jnp.where(at_pad(b), 0.0, jax.nn.sigmoid(b)).astype(jnp.bfloat16)
-  packed, aligned = bwd_setup.packed_and_aligned(layout, [jnp.where(at_pad(x), 0.0, x) for x in (q, k, v)])
+  layout, packed, aligned, rest = _packed_wy_inputs(11, K, V, gf_scale=0.01)
   aligned[2] = aligned[2].at[0, int(layout.starts[3]) + 10, 1, 0].set(jnp.nan)
-  rest = (beta, gc, 0.01 * gi, A, layout.aligned_cu)
   run = lambda qkv, per_slab, **kw: jax.block_until_ready(jax.jit(functools.partial(
       mgr.wy_from_saved, interpret=True, probe=True, config=mgr.Config(per_slab=per_slab), **kw))(*qkv, *rest))
   live = int(layout.aligned_cu[-1])

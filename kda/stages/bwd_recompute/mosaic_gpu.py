@@ -171,14 +171,49 @@ def stores(q, k, v, *_, chunk_size, config=None, **__) -> dict:
   return dict.fromkeys(_BF16_FIELDS, BF16)
 
 
-def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, packed_qkv=False):
-  qkv_rows = None
+def _leading_refs(refs, skip_tail, probe, packed_qkv):
+  """(ChunkRows' src and count refs or None, aligned_cu's ref or None, the other refs with None for
+  an absent probe output) of a wy body's refs."""
+  qkv_rows = cu_g = None
   if packed_qkv:               # ChunkRows' src and count refs first: q, k, v are packed
     qkv_rows, refs = refs[:2], refs[2:]
   if skip_tail:                # aligned_cu's ref next: the chunks at or past aligned_cu[-1] store zeros
     cu_g, refs = refs[0], refs[1:]
   if not probe:                # no probe output: a stand-in nothing writes
     refs = refs[:11] + (None,) + refs[11:]
+  return qkv_rows, cu_g, refs
+
+
+def _schedule(compute, store, tiles, probe_zeros, live, tail_zeros):
+  """A wy program's control flow: compute, then store the outputs from their SMEM `tiles`; with
+  `live` (aligned_cu given), a chunk at or past aligned_cu[-1] reads nothing and stores zeros from
+  the tiles (nothing at all if not tail_zeros: callers that never read the tail), and
+  `probe_zeros` (None without a probe) writes the probe's zeros there whatever the other outputs'."""
+  if live is None:
+    compute()
+    store()
+    return
+  if probe_zeros is not None:
+    pl.when(jnp.logical_not(live))(probe_zeros)
+  if not tail_zeros:
+
+    @pl.when(live)
+    def _():
+      compute()
+      store()
+    return
+  pl.when(live)(compute)
+
+  @pl.when(jnp.logical_not(live))
+  def _():
+    z = zeros((BT, SLAB), dtype=BF16)
+    for t in tiles:
+      t[...] = z
+  store()
+
+
+def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, packed_qkv=False):
+  qkv_rows, cu_g, refs = _leading_refs(refs, skip_tail, probe, packed_qkv)
   (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
    q_s, k_s, v_s, a_s, w_s, u_s, t0, t1, bar) = refs
   h, c = lax.axis_index("h"), lax.axis_index("c")
@@ -197,34 +232,12 @@ def _wy_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, packe
   def compute():
     _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows)
 
-  live = live_chunk(cu_g, c, BT) if skip_tail else None
-  if skip_tail and probe:      # the probe's tail is read, whatever the other outputs': zeros there
+  def probe_zeros():
+    p_g[h, rows] = zeros((BT,), ROW)
 
-    @pl.when(jnp.logical_not(live))
-    def _():
-      p_g[h, rows] = zeros((BT,), ROW)
-  if skip_tail and not tail_zeros:   # the tail left unwritten (callers that never read it)
-
-    @pl.when(live)
-    def _():
-      compute()
-      store()
-    return
-  if skip_tail:
-    pl.when(live)(compute)
-
-    @pl.when(jnp.logical_not(live))
-    def _():
-      z = zeros((BT, SLAB), dtype=BF16)
-      for j in range(nk):
-        w_s.at[j][...] = z
-        q_s.at[j][...] = z
-        k_s.at[j][...] = z
-      for j in range(nv):
-        u_s.at[j][...] = z
-  else:
-    compute()
-  store()
+  tiles = [x.at[j] for j in range(nk) for x in (w_s, q_s, k_s)] + [u_s.at[j] for j in range(nv)]
+  _schedule(compute, store, tiles, probe_zeros if probe else None,
+            live_chunk(cu_g, c, BT) if skip_tail else None, tail_zeros)
 
 
 def _wy_compute(h, c, rows, slab, refs, nk, nv, qkv_rows=None):
@@ -283,13 +296,7 @@ def _wy_slab_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, 
   j is past K's or V's slabs: the same values stored twice) and Ainv by TMA; u_j = Ainv @ (beta v_j)
   then leaves from v's tile and w_j from the split's hi tile once their products have read them.
   The probe output is [S, HV, Ta], each slab's row sums (`wy_from_saved` adds them)."""
-  qkv_rows = None
-  if packed_qkv:
-    qkv_rows, refs = refs[:2], refs[2:]
-  if skip_tail:
-    cu_g, refs = refs[0], refs[1:]
-  if not probe:
-    refs = refs[:11] + (None,) + refs[11:]
+  qkv_rows, cu_g, refs = _leading_refs(refs, skip_tail, probe, packed_qkv)
   (q_g, k_g, v_g, a_g, b_g, gi_g, gf_g, w_g, u_g, qg_g, kg_g, p_g,
    q_s, k_s, v_s, a_s, t0, t1, bar) = refs
   S = max(nk, nv)
@@ -343,30 +350,11 @@ def _wy_slab_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, 
     if p_g is not None:
       p_g[j, h, rows] = jnp.sum(seen[0], axis=1)
 
-  live = live_chunk(cu_g, c, BT) if skip_tail else None
-  if skip_tail and probe:
+  def probe_zeros():
+    p_g[j, h, rows] = zeros((BT,), ROW)
 
-    @pl.when(jnp.logical_not(live))
-    def _():
-      p_g[j, h, rows] = zeros((BT,), ROW)
-  if skip_tail and not tail_zeros:
-
-    @pl.when(live)
-    def _():
-      compute()
-      store()
-    return
-  if skip_tail:
-    pl.when(live)(compute)
-
-    @pl.when(jnp.logical_not(live))
-    def _():
-      z = zeros((BT, SLAB), dtype=BF16)
-      for x_s in (w_s, q_s, k_s, v_s):
-        x_s[...] = z
-  else:
-    compute()
-  store()
+  _schedule(compute, store, (w_s, q_s, k_s, v_s), probe_zeros if probe else None,
+            live_chunk(cu_g, c, BT) if skip_tail else None, tail_zeros)
 
 
 @functools.lru_cache(maxsize=None)
