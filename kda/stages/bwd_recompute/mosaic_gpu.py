@@ -26,10 +26,11 @@ relative, the same the reference S0 sees.
 
 Config.per_slab: one program per (value head, chunk, 64-column slab j), grid (HV, NTa * S) with S =
 max(K, V) / 64 and a chunk's slabs side by side on grid x (their Ainv reads meet in L2): q, k, v's
-slab j and Ainv by TMA, u_j then w_j, qg_j, kg_j, each stored from a tile its inputs have left (u over
-v's, w over the split's hi tile). Six tiles, 49160 bytes of SMEM, and 166 registers (205 for the
-default, compiled for an H200 in the packed backward): three programs per SM instead of two to hide
-the loads' latency. The same arithmetic in the same order: the same bits.
+slab j and Ainv by TMA, gc's slab j read into registers (and its decays formed) while those loads
+fly, then u_j, then w_j, qg_j, kg_j, each stored from a tile its inputs have left (u over v's, w
+over the split's hi tile). Six tiles, 49160 bytes of SMEM, and 148 registers (205 for the default,
+compiled for an H200 in the packed backward): three programs per SM instead of two to hide the
+loads' latency. The same arithmetic in the same order: the same bits.
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ class Config:
   # nothing of them
   skip_tail: bool = True
   # one program per (value head, chunk, 64-column slab) instead of per (value head, chunk): six
-  # SMEM tiles instead of thirteen and one slab's registers, so more programs share an SM to hide
-  # the loads' latency; Ainv is read once per slab. The same bits either way.
+  # SMEM tiles instead of thirteen and one slab's registers, so three programs share an SM instead
+  # of two to hide the loads' latency; Ainv is read once per slab. The same bits either way.
   per_slab: bool = False
 
 
@@ -331,17 +332,18 @@ def _wy_slab_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, 
         seen[:] = [x * 0.0 + seen[0]] if seen else [x * 0.0]
       return x
 
-    def times_a(x, during=None):
+    def times_a(x):
       t0[...], t1[...] = _split(x)
       plgpu.commit_smem()
-      return _acc([(a_s, t0), (a_s, t1)], shape, during)
+      return _acc([(a_s, t0), (a_s, t1)], shape)
 
-    plgpu.barrier_wait(bar)
-    # slab jk's gc, read while u's product runs
-    u, (gi, gf) = times_a(beta * tile(v_s), lambda: (_load(gi_g.at[rows, h, ck]), _load(gf_g.at[rows, h, ck])))
-    v_s[...] = kept(u).astype(BF16)       # v is in registers no more: its tile takes u
+    # slab jk's gc and its decays while the TMA loads fly (its loads wait on no product)
+    gi, gf = _load(gi_g.at[rows, h, ck]), _load(gf_g.at[rows, h, ck])
     last = lambda ref: last_row(ref, c, h, ck, shape)
     eg, el = jnp.exp(exponent(gi, gf)), jnp.exp(exponent(last(gi_g), last(gf_g), gi, gf))
+    plgpu.barrier_wait(bar)
+    u = times_a(beta * tile(v_s))
+    v_s[...] = kept(u).astype(BF16)       # v is in registers no more: its tile takes u
     q_s[...] = kept(tile(q_s) * eg).astype(BF16)
     kx = tile(k_s)
     k_s[...] = kept(kx * el).astype(BF16)
