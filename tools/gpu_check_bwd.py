@@ -44,7 +44,8 @@ def _variants():
   from kda.stages.bwd_intra import mosaic_gpu as intra
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
   from kda.stages.bwd_wy import mosaic_gpu as wy
-  return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False), "per_slab": recompute.Config(per_slab=True)},
+  return {"bwd_recompute": {"no_skip_tail": recompute.Config(skip_tail=False),
+                            "per_slab": recompute.Config(per_slab=True)},
           "bwd_dav": {"no_skip_tail": dav.Config(skip_tail=False)},
           "bwd_dh": {"input_order": dh.Config(longest_first=False)},
           "bwd_wy": {"no_skip_tail": wy.Config(skip_tail=False), "overlap_loads": wy.Config(overlap_loads=True),
