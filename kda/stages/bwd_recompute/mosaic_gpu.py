@@ -28,7 +28,7 @@ Config.per_slab: one program per (value head, chunk, 64-column slab j), grid (HV
 max(K, V) / 64 and a chunk's slabs side by side on grid x (their Ainv reads meet in L2): q, k, v's
 slab j and Ainv by TMA, gc's slab j read into registers (and its decays formed) while those loads
 fly, then u_j, then w_j, qg_j, kg_j, each stored from a tile its inputs have left (u over v's, w
-over the split's hi tile). Six tiles, 49160 bytes of SMEM, and 148 registers (205 for the default,
+over the split's hi tile). Six tiles, 49160 bytes of SMEM, and 146 registers (205 for the default,
 compiled for an H200 in the packed backward): three programs per SM instead of two to hide the
 loads' latency. The same arithmetic in the same order: the same bits.
 """
@@ -316,20 +316,21 @@ def _wy_slab_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, 
     plgpu.wait_smem_to_gmem(0)
 
   def compute():
-    src = rows if qkv_rows is None else pl.ds(qkv_rows[0][c], BT)
+    cnt = None if qkv_rows is None else (qkv_rows[0][c], qkv_rows[1][c])     # first packed row, count
+    src = rows if cnt is None else pl.ds(cnt[0], BT)
     for g, x_s, cols in ((q_g, q_s, ck), (k_g, k_s, ck), (v_g, v_s, cv)):
       plgpu.copy_gmem_to_smem(g.at[src, h, cols], x_s, bar)
     plgpu.copy_gmem_to_smem(a_g.at[rows, h, :], a_s, bar)
     shape = (BT, SLAB)
     row = _iota(0, shape)
-    cnt = None if qkv_rows is None else (qkv_rows[0][c], qkv_rows[1][c])
     tile = lambda x_s: packed_tile(x_s, row, cnt)
     beta = lax.broadcast_in_dim(_load(b_g.at[h, rows], ROW), shape, [0])
-    seen = []                # 0 * x summed over the outputs (probe): NaN exactly where one is not finite
+    seen = None              # 0 * x summed over the outputs (probe): NaN exactly where one is not finite
 
     def kept(x):
+      nonlocal seen
       if p_g is not None:
-        seen[:] = [x * 0.0 + seen[0]] if seen else [x * 0.0]
+        seen = x * 0.0 if seen is None else x * 0.0 + seen
       return x
 
     def times_a(x):
@@ -350,7 +351,7 @@ def _wy_slab_body(*refs, nk, nv, skip_tail=False, tail_zeros=True, probe=False, 
     w = times_a(beta * kx * eg)
     w_s[...] = kept(w).astype(BF16)             # the product has read the split: its hi tile takes w
     if p_g is not None:
-      p_g[j, h, rows] = jnp.sum(seen[0], axis=1)
+      p_g[j, h, rows] = jnp.sum(seen, axis=1)
 
   def probe_zeros():
     p_g[j, h, rows] = zeros((BT,), ROW)
