@@ -15,12 +15,15 @@
 #   peers (so both configs stand beside them in one call), then, if time is left, the per-stage
 #   profile of A with CONFIG (which kernel of a combined CONFIG moved) and the K = V = 256 cases with
 #   CONFIG.
+# Phase 6 CONFIG... (which candidate to make the default): the per-stage profile of A, B, C
+#   (forward + backward) with the default, then with each CONFIG, then the backward's gradient checks
+#   (the candidates' gradients and times beside the default's) if time is left.
 # Phase 5 (the stage short's kernels): tools.gpu_check_edges' states part (a call with states over
 #   many short sequences against the recurrence, NaN confinement), tools.bench_states traced (with
 #   its profile) and concrete, then the K = V = 256 cases if time is left.
 # Everything lands in $OUT: the JSON, and every step's output in one round.log (a device call
 # brings back at most 8 files). Device call: carry [".peer", ".whl"], command
-#   bash scripts/h200_round.sh SECONDS [2|3|4 CONFIG|5]    (SECONDS: what the call may take in all)
+#   bash scripts/h200_round.sh SECONDS [2|3|4 CONFIG|5|6 CONFIG...]    (SECONDS: what the call may take in all)
 # .dev/extra.sh OUT, where present (an ignored path: carry it), runs in phase 3 before the states.
 set -u
 O=${OUT:-/tmp/out}; mkdir -p $O
@@ -59,6 +62,22 @@ fi
 if [ $(lim 999) -gt 60 ]; then
 t "dims $cfg"
 run $(lim 130) 3 python3 -m tools.gpu_check_edges --parts dims --dtypes bfloat16 --config $cfg --out $O/dims.json
+fi
+t done; exit 0
+fi
+if [ "${2:-1}" = 6 ]; then
+shift 2
+t "profile default"
+run $(lim 150) 3 python3 -m tools.profile --variants A:plain,B:plain,C:plain --no-fwd --reps 3 --out $O/kda_profile.json
+i=0
+for cfg in "$@"; do
+i=$((i + 1))
+t "profile $cfg"
+run $(lim 150) 3 python3 -m tools.profile --variants A:plain,B:plain,C:plain --no-fwd --reps 3 --config $cfg --out $O/kda_profile_$i.json
+done
+if [ $(lim 999) -gt 100 ]; then
+t check_bwd
+run $(lim 120) 4 python3 -m tools.gpu_check_bwd --cases short --gates plain --total 8192 --reps 3 --repeat 2 --out $O/check_bwd.json
 fi
 t done; exit 0
 fi
