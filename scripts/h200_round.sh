@@ -15,12 +15,12 @@
 #   peers (so both configs stand beside them in one call), then, if time is left, the per-stage
 #   profile of A with CONFIG (which kernel of a combined CONFIG moved) and the K = V = 256 cases with
 #   CONFIG.
-# Phase 6 CONFIG... (which candidate to make the default): the per-stage profile of A, B, C
-#   (forward + backward) with the default, then with each CONFIG, then the backward's gradient checks
-#   (the candidates' gradients and times beside the default's) if time is left.
 # Phase 5 (the stage short's kernels): tools.gpu_check_edges' states part (a call with states over
 #   many short sequences against the recurrence, NaN confinement), tools.bench_states traced (with
 #   its profile) and concrete, then the K = V = 256 cases if time is left.
+# Phase 6 CONFIG... (which candidate to make the default): the per-stage profile of A, B, C
+#   (forward + backward) with the default, then with each CONFIG, then the backward's gradient checks
+#   (the candidates' gradients and times beside the default's) if time is left.
 # Everything lands in $OUT: the JSON, and every step's output in one round.log (a device call
 # brings back at most 8 files). Device call: carry [".peer", ".whl"], command
 #   bash scripts/h200_round.sh SECONDS [2|3|4 CONFIG|5|6 CONFIG...]    (SECONDS: what the call may take in all)
@@ -67,13 +67,11 @@ t done; exit 0
 fi
 if [ "${2:-1}" = 6 ]; then
 shift 2
-t "profile default"
-run $(lim 150) 3 python3 -m tools.profile --variants A:plain,B:plain,C:plain --no-fwd --reps 3 --out $O/kda_profile.json
 i=0
-for cfg in "$@"; do
+for cfg in "" "$@"; do     # "": the default, kda_profile_0.json
+t "profile ${cfg:-default}"
+run $(lim 150) 3 python3 -m tools.profile --variants A:plain,B:plain,C:plain --no-fwd --reps 3 ${cfg:+--config $cfg} --out $O/kda_profile_$i.json
 i=$((i + 1))
-t "profile $cfg"
-run $(lim 150) 3 python3 -m tools.profile --variants A:plain,B:plain,C:plain --no-fwd --reps 3 --config $cfg --out $O/kda_profile_$i.json
 done
 if [ $(lim 999) -gt 100 ]; then
 t check_bwd
