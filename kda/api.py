@@ -347,10 +347,11 @@ def _staged_fwd(plan, static, clean, ints, *args):
 def _forward(plan, static, clean, ints, args, *, keep):
   """pipeline.forward -> (o, final_state, Saved or None). Never differentiated (custom_vjp: it is the
   primal or the fwd rule), so it may run unchecked where its kernels need it. The residuals hold
-  the inputs as given (clean: the backward cleans them again where it reads them)."""
+  the inputs as given (clean: the backward cleans them again where it reads them) and, with
+  PipelineConfig.keep_forward, what the forward formed of S0's outputs."""
   def run(ints, args):
     o, final_state, records = pipeline.forward(plan, _layout_of(ints, static), *args, resets=_resets(ints),
-                                               clean=clean)
+                                               clean=clean, keep=keep and plan.config("pipeline").keep_forward)
     return o, final_state, pipeline.saved(records) if keep else None
   if planning.unchecked_kernels(plan, planning.FORWARD):
     return unchecked(run, ints, args)

@@ -21,19 +21,19 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from kda import fused, padding
+from kda import fused, padding, steps
 from kda.padding import Layout
 from kda.padding.pieces import reset_gates
 from kda.plan import FORWARD, BACKWARD, Plan, group_backend, run  # noqa: F401  (re-exported names)
-from kda.steps import Grads, Saved, defer_qg_kw, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
-from kda.steps import cleaned, zero_bad
+from kda.steps import Grads, Kept, Saved, defer_qg_kw, keep_pairs, o_dtype, pairs_kw, prepare, s2_du_kw, scope  # noqa: F401  (the records)
+from kda.steps import cleaned, from_kept, zero_bad
 
 
 def saved(records) -> Saved:
-  """The residuals of a forward() call (its records, with or without record=True)."""
-  return Saved(records["intra"].Aqk, records["intra"].Ainv)
+  """The residuals of a forward() call (its records, with or without record=True; with keep=True
+  they hold "kept" where the forward formed S0's outputs)."""
+  return Saved(records["intra"].Aqk, records["intra"].Ainv, records.get("kept"))
 
 
 def _group(plan, name, *args, **kwargs):
@@ -46,7 +46,7 @@ def _group(plan, name, *args, **kwargs):
 
 
 def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, dt_bias, *,
-            record: bool = False, resets=None, clean: bool = False):
+            record: bool = False, resets=None, clean: bool = False, keep: bool = False):
   """Packed inputs [1, T, ...] -> (o [1, T, HV, V] in v's dtype, final_state [N, HV, K, V] f32, records).
 
   records holds "intra" (what saved() reads) and, with `record`, every stage's output record, "valid"
@@ -54,13 +54,15 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
   plan.stage_kwargs). packed_forward runs where it takes the call unless the plan's pipeline config
   says packed=False (tools.gpu_check compares the two). resets: a segmented layout's (kda.padding.pieces): the
   packed kernels take them as segment masks, the other paths as -inf gates. clean: the call on the
-  inputs with their non-finite values replaced by 0, -inf gates kept (kda.confine's rerun).
+  inputs with their non-finite values replaced by 0, -inf gates kept (kda.confine's rerun). keep
+  (the custom VJP's forward with PipelineConfig.keep_forward): records["kept"] holds gc, w, u, qg, kg
+  for the backward where the forward forms them (not where a fused kernel keeps gc or w, u inside).
   """
   if clean:
     q, k, v, g, beta = cleaned(q, k, v, g, beta)
   args = (q, k, v, g, beta, initial_state, A_log, dt_bias)
   if plan.config("pipeline").packed and not record:
-    out = _group(plan, "packed_forward", plan, layout, *args, resets)
+    out = _group(plan, "packed_forward", plan, layout, *args, resets, keep=keep)
     if out is not None:
       return out
   if resets is not None:
@@ -97,6 +99,8 @@ def forward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log, 
   with scope("unalign"):
     o = padding.unalign_with(layout, o).astype(v.dtype)
   records: dict[str, Any] = {"intra": it}
+  if keep and gi is None and it.w is not None:
+    records["kept"] = Kept(gt.gc_int, gt.gc_frac, it.w, it.u, it.qg, it.kg)
   if record:
     records = {"valid": valid, "gate": gt, "intra": it, "state": st, "output": ot, "inputs": inputs}
   return o, final_state, records
@@ -106,7 +110,8 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
              do, dht, *, record: bool = False, resets=None, probe: bool = False, clean: bool = False):
   """Cotangents of forward's (o [1, T, HV, V], final_state [N, HV, K, V]) -> (Grads, records).
 
-  Takes forward's inputs and `saved` (Aqk, Ainv); S0 recomputes the rest. Memory: the
+  Takes forward's inputs and `saved` (Aqk, Ainv, and where kept gc, w, u, qg, kg: then S0 runs only
+  the state stage); S0 recomputes the rest. Memory: the
   [NTa, HV, K, V] buffers of the backward are S0's h (the state entering each chunk) and, in S2's
   kernels, the state cotangent per chunk in bf16 (the reference S2 carries it in its scan instead).
   S2 hands S3 everything that needs h or that cotangent as O(T * K) terms (dqg, dkg, dw, du) and
@@ -139,14 +144,17 @@ def backward(plan: Plan, layout: Layout, q, k, v, g, beta, initial_state, A_log,
     with scope(name):
       return run(plan, name, *args, **plan.stage_kwargs(name), **extra)
 
-  rc = stage("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
-             layout.aligned_cu)
+  if saved.kept is not None:
+    rc = from_kept(plan, saved.kept, initial_state, layout.aligned_cu)
+  else:
+    rc = stage("bwd_recompute", qa, ka, va, ga, ba, valid, A_log, dt_bias, saved.Ainv, initial_state,
+               layout.aligned_cu)
   av = stage("bwd_dav", rc.v_new, saved.Aqk, do, layout.aligned_cu)
   gc = (rc.gc_int, rc.gc_frac)
   finite = None
   if probe:                    # padding and tail rows hold zeros: only the inputs can make them non-finite
     with scope("confine"):
-      finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in (rc.w, rc.u, rc.qg, rc.kg)]))
+      finite = steps.finite((rc.w, rc.u, rc.qg, rc.kg))
   # S3's dv and S4's dq, dk are the final gradients of the aligned inputs: stored in their dtypes
   # (prepare_vjp rounds them there anyway). Record mode keeps float32 stage outputs (what
   # tools.stages and the checks compare).

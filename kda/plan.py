@@ -46,12 +46,21 @@ class PipelineConfig:
     dqg q exp(gc) (kda.steps.defer_qg_kw): S3 reads neither q nor dqg and stores no dq (shape A:
     528 MiB fewer), S4 holds a few more values (ptxas: spill stores 784 -> 948 bytes per thread).
     Off until timed on an H200.
+  keep_forward: the custom VJP's forward keeps what it forms of S0's outputs (gc in two parts, w, u,
+    qg, kg: kda.steps.Kept), so that S0 runs only its state kernel; the packed forward then runs its
+    unfused gate and its w, u solve (kda.fused.packed_forward). The residuals grow by 16 bytes per
+    aligned token, head and column with bf16 inputs (K = V): at tools.bench's shapes A, B, C from
+    801 / 789 / 773 MiB to 1953 / 1845 / 1797 (jax-linear-attention keeps 1446); the compiled
+    forward + backward's temp bytes stay the same. The call without a gradient is unchanged. The
+    backward's finiteness probe (kda.confine) reads the kept w, u, qg, kg (one XLA reduction).
+    Off until timed on an H200.
   """
   packed: bool = True
   segment_pieces: int = 16
   segment_walks: int = 256
   short_len: int = 4
   defer_qg: bool = False
+  keep_forward: bool = False
 
   def __post_init__(self):
     for f in ("segment_pieces", "segment_walks", "short_len"):

@@ -74,10 +74,37 @@ def o_dtype(v):
   return jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
 
 
+class Kept(NamedTuple):
+  """What the forward formed of S0's outputs, kept for the backward (PipelineConfig.keep_forward):
+  S0 then runs only its state kernel. Aligned [1, Ta, HV, D], zeros at padding and tail tokens."""
+  gc_int: jax.Array   # float32 (gate.Out)
+  gc_frac: jax.Array  # float32
+  w: jax.Array        # K columns, intra's dtype (bf16 from kernels for bf16 inputs)
+  u: jax.Array        # V columns
+  qg: jax.Array       # K columns
+  kg: jax.Array       # K columns
+
+
 class Saved(NamedTuple):
-  """What the custom VJP keeps of the forward besides its inputs: O(T * BT) per head, no state."""
+  """What the custom VJP keeps of the forward besides its inputs: O(T * BT) per head, no state;
+  with `kept`, S0's O(T * K) inputs of the state kernel too."""
   Aqk: jax.Array   # [1, Ta, HV, BT] intra's dtype (bf16 from kernels for bf16 inputs)
   Ainv: jax.Array  # [1, Ta, HV, BT] (I + Akk)^-1, intra's dtype
+  kept: Kept | None = None
+
+
+def finite(xs) -> jax.Array:
+  """() bool: every element of xs is finite."""
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs]))
+
+
+def from_kept(plan, kept: Kept, initial_state, aligned_cu):
+  """S0's outputs (a bwd_recompute.Out) from the forward's: the plan's state stage forms h, v_new."""
+  from kda.stages import bwd_recompute
+  with scope("bwd_recompute"):
+    st = plan.run("state", kept.kg, kept.w, kept.u, kept.gc_int, kept.gc_frac, initial_state, aligned_cu,
+                  **plan.stage_kwargs("state"))
+  return bwd_recompute.Out(kept.gc_int, kept.gc_frac, kept.w, kept.u, kept.qg, kept.kg, st.h, st.v_new)
 
 
 class Grads(NamedTuple):

@@ -649,6 +649,33 @@ def test_defer_qg_where_both_kernels_run():
   assert defer_qg_kw(plan(), True, *it, pairs=True) == {}                  # off by default
 
 
+@pytest.mark.parametrize("packed", [True, pytest.param(False, marks=pytest.mark.large)], ids=["packed", "aligned"])
+def test_keep_forward_leaves_s0_only_the_state(monkeypatch, packed):
+  """PipelineConfig(keep_forward=True), impl="mosaic_gpu" (simulator), K = V = 64: the backward forms
+  h and v_new from the forward's gc, w, u, qg, kg (S0's gate and wy kernels are not called), its
+  gradients are 0 at tokens of no sequence and within bf16 rounding of the reference's."""
+  from kda.stages.bwd_recompute import mosaic_gpu as mgr
+  from kda.stages.state import mosaic_gpu as mgs
+  calls = []
+  for name, mod in (("s0", mgr), ("state", mgs)):
+    real = mod.apply
+    monkeypatch.setattr(mod, "apply", lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+  x, kw = _packed_case()
+  config = {"pipeline": planning.PipelineConfig(keep_forward=True, packed=packed)}
+
+  def loss(x, impl, config=None):
+    o, ht = kda.chunk_kda(*x, **kw, impl=impl, config=config)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht) / 8
+  got = jax.jit(jax.grad(lambda x: loss(x, "mosaic_gpu", config)))(x)
+  assert calls == ["state"], calls
+  ref = jax.jit(jax.grad(lambda x: loss(x, "reference")))(x)
+  end = int(kw["cu_seqlens"][-1])
+  for name, a, r in zip("q k v g beta".split(), got, ref):
+    a, r = (np.asarray(t.astype(jnp.float32)) for t in (a, r))
+    assert np.all(a[:, end:] == 0), name
+    assert np.abs(a[:, :end] - r[:, :end]).max() <= 2e-2 * np.abs(r[:, :end]).max(), name
+
+
 @pytest.mark.large
 def test_packed_backward_pairs_equal_the_aligned_ones(monkeypatch):
   """K = V = 128 (simulator): the aligned pipeline pairs S2-S4's terms too, and its gradients are

@@ -156,7 +156,18 @@ def test_a_non_finite_value_stays_in_its_sequence(where, seq, K, H, impl):
   and S4 read q, k, v cleaning, S5 the raw gates). Two value heads; one query head (GVA: q, k
   repeated, so S3 and S4 read cleaned copies) or two (S3 and S4 read the raw q, k). impl="xla": the
   unpacked stages, the resets as -inf gates."""
-  two = {"pipeline": planning.PipelineConfig(segment_pieces=2, segment_walks=4)}
+  _non_finite_case(where, seq, K, H, impl)
+
+
+@pytest.mark.parametrize("where", ["q", pytest.param("v", marks=pytest.mark.large)])
+def test_a_non_finite_value_stays_in_its_sequence_with_keep_forward(where):
+  """As above with PipelineConfig(keep_forward=True) (K = V = 64, the packed kernels): the backward's
+  probe is read from the forward's w, u, qg, kg."""
+  _non_finite_case(where, 3, 64, 2, "mosaic_gpu", keep_forward=True)
+
+
+def _non_finite_case(where, seq, K, H, impl, **pipeline):
+  two = {"pipeline": planning.PipelineConfig(segment_pieces=2, segment_walks=4, **pipeline)}
   T, HV = 200, 2
   x, do = _inputs(T, H, HV, K, K)
   cu, lo, hi = jnp.asarray(CU), CU[seq], CU[seq + 1]

@@ -7,13 +7,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kda import padding, stages
+from kda import padding, stages, steps
 from kda.padding.pieces import segment_rows
 from kda.stages import bwd_dh, bwd_wy
 from kda.stages.bwd_dh import mosaic_gpu as bwd_dh_mgpu
 from kda.stages.bwd_gate import mosaic_gpu as bwd_gate_mgpu
 from kda.stages.bwd_wy.mosaic_gpu import fused as bwd_wy_terms
-from kda.steps import Grads, cleaned, defer_qg_kw, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope, zero_bad
+from kda.steps import Grads, cleaned, defer_qg_kw, from_kept, keep_pairs, pairs_kw, query_keys, s2_du_kw, scope
+from kda.steps import zero_bad
 
 
 def _aligned_shapes(plan, layout, q, v, g, beta, A_log, dt_bias, initial_state):
@@ -80,11 +81,15 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
 
   # S0 reads q, k, v packed (as g): where S3 and S4 do too, no aligned copy of them is formed
   rc_args = (qp, kp, v, g, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
-  with scope("bwd_recompute"):
-    rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows, qkv_packed=True,
-                                     config=plan.config("bwd_recompute", "mosaic_gpu"),
-                                     **kw("bwd_recompute"), **tail, **seg, probe=probe)
-    rc, finite = rc if probe else (rc, None)
+  if saved.kept is not None:       # the forward's gc, w, u, qg, kg: only the state kernel runs
+    rc = from_kept(plan, saved.kept, initial_state, layout.aligned_cu)
+    finite = steps.finite((rc.w, rc.u, rc.qg, rc.kg)) if probe else None
+  else:
+    with scope("bwd_recompute"):
+      rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows, qkv_packed=True,
+                                       config=plan.config("bwd_recompute", "mosaic_gpu"),
+                                       **kw("bwd_recompute"), **tail, **seg, probe=probe)
+      rc, finite = rc if probe else (rc, None)
   # S1 and S2's kernels read bf16 do packed: then no aligned copy of do is formed either
   read_do = lambda kw: (dict(kw, do_packed=do_packed, rows=rows, clean=clean)
                         if kw and do_packed.dtype == jnp.bfloat16 else kw)

@@ -7,6 +7,9 @@ solve reads no kd and fits three CTAs per SM. With `fuse_gate_intra` the gate's 
 inside intra's scores kernel (kda.fused.gate_intra) and gc never reaches HBM; where no chunk is
 bounded (gates far below -1 everywhere) its persistent redo kernel makes the unfused pair faster.
 A segmented layout's resets (kda.padding.pieces) reach the gate and intra kernels as segment masks.
+With `keep` (the custom VJP's forward under PipelineConfig.keep_forward) it runs the unfused gate
+and the w, u solve, writes the tail chunks' zeros and returns gc, w, u, qg, kg as records["kept"],
+so that the backward's S0 runs only its state kernel.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from kda.fused.state_output import mosaic_gpu as state_output
 from kda.padding.pieces import segment_rows
 from kda.stages.gate import mosaic_gpu as gate_mgpu
 from kda.stages.intra import mosaic_gpu as intra_mgpu
-from kda.steps import o_dtype, query_keys, scope
+from kda.steps import Kept, o_dtype, query_keys, scope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +70,15 @@ def supports(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, rese
 
 
 def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets=None, *, config=None,
-          interpret=None):
+          interpret=None, keep=False):
   config = config or Config()
+  if keep:
+    config = dataclasses.replace(config, fuse_gate_intra=False, inverse_in_state=False)
   interpret = plan.interpret if interpret is None else interpret
   BT, HV = plan.chunk_size, v.shape[2]
   rows = padding.chunk_rows(layout)
   gkw, ikw = plan.stage_kwargs("gate"), plan.stage_kwargs("intra")
-  tail = dict(tail_zeros=False)       # only these kernels read the tail's rows, and they skip them
+  tail = {} if keep else dict(tail_zeros=False)   # only these kernels read the tail's rows, and they skip them
   with scope("prepare"):
     q, k = query_keys(plan, q, k, HV)
   gc_int = gc_frac = decay = None
@@ -101,4 +106,7 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, resets=
         it.kg, w, u, it.qg, it.Aqk, gc_int, gc_frac, initial_state, layout.aligned_cu, scale=plan.scale,
         chunk_size=BT, interpret=interpret, config=plan.config("state_output", "mosaic_gpu"),
         out_dtype=o_dtype(v), rows=rows, T=layout.T, decay=decay, **inv, **plan.state_kwargs())
-  return o.astype(v.dtype), final_state, {"intra": it}
+  records = {"intra": it}
+  if keep:
+    records["kept"] = Kept(gc_int, gc_frac, it.w, it.u, it.qg, it.kg)
+  return o.astype(v.dtype), final_state, records
