@@ -83,7 +83,10 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
   rc_args = (qp, kp, v, g, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
   if saved.kept is not None:       # the forward's gc, w, u, qg, kg: only the state kernel runs
     rc = from_kept(plan, saved.kept, initial_state, layout.aligned_cu)
-    finite = steps.finite((rc.w, rc.u, rc.qg, rc.kg)) if probe else None
+    if probe:                      # read before S1: w, u, qg, kg then need not live to the peak (S4)
+      rc, finite = jax.lax.optimization_barrier((rc, steps.finite((rc.w, rc.u, rc.qg, rc.kg))))
+    else:
+      finite = None
   else:
     with scope("bwd_recompute"):
       rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows, qkv_packed=True,
