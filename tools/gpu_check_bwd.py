@@ -6,9 +6,10 @@ cases, H = 16, K = V = 128 by default):
   2. every backward stage that has a mosaic_gpu kernel, on the recorded inputs of its stage, against
      the recorded reference output: max |d| / max |ref| per field, and the median ms of both;
   3. jax.grad of sum(o * do) with impl="mosaic_gpu" (and with the candidates PipelineConfig(defer_qg=True),
-     bwd_wy's Config(terms=True) and bwd_recompute's Config(per_slab=True)) against impl="reference"
+     PipelineConfig(keep_forward=True), bwd_wy's Config(terms=True) and bwd_recompute's
+     Config(per_slab=True)) against impl="reference"
      (max relative error per gradient), all timed;
-  4. determinism: that compiled jax.grad (and with terms) called --repeat more times gives the first
+  4. determinism: that compiled jax.grad (and with terms, keep_forward) called --repeat more times gives the first
      call's gradients bit for bit (the elements that differ are counted per gradient), and that
      per_slab gives the default's bits.
 `--interpret --total 256 --heads 1 --head-dim 64` runs it in the simulator on a CPU (a smoke run).
@@ -127,6 +128,7 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
   from kda.stages.bwd_recompute import mosaic_gpu as recompute
   from kda.stages.bwd_wy import mosaic_gpu as wy
   candidates = {"defer_qg": {"pipeline": planning.PipelineConfig(defer_qg=True)},
+                "keep_forward": {"pipeline": planning.PipelineConfig(keep_forward=True)},
                 "terms": {"bwd_wy": wy.Config(terms=True)},
                 "per_slab": {"bwd_recompute": recompute.Config(per_slab=True)}}
   grads = {"mosaic_gpu": loss("mosaic_gpu"), "reference": loss("reference"),
@@ -144,9 +146,12 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
   out["grad_bits_differ"] = bit_differences(got, [grads["mosaic_gpu"](*x) for _ in range(repeat)])
   first = grads["mosaic_gpu [terms]"](*x)
   out["grad_bits_differ [terms]"] = bit_differences(first, [grads["mosaic_gpu [terms]"](*x) for _ in range(repeat)])
+  first = grads["mosaic_gpu [keep_forward]"](*x)
+  out["grad_bits_differ [keep_forward]"] = bit_differences(first, [grads["mosaic_gpu [keep_forward]"](*x)
+                                                                   for _ in range(repeat)])
   # per_slab schedules the same arithmetic: the default's gradients, bit for bit
   out["grad_bits_differ [per_slab]"] = bit_differences(got, [grads["mosaic_gpu [per_slab]"](*x)])
-  same = not any(out["grad_bits_differ"].values()) and not any(out["grad_bits_differ [per_slab]"].values())
+  same = not any(any(out[f"grad_bits_differ{c}"].values()) for c in ("", " [per_slab]", " [keep_forward]"))
   return out, ok and out["grad_finite"] and same
 
 
