@@ -118,7 +118,7 @@ def test_kernel_matches_reference(case, gates, unit, bounded):
   print(f"\n  {case} {gates} unit={unit} bounded={bounded} ({secs:.2f}s) min gc_int {gi.min():.0f} "
         f"flags {flags.tolist()}\n    {fmt(errs)}")
   assert np.any(gi != 0) == (gates == "strong")
-  assert (flags == 5).all() if gates == "ordinary" else ((flags == 0).any() and (flags == 5).any())
+  assert (flags == 6).all() if gates == "ordinary" else ((flags == 0).any() and (flags >= 5).any())
   if gates == "strong":
     assert gi.min() < -1000                       # floored -inf gates: gc far below exp's range
   for name in FIELDS:
@@ -132,10 +132,11 @@ def test_kernel_matches_reference(case, gates, unit, bounded):
 @functools.lru_cache(maxsize=None)
 def _steady_case(bounded):
   """K64-HV2-40_64 with steady gates per (head, chunk), one of each bounded level: -3.5 per token
-  (16 tokens span 56 > 40, 8 span 28: lb 4), -2 (lb 5), -6 (8 tokens span 48: lb 0)."""
+  (16 tokens span 56 > 40, 8 span 28: lb 4), -2 (32 span 64, 16 span 32: lb 5), -1 (32 span 32:
+  lb 6), -6 (8 tokens span 48: lb 0); chunk 2 is padding (gc flat: lb 6)."""
   from tests.stages.test_intra_mosaic import _gc
   args, valid = make_inputs("K64-HV2-40_64", "ordinary")
-  per = np.array([[-3.5, -6.0, -2.0], [-2.0, -3.5, -2.0]], np.float32)       # [HV, NTa]
+  per = np.array([[-3.5, -6.0, -2.0], [-2.0, -1.0, -2.0]], np.float32)       # [HV, NTa]
   g = np.broadcast_to(np.repeat(per.T, BT, axis=0)[None, :, :, None], args[3].shape)
   gi, gf = _gc(jnp.asarray(g), jnp.asarray(valid)[None])
   args = args[:3] + (gi, gf) + args[5:]
@@ -145,13 +146,13 @@ def _steady_case(bounded):
 
 
 def test_bounded_levels_run_where_flagged():
-  """Per (head, chunk) the bounded level lb: 4 or 5 take 3 or 2 levels (other bits than the six
+  """Per (head, chunk) the bounded level lb: 4, 5 or 6 take 3, 2 or 1 levels (other bits than the six
   levels of bounded="never"), 0 the six (the same bits); both paths match the reference. HV = 2 with
   different levels per head: the kernel reads them in bounded_levels' order."""
   args, auto, want = _steady_case("auto")
   _, never, _ = _steady_case("never")
   lb = np.asarray(mgb.bounded_levels(args[3], args[4])).reshape(2, -1)        # [HV, NTa]
-  assert lb.tolist() == [[4, 0, 5], [5, 4, 5]]
+  assert lb.tolist() == [[4, 0, 6], [5, 6, 6]]
   for out in (auto, never):
     assert not failures(errors(out, want)), fmt(errors(out, want))
   for name in ("dq", "dk", "dgc"):
@@ -268,21 +269,23 @@ def _abstract(Ta, HV, K, qk=BF16):
 
 
 def test_bounded_levels_crafted_spans():
-  """lb = 5 where every 16-token half of both 32-token blocks spans <= 40 of gc in every channel,
-  else 4 where every 8-token half of the 16-token blocks does, else 0; NaN -> 0."""
+  """lb = 6 where both 32-token halves of the chunk span <= 40 of gc in every channel, else 5 where
+  every 16-token half of both 32-token blocks does, else 4 where every 8-token half of the 16-token
+  blocks does, else 0; NaN -> 0."""
   from tests.stages.test_intra_mosaic import _gc
   HV, NTa, K = 2, 3, 64
   g = np.full((1, NTa * BT, HV, K), -0.01, np.float32)
   g[0, 33:49, 0, 3] = -41 / 16          # a 16-token span of 41 in one channel, 8-token ones of 20.5 -> 4
   g[0, BT + 17:BT + 25, 0, 3] = -41 / 8   # an 8-token span of 41 -> 0
-  g[0, 2 * BT + 33:2 * BT + 49, 0, 3] = -39 / 16   # 39 -> 5
+  g[0, 2 * BT + 33:2 * BT + 49, 0, 3] = -39 / 16   # 39 (and 0.15 more in its 32-token half) -> 6
   g[0, 20, 1, 0] = np.nan               # -> 0
   g[0, BT + 16, 1, 5] = -41.0           # in a 16-token span of 32-blocks, not of 16-blocks -> 4
-  g[0, 2 * BT + 32, 1, 5] = -41.0       # a 32-token block's first gate is in no span -> 5
+  g[0, 2 * BT + 32, 1, 5] = -41.0       # a 32-token block's first gate: in the chunk's first half's span
+                                        # (to row 32), in no 16-token span -> 5
   gi, gf = _gc(jnp.asarray(g), jnp.ones((1, NTa * BT), bool))
   lb = np.asarray(mgb.bounded_levels(gi, gf))
   assert lb.dtype == np.int32 and lb.shape == (HV * NTa,)
-  assert lb.reshape(HV, NTa).tolist() == [[4, 0, 5], [0, 4, 5]]
+  assert lb.reshape(HV, NTa).tolist() == [[4, 0, 6], [0, 4, 5]]
 
 
 def test_config_rejects_bad_values():

@@ -26,10 +26,11 @@ programs; only dbeta sums over every column, and each program stores its slab's 
   four products per level (the transposes are .T views of the swizzled dA tiles), six levels in one
   fori_loop (one copy of the code). Bounded chunks take fewer levels: the chunk's bounded level
   lb (`bounded_levels`, one int per (head, chunk), computed by the launcher from a few gc rows
-  per chunk) is 5 where every 16-token half of both 32-token blocks spans <= BOUNDED_SPAN = 40 of
-  gc in every channel (ordinary gates: two levels, the exact 64 and the 32-token blocks), else 4
-  where every 8-token half of the 16-token blocks does (e.g. safe_gate's -5 per token: three
-  levels), else 0 (six exact levels). The level lb is factored through each block's middle row at
+  per chunk) is 6 where both 32-token halves of the chunk span <= BOUNDED_SPAN = 40 of gc in every
+  channel (ordinary gates: one level, the whole chunk), else 5 where every 16-token half of both
+  32-token blocks does (two levels, the exact 64 and the 32-token blocks), else 4 where every
+  8-token half of the 16-token blocks does (e.g. safe_gate's -5 per token: three levels), else 0
+  (six exact levels). The level lb is factored through each block's middle row at
   every row (el, er in [e^-40, e^40]; dA_L masked to every strict pair of the block). The span is
   half the forward's 80: the dA operands are unbounded cotangents (e^80 times them may overflow),
   and the lo half of a split operand k e^-80 would be subnormal (bf16 precision only).
@@ -212,9 +213,10 @@ takes = supports                  # the name kda.stages.bwd_intra registers
 
 
 def bounded_levels(gc_int, gc_frac):
-  """[HV * NTa] int32, row-major (head, chunk): the chunk's bounded level lb (module docstring): 5
-  where every 16-token half of both 32-token blocks spans <= BOUNDED_SPAN of gc in every channel,
-  else 4 where every 8-token half of the four 16-token blocks does, else 0 (NaN gates included)."""
+  """[HV * NTa] int32, row-major (head, chunk): the chunk's bounded level lb (module docstring): 6
+  where both 32-token halves of the chunk span <= BOUNDED_SPAN of gc in every channel, else 5 where
+  every 16-token half of both 32-token blocks does, else 4 where every 8-token half of the four
+  16-token blocks does, else 0 (NaN gates included)."""
   gi, gf = (to_chunks(x.astype(F32), BT) for x in (gc_int, gc_frac))    # [NTa, BT, HV, K]
   at = lambda r: (gi[:, r], gf[:, r])
 
@@ -224,7 +226,7 @@ def bounded_levels(gc_int, gc_frac):
       m, e = a + size // 2, a + size - 1
       span = jnp.maximum(span, jnp.maximum(exponent(*at(a), *at(m)), exponent(*at(m), *at(e))))
     return jnp.all(span <= BOUNDED_SPAN, axis=-1)                       # [NTa, HV]; NaN -> False
-  lb = jnp.where(fits(32), 5, jnp.where(fits(16), 4, 0))
+  lb = jnp.where(fits(BT), 6, jnp.where(fits(32), 5, jnp.where(fits(16), 4, 0)))
   return lb.T.reshape(-1).astype(jnp.int32)
 
 
@@ -347,7 +349,7 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
 
 
   zero = plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
-  # lb: the chunk's bounded level (5 or 4: exact levels 64 .. 2**(lb + 1), then lb both-sided) or 0
+  # lb: the chunk's bounded level (6, 5 or 4: exact levels 64 .. 2**(lb + 1), then lb both-sided) or 0
   # (six exact levels)
   lb = flag_g[i_h * (b_g.shape[1] // BT) + c] if bounded else 0
   n = jnp.where(lb > 0, LEVELS + 1 - lb, LEVELS) if bounded else LEVELS
