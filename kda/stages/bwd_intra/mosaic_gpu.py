@@ -324,10 +324,10 @@ def _body(flag_g, *refs, scale, bounded, store=None, seg=False, dA_terms=2, qk_r
     return p_acc, g_acc, w_acc + er * (wa + wb), daqk
 
   def finish(carry):
-    P, G, W, _ = carry
+    P, G, W, daqk = carry          # the last level read dAqk again meanwhile: its diagonal here
     kx = packed_tile(k_s, row, qk_rows)
     qx = packed_tile(q_s, row, qk_rows)
-    d = bcast_row(jnp.sum(jnp.where(row == col, dA(daqk_g), 0.0), axis=1)) * scale   # E = 1
+    d = bcast_row(jnp.sum(jnp.where(row == col, daqk, 0.0), axis=1)) * scale   # E = 1
     bG = beta * G
     at = lambda ref: ref.at[rows, i_h, cols]
     ld = lambda ref: term_load(ref, c, i_h, rows, cols, pairs)
