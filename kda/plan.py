@@ -53,8 +53,7 @@ class PipelineConfig:
     801 / 789 / 773 MiB to 1953 / 1845 / 1797 (jax-linear-attention keeps 1446); the compiled
     forward + backward's temp bytes stay 1918 / 1732 MiB on A and C and grow 1922 -> 1982 on B, whose
     segmented call's finiteness probe (kda.confine) reads the kept w, u, qg, kg (one XLA reduction).
-    The call without a gradient is unchanged.
-    Off until timed on an H200.
+    The call without a gradient is unchanged. Off until timed on an H200.
   """
   packed: bool = True
   segment_pieces: int = 16
