@@ -82,7 +82,7 @@ def test_intra_with_segments_matches_reference_on_the_bounded_path(K, strong):
 @pytest.mark.parametrize("K,strong", [(64, False), (128, True)])
 def test_bwd_intra_with_segments_matches_reference_on_the_bounded_path(K, strong):
   (q, k, _, beta, gi, gf), seg = case(K, strong)
-  assert np.all(np.asarray(mgb.bounded_levels(mgi.reset_free(gi, seg), gf)) == 5)
+  assert np.all(np.asarray(mgb.bounded_levels(mgi.reset_free(gi, seg), gf)) >= 5)    # one or two levels
   A = (1, T, HV, BT)
   dAqk, dAkk, aq, ak, ag = bwd_setup.randn(51, A, A, q.shape, k.shape, q.shape)
   (ab,) = bwd_setup.randn(52, beta.shape)
