@@ -66,13 +66,9 @@ def _poison(mask, x):
 
 
 def _finite(xs, real=None) -> jax.Array:
-  """() bool: every element of every array in xs ([1, T, ...]) is finite; with real ([T] bool), at
-  those tokens only."""
-  def ok(x):
-    f = jnp.isfinite(x)
-    return (f if real is None else f | ~real.reshape((1, -1) + (1,) * (x.ndim - 2))).all()
+  """steps.finite in the confine scope."""
   with steps.scope("confine"):
-    return functools.reduce(jnp.logical_and, [ok(x) for x in xs])
+    return steps.finite(xs, real)
 
 
 def _mask(seqs, q, k, v, g, beta, *cts):

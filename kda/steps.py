@@ -3,6 +3,7 @@ per-token preparation of q and k, the alignment of the inputs, the name scopes o
 backward's records."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 from kda import padding
 from kda._mosaic_gpu import from_pairs
+from kda.stages import bwd_recompute
 
 
 def scope(name: str):
@@ -93,14 +95,17 @@ class Saved(NamedTuple):
   kept: Kept | None = None
 
 
-def finite(xs) -> jax.Array:
-  """() bool: every element of xs is finite."""
-  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs]))
+def finite(xs, real=None) -> jax.Array:
+  """() bool: every element of every array in xs ([1, T, ...]) is finite; with real ([T] bool), at
+  those tokens only."""
+  def ok(x):
+    f = jnp.isfinite(x)
+    return (f if real is None else f | ~real.reshape((1, -1) + (1,) * (x.ndim - 2))).all()
+  return functools.reduce(jnp.logical_and, [ok(x) for x in xs])
 
 
 def from_kept(plan, kept: Kept, initial_state, aligned_cu):
   """S0's outputs (a bwd_recompute.Out) from the forward's: the plan's state stage forms h, v_new."""
-  from kda.stages import bwd_recompute
   with scope("bwd_recompute"):
     st = plan.run("state", kept.kg, kept.w, kept.u, kept.gc_int, kept.gc_frac, initial_state, aligned_cu,
                   **plan.stage_kwargs("state"))

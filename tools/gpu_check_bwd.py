@@ -9,8 +9,8 @@ cases, H = 16, K = V = 128 by default):
      PipelineConfig(keep_forward=True), bwd_wy's Config(terms=True) and bwd_recompute's
      Config(per_slab=True)) against impl="reference"
      (max relative error per gradient), all timed;
-  4. determinism: that compiled jax.grad (and with terms, keep_forward) called --repeat more times gives the first
-     call's gradients bit for bit (the elements that differ are counted per gradient), and that
+  4. determinism: that compiled jax.grad (and with terms, keep_forward) called --repeat more times
+     gives the first call's gradients bit for bit (the elements that differ are counted per gradient), and that
      per_slab gives the default's bits.
 `--interpret --total 256 --heads 1 --head-dim 64` runs it in the simulator on a CPU (a smoke run).
 Writes everything to --out as JSON; exit status 1 if a check fails (a field above --tol).
@@ -144,11 +144,9 @@ def check_case(lens, *, heads, head_dim, gate, reps, interpret, repeat=3):
   out["grad_finite"] = bool(all(np.isfinite(np.asarray(jnp.asarray(a, jnp.float32))).all() for a in got))
   out["grad_ms"] = {i: bench.timeit(grads[i], *x, reps=reps) for i in grads}
   out["grad_bits_differ"] = bit_differences(got, [grads["mosaic_gpu"](*x) for _ in range(repeat)])
-  first = grads["mosaic_gpu [terms]"](*x)
-  out["grad_bits_differ [terms]"] = bit_differences(first, [grads["mosaic_gpu [terms]"](*x) for _ in range(repeat)])
-  first = grads["mosaic_gpu [keep_forward]"](*x)
-  out["grad_bits_differ [keep_forward]"] = bit_differences(first, [grads["mosaic_gpu [keep_forward]"](*x)
-                                                                   for _ in range(repeat)])
+  for c in ("terms", "keep_forward"):
+    f = grads[f"mosaic_gpu [{c}]"]
+    out[f"grad_bits_differ [{c}]"] = bit_differences(f(*x), [f(*x) for _ in range(repeat)])
   # per_slab schedules the same arithmetic: the default's gradients, bit for bit
   out["grad_bits_differ [per_slab]"] = bit_differences(got, [grads["mosaic_gpu [per_slab]"](*x)])
   same = not any(any(out[f"grad_bits_differ{c}"].values()) for c in ("", " [per_slab]", " [keep_forward]"))

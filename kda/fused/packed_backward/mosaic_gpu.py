@@ -80,7 +80,6 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
       return plan.run(name, *args, **kw(name), **extra)
 
   # S0 reads q, k, v packed (as g): where S3 and S4 do too, no aligned copy of them is formed
-  rc_args = (qp, kp, v, g, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
   if saved.kept is not None:       # the forward's gc, w, u, qg, kg: only the state kernel runs
     rc = from_kept(plan, saved.kept, initial_state, layout.aligned_cu)
     if probe:                      # read before S1: w, u, qg, kg then need not live to the peak (S4)
@@ -88,6 +87,7 @@ def apply(plan, layout, q, k, v, g, beta, initial_state, A_log, dt_bias, saved, 
     else:
       finite = None
   else:
+    rc_args = (qp, kp, v, g, ba, valid, A_log, dt_bias, saved.Ainv, initial_state, layout.aligned_cu)
     with scope("bwd_recompute"):
       rc = stages.get("bwd_recompute")("mosaic_gpu", *rc_args, interpret=interpret, rows=rows, qkv_packed=True,
                                        config=plan.config("bwd_recompute", "mosaic_gpu"),
